@@ -1,0 +1,78 @@
+"""The rank process: ``mpiexec -n 1 python -m flyte_hvd.core.bootstrap``.
+
+Every launcher (``flyte-hvd-run``, ``HorovodRunner(np<0)``, ``flyte_hvd.spark.run``) starts
+its ranks through this module: join the other ranks, check the run's secret, then run the
+job. The supervisor passes everything through the environment and files; the secret is
+removed from the environment before user code runs and never appears on a command line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import cloudpickle
+
+from flyte_hvd.core import job as job_module
+from flyte_hvd.core import rendezvous, state
+
+
+def main() -> None:
+    env = os.environ
+    rank, size = int(env.pop(rendezvous.RANK_ENV)), int(env.pop(rendezvous.SIZE_ENV))
+    secret = env.pop(rendezvous.SECRET_ENV)
+    job_path, result_path = env.pop(rendezvous.JOB_ENV), env.pop(rendezvous.RESULT_ENV)
+    client = rendezvous.ControlClient(env.pop(rendezvous.CONTROL_ENV), rank)
+    try:
+        comm = rendezvous.join(client, rank, size)
+        rendezvous.verify_secret(comm, secret)
+        del secret
+        state.set_launcher_comm(comm)
+        hosts = comm.allgather(state.host_name())
+        topo = state.Topology.from_hosts(hosts, rank)
+        env.update(
+            HOROVOD_RANK=str(rank),
+            HOROVOD_SIZE=str(size),
+            HOROVOD_LOCAL_RANK=str(topo.local_rank),
+            HOROVOD_LOCAL_SIZE=str(topo.local_size),
+            HOROVOD_CROSS_RANK=str(topo.cross_rank),
+            HOROVOD_CROSS_SIZE=str(topo.cross_size),
+        )
+        client.send({"op": "joined"})
+        with open(job_path, "rb") as f:
+            job = cloudpickle.load(f)
+        try:
+            result = job.run()
+        except SystemExit as exit_:
+            if exit_.code not in (None, 0):
+                raise
+            result = None
+        state.shutdown()
+        tmp = f"{result_path}.tmp"
+        with open(tmp, "wb") as f:
+            cloudpickle.dump(result, f)
+        os.replace(tmp, result_path)
+    except BaseException as error:
+        text = _user_traceback(error)
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        client.send({"op": "failed", "traceback": text})
+        sys.stdout.flush()
+        # Skip MPI_Finalize: it waits for peers that may be blocked on this rank forever.
+        os._exit(1)
+    sys.stdout.flush()
+    client.finish()
+
+
+def _user_traceback(error: BaseException) -> str:
+    """The traceback from the first frame outside the bootstrap, so it starts in user code."""
+    tb = error.__traceback__
+    ours = (__file__, job_module.__file__, "<frozen runpy>")
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in ours:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(error), error, tb))
+
+
+if __name__ == "__main__":
+    main()

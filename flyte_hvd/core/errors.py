@@ -1,0 +1,45 @@
+"""Exceptions shared by every launcher: they name the failing rank and survive pickling."""
+
+from __future__ import annotations
+
+
+class RanksFailedError(RuntimeError):
+    """One or more ranks failed; carries ``{rank: remote traceback or cause}``.
+
+    Raised on the driver (the ``flyte-hvd-run`` CLI, ``HorovodRunner``, ``flyte_hvd.spark.run``)
+    so the user sees which rank failed and why, not an exit code.
+    """
+
+    def __init__(self, failures: dict[int, str], summary: str | None = None):
+        self.failures = dict(sorted(failures.items()))
+        self.summary = summary or self._default_summary()
+        super().__init__(self._message())
+
+    def _default_summary(self) -> str:
+        ranks = ", ".join(str(r) for r in self.failures)
+        noun = "rank" if len(self.failures) == 1 else "ranks"
+        return f"{noun} {ranks} failed"
+
+    def _message(self) -> str:
+        parts = [self.summary]
+        for rank, text in self.failures.items():
+            parts.append(f"--- rank {rank} ---\n{text.rstrip()}")
+        return "\n".join(parts)
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.failures)
+
+    def __reduce__(self):
+        return (type(self), (self.failures, self.summary))
+
+
+class RendezvousTimeoutError(TimeoutError):
+    """The ranks did not all start and join within ``start_timeout``."""
+
+    def __reduce__(self):
+        return (type(self), self.args)
+
+
+class CollectiveMismatchError(ValueError):
+    """Ranks called a collective with different shapes, dtypes or arguments."""

@@ -1,0 +1,59 @@
+"""What a rank runs once it has joined: a cloudpickled function, or a Python program."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class FunctionJob:
+    """``fn(*args, **kwargs)``; its return value goes back to the launcher."""
+
+    fn: Any
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def run(self) -> Any:
+        return self.fn(*self.args, **self.kwargs)
+
+
+@dataclass
+class ProgramJob:
+    """A Python program given as ``python``'s arguments: ``script.py ...``, ``-m mod ...``
+    or ``-c code ...``. It runs in the rank process itself, so ``hvd.init()`` finds the
+    communicator the rank joined."""
+
+    argv: list[str]
+
+    @classmethod
+    def from_command(cls, command: list[str]) -> ProgramJob:
+        """Accept ``python ...`` (any interpreter name starting with ``python``) or the
+        arguments alone; anything else cannot share the rank's communicator."""
+        if not command:
+            raise ValueError("no program given: expected e.g. `python train.py --epochs 3`.")
+        first = command[0].rsplit("/", 1)[-1]
+        args = command[1:] if first.startswith("python") else command
+        if not args or not (args[0].endswith(".py") or args[0] in ("-m", "-c")):
+            raise ValueError(
+                f"cannot run {' '.join(command)!r} as a rank: expected a Python program, "
+                f"`python script.py ...`, `python -m module ...` or `python -c code ...`."
+            )
+        if args[0] in ("-m", "-c") and len(args) < 2:
+            raise ValueError(f"`python {args[0]}` needs an argument after it.")
+        return cls(list(args))
+
+    def run(self) -> Any:
+        args = self.argv
+        if args[0] == "-c":
+            sys.argv = ["-c", *args[2:]]
+            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
+        elif args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(args)
+            runpy.run_path(args[0], run_name="__main__")
+        return None

@@ -1,0 +1,434 @@
+"""Start rank processes, supervise them, and turn their failures into one clear error.
+
+A ``RankSupervisor`` owns some ranks of a run (all of them for ``flyte-hvd-run``; one per
+Spark task for ``flyte_hvd.spark.run``). For each it starts ``mpiexec -n 1 python -m
+flyte_hvd.core.bootstrap``, serves the rank's control socket, prefixes its output with
+``[rank]``, and watches it: if a rank fails, the others are stopped at once and the error
+names the rank and carries its traceback. No rank process outlives ``run()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import IO, Any, Protocol
+
+import cloudpickle
+
+from flyte_hvd.core import rendezvous
+from flyte_hvd.core.errors import RanksFailedError, RendezvousTimeoutError
+
+OutputSink = Callable[[int, str, str], None]
+"""``sink(rank, stream, line)``: where a rank's output lines go (``stream`` is stdout/stderr)."""
+
+# Variables of an enclosing MPI launch: a rank inheriting them would join the wrong job.
+_MPI_ENV_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "MPI_LOCALNRANKS")
+# mpiexec's own banner when a rank dies; we report the death ourselves, naming the rank.
+_BANNER_PREFIXES = (
+    "=====",
+    "=   ",
+    "YOUR APPLICATION TERMINATED",
+    "This typically refers to a problem",
+    "Please see the FAQ page",
+)
+_EXIT_STRING = "YOUR APPLICATION TERMINATED WITH THE EXIT STRING:"
+_FAILURE_GRACE_S = 0.5
+_STDERR_TAIL_LINES = 30
+
+
+class Exchange(Protocol):
+    """How a supervisor's ranks learn every rank's value in a rendezvous round."""
+
+    def all_gather(self, rank: int, value: str) -> list[str]: ...
+
+    def abort(self) -> None: ...
+
+
+class LocalExchange:
+    """Every rank of the run is supervised here: gather among them."""
+
+    def __init__(self, size: int):
+        self._size = size
+        self._cond = threading.Condition()
+        self._pending: dict[int, str] = {}
+        self._rounds: list[list[str]] = []
+        self._seen: dict[int, int] = {}
+        self._aborted = False
+
+    def all_gather(self, rank: int, value: str) -> list[str]:
+        with self._cond:
+            round_ = self._seen.get(rank, 0)
+            self._seen[rank] = round_ + 1
+            self._pending[rank] = value
+            if len(self._pending) == self._size:
+                self._rounds.append([self._pending[r] for r in range(self._size)])
+                self._pending = {}
+                self._cond.notify_all()
+            while len(self._rounds) <= round_ and not self._aborted:
+                self._cond.wait()
+            if self._aborted:
+                raise RuntimeError("rendezvous aborted")
+            return self._rounds[round_]
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+
+def find_mpiexec() -> str:
+    """The ``mpiexec`` of the ``mpich`` wheel beside this interpreter, else on ``PATH``."""
+    here = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    found = here or shutil.which("mpiexec")
+    if not found:
+        raise RuntimeError(
+            "`mpiexec` not found beside the Python interpreter or on PATH: install the MPICH "
+            "wheel into this environment (`pip install mpich`)."
+        )
+    return found
+
+
+def console_sink(stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> OutputSink:
+    """Write rank lines as ``[rank]<stream>:line`` to the given streams (default: sys's)."""
+    lock = threading.Lock()
+
+    def sink(rank: int, stream: str, line: str) -> None:
+        target = (stdout or sys.stdout) if stream == "stdout" else (stderr or sys.stderr)
+        with lock:
+            target.write(f"[{rank}]<{stream}>:{line}\n")
+            target.flush()
+
+    return sink
+
+
+class _Rank:
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.proc: subprocess.Popen | None = None
+        self.pid: int | None = None
+        self.conn: socket.socket | None = None
+        self.traceback: str | None = None
+        self.exit_string: str | None = None
+        self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
+        self.done = False
+        self.times: dict[str, float] = {}
+        self.pumps: list[threading.Thread] = []
+
+
+class RankSupervisor:
+    """Runs ``job`` on ``ranks`` (of ``size``) and returns ``{rank: return value}``.
+
+    Args:
+        job: a ``FunctionJob`` or ``ProgramJob`` (cloudpicklable).
+        ranks: the ranks this supervisor starts; the rest are started by peers that take part
+            in the same ``exchange``.
+        exchange: backs the rendezvous rounds.
+        secret: the run's secret; every supervisor of a run must pass the same one.
+        start_timeout: seconds for every rank to start and join; the run fails after that.
+        env: extra environment for the ranks.
+        output: where rank output lines go.
+    """
+
+    def __init__(
+        self,
+        job: Any,
+        ranks: list[int],
+        size: int,
+        exchange: Exchange,
+        secret: str,
+        start_timeout: float = 600.0,
+        env: dict[str, str] | None = None,
+        output: OutputSink | None = None,
+    ):
+        self.job = job
+        self.ranks = {r: _Rank(r) for r in ranks}
+        self.size = size
+        self.exchange = exchange
+        self.secret = secret
+        self.start_timeout = start_timeout
+        self.env = dict(env or {})
+        self.output = output or console_sink()
+        self._changed = threading.Condition()
+        self._stopping = False
+        self.started_at = 0.0
+
+    def run(self) -> dict[int, Any]:
+        workdir = _private_dir()
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            control = os.path.join(workdir, "control.sock")
+            server.bind(control)
+            server.listen(len(self.ranks))
+            job_path = os.path.join(workdir, "job.pkl")
+            with open(job_path, "wb") as f:
+                cloudpickle.dump(self.job, f)
+            threading.Thread(target=self._accept, args=(server,), daemon=True).start()
+            self.started_at = time.monotonic()
+            for state in self.ranks.values():
+                self._spawn(state, control, job_path, workdir)
+            self._wait()
+            return {r: self._load_result(workdir, r) for r in self.ranks}
+        finally:
+            self._stop_all()
+            server.close()
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    # -- starting ----------------------------------------------------------------------------
+
+    def _spawn(self, state: _Rank, control: str, job_path: str, workdir: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_MPI_ENV_PREFIXES)}
+        env.update(self.env)
+        env.update(
+            {
+                rendezvous.CONTROL_ENV: control,
+                rendezvous.RANK_ENV: str(state.rank),
+                rendezvous.SIZE_ENV: str(self.size),
+                rendezvous.SECRET_ENV: self.secret,
+                rendezvous.JOB_ENV: job_path,
+                rendezvous.RESULT_ENV: os.path.join(workdir, f"result.{state.rank}.pkl"),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        command = [find_mpiexec(), "-n", "1", sys.executable, "-m", "flyte_hvd.core.bootstrap"]
+        state.proc = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        state.times["spawned"] = time.monotonic()
+        for stream, pipe in (("stdout", state.proc.stdout), ("stderr", state.proc.stderr)):
+            pump = threading.Thread(target=self._pump, args=(state, stream, pipe), daemon=True)
+            pump.start()
+            state.pumps.append(pump)
+
+    def _pump(self, state: _Rank, stream: str, pipe: IO[bytes]) -> None:
+        held_blank = False  # mpiexec's banner starts with a blank line: hold blanks back
+        for raw in pipe:
+            line = raw.decode(errors="replace").rstrip("\n")
+            if line.startswith(_EXIT_STRING):
+                state.exit_string = line[len(_EXIT_STRING) :].strip()
+            if line.startswith(_BANNER_PREFIXES):
+                held_blank = False
+                continue
+            if held_blank:
+                self.output(state.rank, stream, "")
+            held_blank = not line
+            if held_blank:
+                continue
+            if stream == "stderr":
+                state.stderr_tail.append(line)
+            self.output(state.rank, stream, line)
+        if held_blank:
+            self.output(state.rank, stream, "")
+        pipe.close()
+
+    # -- control socket ----------------------------------------------------------------------
+
+    def _accept(self, server: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        state: _Rank | None = None
+        try:
+            for line in conn.makefile("rb"):
+                message = json.loads(line)
+                op = message["op"]
+                if op == "hello":
+                    state = self.ranks.get(message["rank"])
+                    if state is None:
+                        return
+                    state.conn, state.pid = conn, message["pid"]
+                    state.times["hello"] = time.monotonic()
+                elif state is None:
+                    return
+                elif op == "allgather":
+                    values = self.exchange.all_gather(state.rank, message["value"])
+                    conn.sendall(rendezvous.encode({"values": values}))
+                elif op == "joined":
+                    state.times["joined"] = time.monotonic()
+                elif op == "failed":
+                    state.traceback = message["traceback"]
+                    state.times["failed"] = time.monotonic()
+                elif op == "done":
+                    state.done = True
+                self._notify()
+        except (OSError, RuntimeError, ValueError):
+            pass
+        finally:
+            self._notify()
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    # -- watching ----------------------------------------------------------------------------
+
+    def _wait(self) -> None:
+        deadline = self.started_at + self.start_timeout
+        first_failure_at: float | None = None
+        while True:
+            failed = [s for s in self.ranks.values() if self._failed(s)]
+            for s in failed:
+                s.times.setdefault("failed", time.monotonic())
+            if failed and first_failure_at is None:
+                first_failure_at = time.monotonic()
+            if failed and time.monotonic() - first_failure_at >= _FAILURE_GRACE_S:
+                self._raise_failures()
+            if not failed and all(s.proc.poll() == 0 for s in self.ranks.values()):
+                for s in self.ranks.values():
+                    for pump in s.pumps:
+                        pump.join(timeout=5)
+                return
+            joined = all("joined" in s.times for s in self.ranks.values())
+            if not joined and not failed and time.monotonic() > deadline:
+                self._raise_timeout()
+            with self._changed:
+                self._changed.wait(timeout=0.05)
+
+    def _failed(self, state: _Rank) -> bool:
+        if state.traceback is not None:
+            return True
+        code = state.proc.poll()
+        return code is not None and code != 0
+
+    def _raise_failures(self) -> None:
+        self._stop_all()
+        failures: dict[int, str] = {}
+        orphans = []
+        for state in self.ranks.values():
+            if state.traceback is not None:
+                failures[state.rank] = state.traceback
+                continue
+            code = state.proc.returncode
+            if code in (None, 0) or "killed_by_us" in state.times:
+                continue
+            if code == rendezvous.ORPHANED_EXIT:
+                orphans.append(state.rank)
+                continue
+            failures[state.rank] = self._death_text(state, code)
+        if not failures:
+            failures = {r: "lost its supervisor connection" for r in orphans}
+        first = min(failures, key=lambda r: self.ranks[r].times.get("failed", float("inf")))
+        raise RanksFailedError(failures, summary=f"rank {first} failed; the run was stopped")
+
+    def _death_text(self, state: _Rank, code: int) -> str:
+        how = f"died: {state.exit_string}" if state.exit_string else f"exited with status {code}"
+        tail = "\n".join(state.stderr_tail)
+        return f"rank {state.rank} {how}" + (f"\nlast stderr lines:\n{tail}" if tail else "")
+
+    def _raise_timeout(self) -> None:
+        waiting = sorted(r for r, s in self.ranks.items() if "joined" not in s.times)
+        unconnected = sorted(r for r, s in self.ranks.items() if "hello" not in s.times)
+        self._stop_all()
+        detail = (
+            f"ranks {unconnected} never started"
+            if unconnected
+            else f"ranks {waiting} started but did not complete the rendezvous (are all "
+            f"{self.size} ranks running?)"
+        )
+        raise RendezvousTimeoutError(
+            f"ranks did not join within start_timeout={self.start_timeout:g}s: {detail}. "
+            f"Raise `start_timeout` (or HOROVOD_SPARK_START_TIMEOUT) if the machines are slow."
+        )
+
+    def _stop_all(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self.exchange.abort()
+        for state in self.ranks.values():
+            if state.proc is None or state.proc.poll() is not None:
+                continue
+            state.times["killed_by_us"] = time.monotonic()
+            if state.pid is not None:
+                _kill(state.pid, signal.SIGKILL)
+            _kill(state.proc.pid, signal.SIGTERM)
+        for state in self.ranks.values():
+            if state.conn is not None:
+                _close(state.conn)
+            if state.proc is None:
+                continue
+            try:
+                state.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                state.proc.kill()
+                state.proc.wait()
+            for pump in state.pumps:
+                pump.join(timeout=5)
+
+    def _load_result(self, workdir: str, rank: int) -> Any:
+        path = os.path.join(workdir, f"result.{rank}.pkl")
+        if not os.path.exists(path):
+            raise RanksFailedError(
+                {rank: "exited with status 0 but reported no result (did it call os._exit?)"}
+            )
+        with open(path, "rb") as f:
+            return cloudpickle.load(f)
+
+
+def _kill(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _close(conn: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
+    conn.close()
+
+
+def _private_dir() -> str:
+    """A 0700 directory whose socket path fits the 107-byte AF_UNIX limit."""
+    path = tempfile.mkdtemp(prefix="flyte-hvd-")
+    if len(os.path.join(path, "control.sock")) > 100:
+        os.rmdir(path)
+        path = tempfile.mkdtemp(prefix="flyte-hvd-", dir="/tmp")
+    return path
+
+
+def new_secret() -> str:
+    return secrets.token_hex(32)
+
+
+def launch_local(
+    job: Any,
+    num_proc: int,
+    start_timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+    output: OutputSink | None = None,
+) -> list[Any]:
+    """Run ``job`` on ``num_proc`` rank processes on this machine; results in rank order."""
+    if not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1:
+        raise ValueError(f"`num_proc` must be an int >= 1; found {num_proc!r}.")
+    supervisor = RankSupervisor(
+        job,
+        ranks=list(range(num_proc)),
+        size=num_proc,
+        exchange=LocalExchange(num_proc),
+        secret=new_secret(),
+        start_timeout=start_timeout,
+        env=env,
+        output=output,
+    )
+    results = supervisor.run()
+    return [results[r] for r in range(num_proc)]

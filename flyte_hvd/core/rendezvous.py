@@ -1,0 +1,124 @@
+"""How separately launched rank processes become one MPI communicator.
+
+Each rank runs under its own ``mpiexec -n 1`` (MPICH cannot merge two singletons) and talks
+to its supervisor over a private control socket: JSON lines, one request and one reply at a
+time. The supervisor backs ``all_gather`` with whatever its launcher has: other local ranks
+(``flyte-hvd-run``) or Spark's ``BarrierTaskContext.allGather`` (one rank per Spark task).
+
+The join admits rank k only in round k: ``Accept`` is collective over the group built so far
+and pairs with whichever process connects first, so two ranks racing to connect can be
+admitted in the wrong order and hang. After the merge every rank proves it holds the run's
+secret before any user code runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import queue
+import socket
+import threading
+from typing import Any
+
+CONTROL_ENV = "FLYTE_HVD_CONTROL"
+RANK_ENV = "FLYTE_HVD_RANK"
+SIZE_ENV = "FLYTE_HVD_SIZE"
+SECRET_ENV = "FLYTE_HVD_SECRET"
+JOB_ENV = "FLYTE_HVD_JOB"
+RESULT_ENV = "FLYTE_HVD_RESULT"
+
+# Exit status of a rank whose supervisor went away: it must not outlive its launcher.
+ORPHANED_EXIT = 97
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return (json.dumps(message) + "\n").encode()
+
+
+class ControlClient:
+    """The rank's side of its control socket.
+
+    A reader thread owns the socket's input: replies go to a queue, and if the supervisor
+    closes the socket (it died, or it is stopping the run) the rank exits at once, even while
+    the main thread is blocked inside MPI.
+    """
+
+    def __init__(self, path: str, rank: int):
+        self.rank = rank
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._closing = False
+        threading.Thread(target=self._read, name="flyte-hvd-control", daemon=True).start()
+        self.send({"op": "hello", "rank": rank, "pid": os.getpid()})
+
+    def _read(self) -> None:
+        stream = self._sock.makefile("rb")
+        for line in stream:
+            self._replies.put(json.loads(line))
+        if not self._closing:
+            os._exit(ORPHANED_EXIT)
+
+    def send(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            self._sock.sendall(encode(message))
+
+    def all_gather(self, value: str) -> list[str]:
+        self.send({"op": "allgather", "value": value})
+        return self._replies.get()["values"]
+
+    def barrier(self) -> None:
+        self.all_gather("")
+
+    def finish(self) -> None:
+        """Report success; from now on the supervisor may close the socket."""
+        self._closing = True
+        self.send({"op": "done"})
+
+
+def join(client: ControlClient, rank: int, size: int) -> Any:
+    """Build the ``size``-rank intracommunicator, ordered by ``rank``."""
+    from mpi4py import MPI
+
+    port = MPI.Open_port() if rank == 0 else ""
+    port = client.all_gather(port)[0]
+    comm = MPI.COMM_SELF
+    for k in range(1, size):
+        if rank < k:
+            inter = comm.Accept(port, root=0)
+            comm = inter.Merge(high=False)
+            inter.Free()
+        elif rank == k:
+            inter = MPI.COMM_SELF.Connect(port, root=0)
+            comm = inter.Merge(high=True)
+            inter.Free()
+        client.barrier()  # round k is complete on every rank before rank k+1 connects
+    if rank == 0 and size > 1:
+        MPI.Close_port(port)
+    if comm.Get_rank() != rank or comm.Get_size() != size:
+        raise RuntimeError(
+            f"rendezvous built a communicator where rank {rank} of {size} is "
+            f"{comm.Get_rank()} of {comm.Get_size()}; this is a bug in flyte-hvd."
+        )
+    return comm
+
+
+def verify_secret(comm: Any, secret: str) -> None:
+    """Every rank proves it holds the run's secret; a stranger that joined is named."""
+    challenge = comm.bcast(os.urandom(16).hex() if comm.Get_rank() == 0 else None, root=0)
+    proofs = comm.allgather(_proof(secret, challenge, comm.Get_rank()))
+    bad = [
+        r for r, p in enumerate(proofs) if not hmac.compare_digest(p, _proof(secret, challenge, r))
+    ]
+    if bad:
+        raise RuntimeError(
+            f"ranks {bad} do not hold this run's secret: a process that this launcher did not "
+            f"start joined the rendezvous. Check who can reach the ranks' network."
+        )
+
+
+def _proof(secret: str, challenge: str, rank: int) -> str:
+    return hmac.new(secret.encode(), f"{challenge}:{rank}".encode(), hashlib.sha256).hexdigest()

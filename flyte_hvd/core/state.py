@@ -1,0 +1,164 @@
+"""Process-wide Horovod state: the communicator, this rank's place in it, and its hosts.
+
+``init()`` takes, in order: the communicator passed in, the one a flyte-hvd launcher built for
+this process (``flyte-hvd-run``, ``flyte_hvd.spark.run``), or ``MPI.COMM_WORLD`` (plain
+``mpiexec -n N`` or a single process).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+HOSTNAME_ENV = "FLYTE_HVD_HOSTNAME"
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    homogeneous: bool
+
+    @classmethod
+    def from_hosts(cls, hosts: list[str], rank: int) -> Topology:
+        """Place ``rank`` given every rank's host name (index = rank).
+
+        ``local_*`` count ranks on the same host; ``cross_*`` count ranks that share this
+        rank's ``local_rank`` across hosts (Horovod's definitions).
+        """
+        local_ranks = []
+        seen: dict[str, int] = {}
+        for host in hosts:
+            local_ranks.append(seen.get(host, 0))
+            seen[host] = seen.get(host, 0) + 1
+        my_host, my_local = hosts[rank], local_ranks[rank]
+        peers = [r for r, lr in enumerate(local_ranks) if lr == my_local]
+        return cls(
+            rank=rank,
+            size=len(hosts),
+            local_rank=my_local,
+            local_size=seen[my_host],
+            cross_rank=peers.index(rank),
+            cross_size=len(peers),
+            homogeneous=len(set(seen.values())) == 1,
+        )
+
+
+def host_name() -> str:
+    """This process's host as ranks are grouped by; overridable so tests can fake hosts."""
+    return os.environ.get(HOSTNAME_ENV) or socket.gethostname()
+
+
+class _State:
+    comm: Any = None
+    topology: Topology | None = None
+    owns_comm: bool = False
+    launcher_comm: Any = None
+
+
+_state = _State()
+
+
+def set_launcher_comm(comm: Any) -> None:
+    """Called by the rank bootstrap: the communicator that ``init()`` picks up by default."""
+    _state.launcher_comm = comm
+
+
+def init(comm: Any = None) -> None:
+    """Initialize Horovod for this process. Calling it again is a no-op, as in Horovod."""
+    if _state.comm is not None:
+        return
+    from mpi4py import MPI
+
+    if comm is None:
+        comm = _state.launcher_comm if _state.launcher_comm is not None else MPI.COMM_WORLD
+    elif not isinstance(comm, MPI.Comm):
+        raise ValueError(
+            f"`init(comm=...)` expects an mpi4py communicator (mpi4py.MPI.Comm); "
+            f"found {type(comm).__name__}. Pass e.g. MPI.COMM_WORLD, or nothing."
+        )
+    # A private duplicate keeps our collectives from matching the user's own messages.
+    own = comm.Dup()
+    hosts = own.allgather(host_name())
+    _state.comm = own
+    _state.owns_comm = True
+    _state.topology = Topology.from_hosts(hosts, own.Get_rank())
+    from flyte_hvd.core import timeline
+
+    timeline.start_from_env(own.Get_rank())
+
+
+def shutdown() -> None:
+    """Release the communicator; ``init()`` may be called again afterwards."""
+    if _state.comm is None:
+        return
+    from flyte_hvd.core import timeline
+
+    timeline.stop_timeline()
+    if _state.owns_comm:
+        _state.comm.Free()
+    _state.comm = None
+    _state.topology = None
+
+
+def is_initialized() -> bool:
+    return _state.comm is not None
+
+
+def mpi_enabled() -> bool:
+    """Collectives always run on MPI here (no Gloo); True once mpi4py is importable."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def comm() -> Any:
+    """The communicator collectives run on; raises the Horovod error before ``init()``."""
+    if _state.comm is None:
+        raise ValueError(
+            "Horovod has not been initialized: call `flyte_hvd.core.init()` (hvd.init()) "
+            "before using rank(), size() or any collective."
+        )
+    return _state.comm
+
+
+def _topology() -> Topology:
+    comm()
+    assert _state.topology is not None
+    return _state.topology
+
+
+def rank() -> int:
+    return _topology().rank
+
+
+def size() -> int:
+    return _topology().size
+
+
+def local_rank() -> int:
+    return _topology().local_rank
+
+
+def local_size() -> int:
+    return _topology().local_size
+
+
+def cross_rank() -> int:
+    return _topology().cross_rank
+
+
+def cross_size() -> int:
+    return _topology().cross_size
+
+
+def is_homogeneous() -> bool:
+    return _topology().homogeneous

@@ -1,0 +1,90 @@
+"""Chrome-tracing timeline of collectives (``HOROVOD_TIMELINE=path`` or ``start_timeline``).
+
+Each rank records its own events in memory; ``stop_timeline()`` (collective, also run by
+``shutdown()``) gathers them on rank 0, which writes one JSON file that ``chrome://tracing``
+and Perfetto open: one complete ("X") event per collective per rank, ``pid`` = rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+TIMELINE_ENV = "HOROVOD_TIMELINE"
+
+
+class Timeline:
+    def __init__(self, path: str, rank: int):
+        self.path = path
+        self.rank = rank
+        self.events: list[dict[str, Any]] = []
+
+    def record(self, kind: str, name: str | None, nbytes: int, start_ns: int) -> None:
+        end_ns = time.time_ns()
+        self.events.append(
+            {
+                "name": name or kind,
+                "cat": kind,
+                "ph": "X",
+                "ts": start_ns / 1000.0,
+                "dur": (end_ns - start_ns) / 1000.0,
+                "pid": self.rank,
+                "tid": 0,
+                "args": {"bytes": int(nbytes)},
+            }
+        )
+
+
+_active: Timeline | None = None
+
+
+def current() -> Timeline | None:
+    return _active
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Begin recording collectives; call on every rank. ``mark_cycles`` is accepted for
+    Horovod compatibility (there is no background cycle to mark here)."""
+    global _active
+    from flyte_hvd.core.state import rank
+
+    if not file_path:
+        raise ValueError("`start_timeline` needs a file path; found an empty string.")
+    parent = os.path.dirname(os.path.abspath(file_path))
+    if not os.path.isdir(parent):
+        raise ValueError(
+            f"timeline path {file_path!r}: directory {parent!r} does not exist; create it first."
+        )
+    _active = Timeline(file_path, rank())
+
+
+def start_from_env(rank: int) -> None:
+    global _active
+    path = os.environ.get(TIMELINE_ENV)
+    if path and _active is None:
+        _active = Timeline(path, rank)
+
+
+def stop_timeline() -> None:
+    """Stop recording and write the file on rank 0 (collective: call on every rank)."""
+    global _active
+    timeline, _active = _active, None
+    if timeline is None:
+        return
+    from flyte_hvd.core.state import comm
+
+    all_events = comm().gather(timeline.events, root=0)
+    if all_events is None:
+        return
+    trace: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
+        for r in range(len(all_events))
+    ]
+    for events in all_events:
+        trace.extend(events)
+    tmp = f"{timeline.path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+    os.replace(tmp, timeline.path)

@@ -1,0 +1,268 @@
+"""Collective test cases, written once and run at size 1 (in the test process) and at sizes
+2 and 3 (real rank processes). Each case asserts closed-form answers in ``rank`` and ``size``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import traceback
+
+import numpy as np
+
+import flyte_hvd.core as hvd
+
+DTYPES = [np.float32, np.float64, np.int32, np.int64]
+SHAPES = [(), (5,), (3, 4), (2, 3, 4)]
+CASES: dict[str, object] = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def run_cases(names: list[str] | None = None) -> dict[str, str | None]:
+    """Run every case on this rank; ``{name: None or traceback}``."""
+    hvd.init()
+    results: dict[str, str | None] = {}
+    for name, fn in CASES.items():
+        if names is not None and name not in names:
+            continue
+        try:
+            fn()
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
+
+
+def _base(shape, dtype):
+    return (np.arange(math.prod(shape), dtype=np.int64) % 5 + 1).reshape(shape).astype(dtype)
+
+
+@case
+def allreduce_ops():
+    r, n = hvd.rank(), hvd.size()
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            base = _base(shape, dtype)
+            mine = base * (r + 1)
+            out = hvd.allreduce(mine, op=hvd.Sum)
+            assert out.dtype == dtype and out.shape == shape
+            np.testing.assert_array_equal(out, base * (n * (n + 1) // 2))
+            np.testing.assert_array_equal(hvd.allreduce(mine, op=hvd.Min), base)
+            np.testing.assert_array_equal(hvd.allreduce(mine, op=hvd.Max), base * n)
+            np.testing.assert_array_equal(
+                hvd.allreduce(mine, op=hvd.Product), base**n * math.factorial(n)
+            )
+            avg = hvd.allreduce(mine, op=hvd.Average)
+            if np.dtype(dtype).kind == "f":
+                np.testing.assert_allclose(avg, base * (n + 1) / 2, rtol=1e-6)
+            else:  # integer average rounds down
+                np.testing.assert_array_equal(avg, (base * (n * (n + 1) // 2)) // n)
+            # The input is left untouched.
+            np.testing.assert_array_equal(mine, base * (r + 1))
+
+
+@case
+def allreduce_scale_factors():
+    n = hvd.size()
+    out = hvd.allreduce(
+        np.ones(4, np.float32), op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5
+    )
+    np.testing.assert_allclose(out, np.full(4, n, np.float32))
+
+
+@case
+def grouped_allreduce_matches_one_by_one():
+    r = hvd.rank()
+    sizes = np.random.default_rng(1234).integers(1, 50, size=200)  # same shapes on all ranks
+    rng = np.random.default_rng(r)
+    arrays = [rng.normal(size=int(n)).astype(np.float32) for n in sizes]
+    arrays += [np.full((2, 2), r, np.int64), np.full(3, r + 0.5, np.float64)]
+    one_by_one = [hvd.allreduce(a, op=hvd.Average) for a in arrays]
+    fused = hvd.grouped_allreduce(arrays, op=hvd.Average)
+    assert len(fused) == len(arrays)
+    for a, b in zip(one_by_one, fused, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+@case
+def grouped_allreduce_with_small_fusion_threshold():
+    n = hvd.size()
+    old = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+    os.environ["HOROVOD_FUSION_THRESHOLD"] = "64"  # 16 float32 per buffer: many buffers
+    try:
+        arrays = [np.full(7, i, np.float32) for i in range(30)]
+        out = hvd.grouped_allreduce(arrays, op=hvd.Sum)
+    finally:
+        if old is None:
+            del os.environ["HOROVOD_FUSION_THRESHOLD"]
+        else:
+            os.environ["HOROVOD_FUSION_THRESHOLD"] = old
+    for i, a in enumerate(out):
+        np.testing.assert_array_equal(a, np.full(7, i * n, np.float32))
+
+
+@case
+def fp16_compression_within_tolerance():
+    r, n = hvd.rank(), hvd.size()
+    x = np.linspace(-1, 1, 1000, dtype=np.float32) * (r + 1)
+    exact = np.linspace(-1, 1, 1000, dtype=np.float32) * (n + 1) / 2
+    out = hvd.allreduce(x, op=hvd.Average, compression=hvd.Compression.fp16)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, exact, atol=5e-3)
+    grouped = hvd.grouped_allreduce([x, x * 2], compression=hvd.Compression.fp16)
+    np.testing.assert_allclose(grouped[1], exact * 2, atol=1e-2)
+
+
+@case
+def allgather_ragged():
+    r, n = hvd.rank(), hvd.size()
+    for dtype in DTYPES:
+        mine = np.full((r + 1, 3), r, dtype=dtype)
+        out = hvd.allgather(mine)
+        expected = np.concatenate([np.full((k + 1, 3), k, dtype=dtype) for k in range(n)])
+        assert out.dtype == dtype
+        np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(hvd.allgather(np.int64(r)), np.arange(n))
+
+
+@case
+def broadcast_from_every_root():
+    r, n = hvd.rank(), hvd.size()
+    for root in range(n):
+        for dtype in DTYPES:
+            out = hvd.broadcast(np.full((2, 3), r * 10, dtype=dtype), root_rank=root)
+            np.testing.assert_array_equal(out, np.full((2, 3), root * 10, dtype=dtype))
+
+
+@case
+def alltoall_with_and_without_splits():
+    r, n = hvd.rank(), hvd.size()
+    # Rank r sends (i + 1) rows of value 100 * r + i to rank i.
+    splits = [i + 1 for i in range(n)]
+    rows = np.concatenate([np.full((i + 1, 2), 100 * r + i) for i in range(n)]).astype(np.float32)
+    out, received = hvd.alltoall(rows, splits=splits)
+    np.testing.assert_array_equal(received, np.full(n, r + 1))
+    expected = np.concatenate([np.full((r + 1, 2), 100 * k + r) for k in range(n)])
+    np.testing.assert_array_equal(out, expected.astype(np.float32))
+    even, received = hvd.alltoall(np.arange(2 * n, dtype=np.int32) + 1000 * r)
+    expected = np.concatenate([[1000 * k + 2 * r, 1000 * k + 2 * r + 1] for k in range(n)])
+    np.testing.assert_array_equal(even, expected)
+
+
+@case
+def reducescatter_uneven_rows():
+    r, n = hvd.rank(), hvd.size()
+    rows = 2 * n + 1
+    x = np.arange(rows * 2, dtype=np.float64).reshape(rows, 2) * (r + 1)
+    out = hvd.reducescatter(x, op=hvd.Sum)
+    base, extra = divmod(rows, n)
+    start = r * base + min(r, extra)
+    count = base + (1 if r < extra else 0)
+    full = np.arange(rows * 2, dtype=np.float64).reshape(rows, 2) * (n * (n + 1) / 2)
+    np.testing.assert_array_equal(out, full[start : start + count])
+    avg = hvd.reducescatter(x, op=hvd.Average)
+    np.testing.assert_allclose(avg, full[start : start + count] / n)
+
+
+@case
+def barrier_and_join():
+    hvd.barrier()
+    last = hvd.join()
+    assert 0 <= last < hvd.size()
+    assert hvd.allgather(np.int64(last)).tolist() == [last] * hvd.size()
+
+
+@case
+def objects():
+    r, n = hvd.rank(), hvd.size()
+    got = hvd.broadcast_object({"rank": r, "f": lambda x: x + r}, root_rank=n - 1)
+    assert got["rank"] == n - 1 and got["f"](1) == n
+    assert hvd.allgather_object(("r", r)) == [("r", k) for k in range(n)]
+
+
+@case
+def topology_single_host():
+    r, n = hvd.rank(), hvd.size()
+    assert (hvd.local_rank(), hvd.local_size()) == (r, n)
+    assert (hvd.cross_rank(), hvd.cross_size()) == (0, 1)
+    assert hvd.is_homogeneous() and hvd.is_initialized() and hvd.mpi_enabled()
+
+
+@case
+def mismatched_shapes_raise_on_every_rank():
+    if hvd.size() == 1:
+        return
+    r = hvd.rank()
+    for call in (
+        lambda: hvd.allreduce(np.ones(3 + r, np.float32)),
+        lambda: hvd.allreduce(np.ones(3, np.float32 if r else np.float64)),
+        lambda: hvd.broadcast(np.ones((2, 2 + r)), root_rank=0),
+        lambda: hvd.allgather(np.ones((2, 1 + r))),
+        lambda: hvd.grouped_allreduce([np.ones(2), np.ones(2 + r)]),
+        lambda: hvd.broadcast(np.ones(2), root_rank=r),
+    ):
+        try:
+            call()
+        except hvd.CollectiveMismatchError as e:
+            assert "rank 0:" in str(e) and "rank 1:" in str(e), str(e)
+        else:
+            raise AssertionError("mismatch was not detected")
+    # The communicator is still usable afterwards.
+    assert hvd.allreduce(np.ones(1), op=hvd.Sum)[0] == hvd.size()
+
+
+@case
+def bad_arguments_raise():
+    n = hvd.size()
+    for bad in (
+        lambda: hvd.allreduce(np.ones(2), op=42),
+        lambda: hvd.allreduce(np.ones(2), op=hvd.Adasum),
+    ):
+        try:
+            bad()
+        except ValueError as e:
+            assert "op" in str(e).lower()
+        else:
+            raise AssertionError("bad op accepted")
+    for root in (n, -1, "0"):
+        try:
+            hvd.broadcast(np.ones(2), root_rank=root)
+        except ValueError as e:
+            assert "does not exist" in str(e)
+        else:
+            raise AssertionError(f"root_rank={root!r} accepted")
+    try:
+        hvd.allreduce(np.array(["a", "b"]))
+    except ValueError as e:
+        assert "numeric" in str(e)
+    else:
+        raise AssertionError("string array accepted")
+
+
+@case
+def timeline_records_each_collective():
+    n = hvd.size()
+    folder = tempfile.mkdtemp() if hvd.rank() == 0 else None
+    path = os.path.join(hvd.broadcast_object(folder), "timeline.json")
+    hvd.start_timeline(path)
+    hvd.allreduce(np.ones(10, np.float32), name="grad.0")
+    hvd.allgather(np.ones((1, 2)))
+    hvd.broadcast(np.ones(3), root_rank=0)
+    hvd.stop_timeline()
+    if hvd.rank() == 0:
+        with open(path) as f:
+            trace = json.load(f)
+        events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        assert len(events) == 3 * n, events
+        assert sorted({e["pid"] for e in events}) == list(range(n))
+        names = {e["name"] for e in events}
+        assert {"grad.0", "allgather", "broadcast"} <= names
+        assert all(e["dur"] >= 0 and e["args"]["bytes"] > 0 for e in events)
+    hvd.barrier()

@@ -1,0 +1,94 @@
+"""Every collective case at size 1 (in this process) and sizes 2 and 3 (rank processes)."""
+
+from __future__ import annotations
+
+import cloudpickle
+import numpy as np
+import pytest
+
+import flyte_hvd.core as hvd
+from flyte_hvd.core.job import FunctionJob
+from flyte_hvd.core.launcher import launch_local
+
+import collective_cases
+
+cloudpickle.register_pickle_by_value(collective_cases)
+
+_results: dict[int, list[dict]] = {}
+
+
+def results_at(size: int) -> list[dict[str, str | None]]:
+    """Run all cases once per size (rank start-up is the slow part) and cache per-rank results."""
+    if size not in _results:
+        if size == 1:
+            _results[size] = [collective_cases.run_cases()]
+        else:
+            _results[size] = launch_local(
+                FunctionJob(collective_cases.run_cases), size, start_timeout=60
+            )
+    return _results[size]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.parametrize("name", list(collective_cases.CASES))
+def test_collective(name: str, size: int):
+    failures = {r: res[name] for r, res in enumerate(results_at(size)) if res[name] is not None}
+    assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
+
+
+def test_collective_before_init_names_init():
+    hvd.shutdown()
+    with pytest.raises(ValueError, match=r"hvd.init\(\)"):
+        hvd.allreduce(np.ones(2))
+    with pytest.raises(ValueError, match="not been initialized"):
+        hvd.rank()
+
+
+def test_init_rejects_non_communicator():
+    hvd.shutdown()
+    with pytest.raises(ValueError, match="mpi4py communicator"):
+        hvd.init(comm="COMM_WORLD")
+
+
+def test_init_accepts_mpi4py_comm_and_is_idempotent():
+    from mpi4py import MPI
+
+    hvd.shutdown()
+    hvd.init(comm=MPI.COMM_SELF)
+    hvd.init()
+    assert (hvd.rank(), hvd.size()) == (0, 1)
+    hvd.shutdown()
+    assert not hvd.is_initialized()
+
+
+def test_bad_fusion_threshold(monkeypatch):
+    from flyte_hvd.core.collectives import fusion_threshold
+
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "lots")
+    with pytest.raises(ValueError, match="number of bytes"):
+        fusion_threshold()
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "-1")
+    with pytest.raises(ValueError, match=">= 0"):
+        fusion_threshold()
+
+
+def test_fusion_groups_respect_threshold_and_dtype():
+    from flyte_hvd.core.collectives import _fusion_groups
+
+    # Five float32[4] (16 bytes each), one int64[2], one float32[100] (400 bytes).
+    arrays = [np.zeros(4, np.float32)] * 5 + [np.zeros(2, np.int64), np.zeros(100, np.float32)]
+    assert _fusion_groups(arrays, threshold=40) == [[0, 1], [2, 3], [4], [6], [5]]
+    assert _fusion_groups(arrays, threshold=1 << 20) == [[0, 1, 2, 3, 4, 6], [5]]
+    assert _fusion_groups(arrays, threshold=0) == [[0], [1], [2], [3], [4], [6], [5]]
+
+
+def test_timeline_needs_existing_directory(tmp_path):
+    from mpi4py import MPI
+
+    hvd.init(comm=MPI.COMM_SELF)
+    try:
+        with pytest.raises(ValueError, match="does not exist"):
+            hvd.start_timeline(str(tmp_path / "missing" / "t.json"))
+    finally:
+        hvd.shutdown()

@@ -1,0 +1,182 @@
+"""The rank bootstrap and its launchers outside Spark: ``flyte-hvd-run`` and ``launch_local``."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from flyte_hvd.core.errors import RanksFailedError, RendezvousTimeoutError
+from flyte_hvd.core.job import FunctionJob, ProgramJob
+from flyte_hvd.core.launcher import LocalExchange, RankSupervisor, launch_local
+
+pytestmark = pytest.mark.mpi
+
+ALLREDUCE_PROGRAM = (
+    "import flyte_hvd.core as hvd, numpy as np; hvd.init(); "
+    "print('rank', hvd.rank(), 'of', hvd.size(), hvd.allreduce(np.ones(2) * hvd.rank(), "
+    "op=hvd.Sum).tolist())"
+)
+
+
+def test_cli_runs_program_on_ranks_with_prefixed_output(cli, no_leftover_ranks):
+    result = cli("-np", "3", "python", "-c", ALLREDUCE_PROGRAM)
+    assert result.returncode == 0, result.stderr
+    for r in range(3):
+        assert f"[{r}]<stdout>:rank {r} of 3 [3.0, 3.0]" in result.stdout
+
+
+def test_cli_accepts_double_dash_and_scripts(cli, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, flyte_hvd.core as hvd\nhvd.init()\nprint(hvd.rank(), sys.argv[1:])\n"
+    )
+    result = cli("-np", "2", "--", "python", str(script), "--epochs", "3")
+    assert result.returncode == 0, result.stderr
+    assert "[1]<stdout>:1 ['--epochs', '3']" in result.stdout
+
+
+def test_cli_failure_names_rank_and_stops_others(cli, no_leftover_ranks):
+    program = (
+        "import time, flyte_hvd.core as hvd, numpy as np; hvd.init()\n"
+        "if hvd.rank() == 1: raise ValueError('bad batch on rank one')\n"
+        "hvd.allreduce(np.ones(3))  # the others block here until stopped\n"
+        "time.sleep(600)\n"
+    )
+    started = time.monotonic()
+    result = cli("-np", "3", "python", "-c", program, timeout=60)
+    assert time.monotonic() - started < 30
+    assert result.returncode == 1
+    assert "rank 1 failed" in result.stderr
+    assert "ValueError: bad batch on rank one" in result.stderr
+    assert "--- rank 0 ---" not in result.stderr  # stopped ranks are not blamed
+
+
+def test_cli_reports_rank_killed_by_signal(cli, no_leftover_ranks):
+    program = (
+        "import os, signal, time, flyte_hvd.core as hvd; hvd.init()\n"
+        "if hvd.rank() == 0: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(600)\n"
+    )
+    result = cli("-np", "2", "python", "-c", program, timeout=60)
+    assert result.returncode == 1
+    assert "rank 0 died: Killed (signal 9)" in result.stderr
+
+
+def test_cli_rejects_non_python_command(cli):
+    result = cli("-np", "2", "bash", "train.sh")
+    assert result.returncode == 2
+    assert "expected a Python program" in result.stderr
+
+
+def test_cli_rejects_bad_np(cli):
+    result = cli("-np", "0", "python", "-c", "pass")
+    assert result.returncode == 2
+    assert "-np must be >= 1" in result.stderr
+
+
+def test_launch_local_returns_values_in_rank_order(no_leftover_ranks):
+    def fn(offset):
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        return hvd.rank() + offset, hvd.size(), os.environ["HOROVOD_RANK"]
+
+    assert launch_local(FunctionJob(fn, (10,)), 3) == [(10, 3, "0"), (11, 3, "1"), (12, 3, "2")]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, "2", True])
+def test_launch_local_rejects_bad_num_proc(bad):
+    with pytest.raises(ValueError, match="num_proc"):
+        launch_local(FunctionJob(print), bad)
+
+
+def test_secret_is_neither_in_argv_nor_in_user_environment(no_leftover_ranks):
+    secret = "s3cr3t-" + os.urandom(8).hex()
+
+    def fn():
+        def cmdline(pid):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return f.read().decode()
+
+        chain, pid = [], os.getpid()
+        for _ in range(3):  # the rank, hydra's proxy, mpiexec
+            chain.append(cmdline(pid))
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        return chain, {k: v for k, v in os.environ.items() if k.startswith("FLYTE_HVD")}
+
+    supervisor = RankSupervisor(
+        FunctionJob(fn), ranks=[0, 1], size=2, exchange=LocalExchange(2), secret=secret
+    )
+    for chain, env in supervisor.run().values():
+        assert any("mpiexec" in c for c in chain), chain
+        assert not any(secret in c for c in chain)
+        assert env == {}
+
+
+def test_rank_with_wrong_secret_is_rejected(no_leftover_ranks):
+    exchange = LocalExchange(2)
+    errors: dict[int, BaseException] = {}
+
+    def supervise(rank, secret):
+        supervisor = RankSupervisor(
+            FunctionJob(print), [rank], 2, exchange, secret=secret, start_timeout=30
+        )
+        try:
+            supervisor.run()
+        except BaseException as e:
+            errors[rank] = e
+
+    threads = [
+        threading.Thread(target=supervise, args=(0, "right")),
+        threading.Thread(target=supervise, args=(1, "wrong")),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(errors) == {0, 1}
+    for error in errors.values():
+        assert isinstance(error, RanksFailedError)
+        assert "do not hold this run's secret" in str(error)
+
+
+def test_missing_rank_times_out_with_clear_message(no_leftover_ranks):
+    supervisor = RankSupervisor(
+        FunctionJob(print), [0], 2, LocalExchange(2), secret="x", start_timeout=3
+    )
+    started = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError, match=r"did not join within start_timeout=3s"):
+        supervisor.run()
+    assert time.monotonic() - started < 15
+
+
+def test_failure_error_pickles_with_ranks():
+    import pickle
+
+    error = RanksFailedError({2: "Traceback ...\nKeyError: 'x'"}, summary="rank 2 failed")
+    copy = pickle.loads(pickle.dumps(error))
+    assert copy.failures == {2: "Traceback ...\nKeyError: 'x'"}
+    assert "rank 2 failed" in str(copy) and "KeyError" in str(copy)
+
+
+@pytest.mark.parametrize(
+    ("command", "argv"),
+    [
+        (["python", "train.py", "--lr", "1"], ["train.py", "--lr", "1"]),
+        (["/usr/bin/python3.11", "-m", "pkg.mod"], ["-m", "pkg.mod"]),
+        (["python", "-c", "print(1)"], ["-c", "print(1)"]),
+        (["train.py"], ["train.py"]),
+    ],
+)
+def test_program_job_parses_python_commands(command, argv):
+    assert ProgramJob.from_command(command).argv == argv
+
+
+@pytest.mark.parametrize("command", [[], ["bash", "x.sh"], ["python"], ["python", "-m"]])
+def test_program_job_rejects_other_commands(command):
+    with pytest.raises(ValueError):
+        ProgramJob.from_command(command)

@@ -12,18 +12,20 @@ import enum
 import os
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
 import numpy as np
 
 from flyte_hvd.core import state, timeline
+from flyte_hvd.core.buffers import pool
 from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.core.errors import CollectiveMismatchError
 
 FUSION_THRESHOLD_ENV = "HOROVOD_FUSION_THRESHOLD"
 DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024
+_IN_PLACE_BYTES = 8 << 20
 
 
 class ReduceOp(enum.IntEnum):
@@ -43,27 +45,31 @@ Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 
 _SUPPORTED_KINDS = "fiuc"
+_MPI_OPS: dict[int, Any] = {}
 
 
-def _mpi_op(op: Any):
-    from mpi4py import MPI
+def _mpi_op(op: Any) -> tuple[ReduceOp, Any]:
+    if not _MPI_OPS:
+        from mpi4py import MPI
 
-    try:
-        op = ReduceOp(op)
-    except ValueError:
+        _MPI_OPS.update(
+            {
+                ReduceOp.AVERAGE: MPI.SUM,
+                ReduceOp.SUM: MPI.SUM,
+                ReduceOp.MIN: MPI.MIN,
+                ReduceOp.MAX: MPI.MAX,
+                ReduceOp.PRODUCT: MPI.PROD,
+            }
+        )
+    mpi_op = _MPI_OPS.get(op) if isinstance(op, int) else None
+    if mpi_op is None:
+        if op == ReduceOp.ADASUM:
+            raise ValueError("`op=Adasum` is not supported; use hvd.Average or hvd.Sum.")
         raise ValueError(
             f"unknown reduction op {op!r}: expected one of hvd.Average, hvd.Sum, hvd.Min, "
             f"hvd.Max, hvd.Product."
-        ) from None
-    if op is ReduceOp.ADASUM:
-        raise ValueError("`op=Adasum` is not supported; use hvd.Average or hvd.Sum.")
-    return op, {
-        ReduceOp.AVERAGE: MPI.SUM,
-        ReduceOp.SUM: MPI.SUM,
-        ReduceOp.MIN: MPI.MIN,
-        ReduceOp.MAX: MPI.MAX,
-        ReduceOp.PRODUCT: MPI.PROD,
-    }[op]
+        )
+    return ReduceOp(op), mpi_op
 
 
 def fusion_threshold() -> int:
@@ -94,30 +100,41 @@ def _as_array(value: Any, what: str) -> np.ndarray:
     return array
 
 
-def _describe(desc: tuple) -> str:
-    kind, *fields = desc
-    return f"{kind}(" + ", ".join(str(f) for f in fields) + ")"
+_COMPRESSION_IDS: dict[type, int] = {}
 
 
-def _check_same(comm: Any, desc: tuple) -> None:
-    """Raise on every rank if any rank's ``desc`` differs. One 16-byte MAX reduction."""
-    if comm.Get_size() == 1:
+def _compression_id(compression: type[Compressor]) -> int:
+    if compression not in _COMPRESSION_IDS:
+        _COMPRESSION_IDS[compression] = zlib.crc32(compression.__qualname__.encode())
+    return _COMPRESSION_IDS[compression]
+
+
+def _fingerprint(fields: tuple) -> int:
+    """Hash of ints and tuples of ints only: those hash alike in every process (str does not)."""
+    return hash(fields) & 0x7FFFFFFFFFFFFFFF
+
+
+def _check_same(comm: Any, fields: tuple, describe: Callable[[], str]) -> None:
+    """Raise on every rank if any rank's ``fields`` differ: one 16-byte MAX reduction.
+
+    ``describe`` renders this rank's call for the error message; it runs only on a mismatch.
+    """
+    if comm.Get_size() == 1 or not state.checks_collectives():
         return
-    from mpi4py import MPI
-
-    fp = zlib.crc32(repr(desc).encode())
+    fp = _fingerprint(fields)
     pair = np.array([fp, -fp], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, pair, MPI.MAX)
+    comm.Allreduce(_in_place(), pair, _MPI_OPS[ReduceOp.MAX])
     if pair[0] == fp and -pair[1] == fp:
         return
-    _raise_mismatch(comm, desc)
+    _raise_mismatch(comm, describe())
 
 
-def _raise_mismatch(comm: Any, desc: tuple) -> None:
-    descs = comm.allgather(desc)
-    lines = "\n".join(f"  rank {r}: {_describe(d)}" for r, d in enumerate(descs))
+def _raise_mismatch(comm: Any, description: str) -> None:
+    descriptions = comm.allgather(description)
+    lines = "\n".join(f"  rank {r}: {d}" for r, d in enumerate(descriptions))
+    kind = description.split("(", 1)[0]
     raise CollectiveMismatchError(
-        f"ranks called `{desc[0]}` with different arguments; every rank must pass the same "
+        f"ranks called `{kind}` with different arguments; every rank must pass the same "
         f"op, dtype and shape (except where the collective allows a ragged first dimension). "
         f"Found:\n{lines}"
     )
@@ -178,12 +195,24 @@ def allreduce(
     comm = state.comm()
     arr = _as_array(array, "allreduce")
     op, mpi_op = _mpi_op(op)
-    _check_same(comm, ("allreduce", op.name, arr.dtype.str, arr.shape, compression.__name__))
+    _check_same(
+        comm,
+        (1, op, arr.dtype.num, arr.shape, _compression_id(compression)),
+        lambda: (
+            f"allreduce(op={op.name}, dtype={arr.dtype}, shape={arr.shape}, "
+            f"compression={compression.__name__})"
+        ),
+    )
     wire, ctx = compression.compress(arr)
     wire = np.asarray(_scale(wire, prescale_factor, "prescale_factor"), order="C")
-    out = np.empty_like(wire)
+    out = pool.empty(wire.shape, wire.dtype)
     start = _begin()
-    comm.Allreduce(wire, out, mpi_op)
+    if out.nbytes >= _IN_PLACE_BYTES:
+        # Copy, then reduce in place: measured faster than MPICH's out-of-place path.
+        np.copyto(out, wire)
+        comm.Allreduce(_in_place(), out, mpi_op)
+    else:
+        comm.Allreduce(wire, out, mpi_op)
     _end("allreduce", name, out.nbytes, start)
     _finish_average(out, comm.Get_size(), op)
     _scale_in_place(out, postscale_factor, "postscale_factor")
@@ -207,14 +236,20 @@ def grouped_allreduce(
     comm = state.comm()
     arrs = [_as_array(a, "grouped_allreduce") for a in arrays]
     op, mpi_op = _mpi_op(op)
-    desc = ("grouped_allreduce", op.name, compression.__name__)
-    _check_same(comm, (*desc, tuple((a.dtype.str, a.shape) for a in arrs)))
+    _check_same(
+        comm,
+        (2, op, _compression_id(compression), tuple((a.dtype.num, a.shape) for a in arrs)),
+        lambda: (
+            f"grouped_allreduce(op={op.name}, compression={compression.__name__}, "
+            f"arrays={[(str(a.dtype), a.shape) for a in arrs]})"
+        ),
+    )
     compressed = [compression.compress(a) for a in arrs]
     results: list[np.ndarray | None] = [None] * len(arrs)
     for members in _fusion_groups([c[0] for c in compressed], fusion_threshold()):
         dtype = compressed[members[0]][0].dtype
         total = sum(compressed[i][0].size for i in members)
-        buf = np.empty(total, dtype=dtype)
+        buf = pool.empty((total,), dtype)
         offset = 0
         for i in members:
             part = compressed[i][0]
@@ -266,16 +301,15 @@ def allgather(array: Any, name: str | None = None) -> np.ndarray:
     arr = np.asarray(_as_array(array, "allgather"), order="C")
     if arr.ndim == 0:
         arr = arr.reshape(1)
-    desc = ("allgather", arr.dtype.str, arr.shape[1:])
-    fp = zlib.crc32(repr(desc).encode())
+    fp = _fingerprint((3, arr.dtype.num, arr.shape[1:]))
     size = comm.Get_size()
     meta = np.empty((size, 2), dtype=np.int64)
     comm.Allgather(np.array([fp, arr.shape[0]], dtype=np.int64), meta)
     if not (meta[:, 0] == fp).all():
-        _raise_mismatch(comm, desc)
+        _raise_mismatch(comm, f"allgather(dtype={arr.dtype}, shape=(*, {arr.shape[1:]}))")
     rows = meta[:, 1]
     row_items = int(np.prod(arr.shape[1:], dtype=np.int64))
-    out = np.empty((int(rows.sum()), *arr.shape[1:]), dtype=arr.dtype)
+    out = pool.empty((int(rows.sum()), *arr.shape[1:]), arr.dtype)
     counts = rows * row_items
     displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
     start = _begin()
@@ -305,8 +339,14 @@ def broadcast(array: Any, root_rank: int, name: str | None = None) -> np.ndarray
     comm = state.comm()
     root = _check_root(root_rank, "broadcast")
     arr = _as_array(array, "broadcast")
-    _check_same(comm, ("broadcast", arr.dtype.str, arr.shape, root))
-    out = np.array(arr, copy=True, order="C") if comm.Get_rank() == root else np.empty_like(arr)
+    _check_same(
+        comm,
+        (4, arr.dtype.num, arr.shape, root),
+        lambda: f"broadcast(dtype={arr.dtype}, shape={arr.shape}, root_rank={root})",
+    )
+    out = pool.empty(arr.shape, arr.dtype)
+    if comm.Get_rank() == root:
+        out[...] = arr
     start = _begin()
     comm.Bcast(out, root=root)
     _end("broadcast", name, out.nbytes, start)
@@ -340,7 +380,11 @@ def alltoall(
                 f"`alltoall` splits={list(splits)}: expected {size} non-negative ints summing "
                 f"to the first dimension ({arr.shape[0]})."
             )
-    _check_same(comm, ("alltoall", arr.dtype.str, arr.shape[1:]))
+    _check_same(
+        comm,
+        (5, arr.dtype.num, arr.shape[1:]),
+        lambda: f"alltoall(dtype={arr.dtype}, shape=(*, {arr.shape[1:]}))",
+    )
     recv_rows = np.empty(size, dtype=np.int64)
     comm.Alltoall(send_rows, recv_rows)
     row_items = int(np.prod(arr.shape[1:], dtype=np.int64))
@@ -373,7 +417,11 @@ def reducescatter(array: Any, op: ReduceOp = Average, name: str | None = None) -
         raise ValueError(f"`reducescatter` supports hvd.Average and hvd.Sum; found {op.name}.")
     if arr.ndim == 0:
         raise ValueError("`reducescatter` needs at least one dimension; found a scalar.")
-    _check_same(comm, ("reducescatter", op.name, arr.dtype.str, arr.shape))
+    _check_same(
+        comm,
+        (6, op, arr.dtype.num, arr.shape),
+        lambda: f"reducescatter(op={op.name}, dtype={arr.dtype}, shape={arr.shape})",
+    )
     base, extra = divmod(arr.shape[0], size)
     rows = np.array([base + (1 if r < extra else 0) for r in range(size)], dtype=np.int64)
     row_items = int(np.prod(arr.shape[1:], dtype=np.int64))
@@ -413,7 +461,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
     """Every rank gets ``root_rank``'s object (cloudpickled, so lambdas travel too)."""
     comm = state.comm()
     root = _check_root(root_rank, "broadcast_object")
-    _check_same(comm, ("broadcast_object", root))
+    _check_same(comm, (7, root), lambda: f"broadcast_object(root_rank={root})")
     payload = cloudpickle.dumps(obj) if comm.Get_rank() == root else b""
     length = np.array([len(payload)], dtype=np.int64)
     comm.Bcast(length, root=root)

@@ -1,0 +1,57 @@
+"""Output buffers for collectives, reused once the caller has dropped every view of them.
+
+A fresh large numpy array is fresh pages from the kernel: on the machines measured, faulting
+them in cost more than the reduction itself (a 1 MB allreduce took 1.0 ms into a new array,
+0.2 ms into a reused one). Collectives return views of pooled backing arrays; a backing array
+is handed out again only when nothing but the pool refers to it (numpy views keep their base
+alive, so a live result can never be overwritten).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+
+import numpy as np
+
+# Below this, malloc serves from the heap without page faults: pooling would not pay.
+MIN_POOLED_BYTES = 32 * 1024
+MAX_PER_SIZE = 4
+MAX_POOLED_BYTES = 1 << 30
+
+# References to a free backing array while it is checked: the pool's list, the loop
+# variable, and getrefcount's own argument.
+_FREE_REFCOUNT = 3
+
+
+class BufferPool:
+    def __init__(self) -> None:
+        self._by_size: dict[int, list[np.ndarray]] = {}
+        self._pooled_bytes = 0
+        self._lock = threading.Lock()
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """An uninitialized C-contiguous array, like ``np.empty``, maybe from the pool."""
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < MIN_POOLED_BYTES:
+            return np.empty(shape, dtype)
+        with self._lock:
+            backings = self._by_size.setdefault(nbytes, [])
+            for backing in backings:
+                if sys.getrefcount(backing) == _FREE_REFCOUNT:
+                    return backing.view(dtype).reshape(shape)
+            backing = np.empty(nbytes, np.uint8)
+            if len(backings) < MAX_PER_SIZE and self._pooled_bytes + nbytes <= MAX_POOLED_BYTES:
+                backings.append(backing)
+                self._pooled_bytes += nbytes
+        return backing.view(dtype).reshape(shape)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_size.clear()
+            self._pooled_bytes = 0
+
+
+pool = BufferPool()

@@ -10,6 +10,9 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Spark's Python workers must be this interpreter (the venv with flyte_hvd, mpi4py, mpich).
+os.environ["PYSPARK_PYTHON"] = sys.executable
+os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 
 
 def rank_processes() -> list[str]:
@@ -49,3 +52,77 @@ def cli():
         )
 
     return run
+
+
+# -- Spark -----------------------------------------------------------------------------------
+# One SparkContext per process: the fixtures below switch between a local[2] session (most
+# tests) and a local-cluster one (separate executor processes); tests that need the cluster
+# run last, so each kind starts at most once.
+
+_spark: dict = {"kind": None, "session": None}
+
+
+def _spark_session(kind: str, configure):
+    if _spark["kind"] != kind:
+        if _spark["session"] is not None:
+            _spark["session"].stop()
+        from pyspark.sql import SparkSession
+
+        builder = (
+            SparkSession.builder.appName(f"flyte-hvd-tests-{kind}")
+            .config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+            .config("spark.sql.shuffle.partitions", "4")
+        )
+        _spark["session"] = configure(builder).getOrCreate()
+        _spark["session"].sparkContext.setLogLevel("ERROR")
+        _spark["kind"] = kind
+    return _spark["session"]
+
+
+@pytest.fixture
+def spark_local2():
+    """A SparkSession on local[2] (two task slots in the driver JVM)."""
+    return _spark_session("local2", lambda b: b.master("local[2]"))
+
+
+FAKE_GPU_SCRIPT = r"""#!/usr/bin/env bash
+# Hands out one fake GPU address per caller (0, 1, ...), like a host with several GPUs.
+exec 9>"$(dirname "$0")/gpus.lock"
+flock 9
+n=$(cat "$(dirname "$0")/gpus.next" 2>/dev/null || echo 0)
+echo $((n + 1)) > "$(dirname "$0")/gpus.next"
+printf '{"name": "gpu", "addresses": ["%s"]}\n' "$n"
+"""
+
+
+@pytest.fixture
+def spark_cluster(tmp_path_factory):
+    """local-cluster[2,1,1024]: two executor processes with one core and one fake GPU each;
+    a failed task may be retried once."""
+
+    def configure(builder):
+        folder = tmp_path_factory.mktemp("gpus")
+        script = folder / "discover_gpus.sh"
+        script.write_text(FAKE_GPU_SCRIPT)
+        script.chmod(0o755)
+        return (
+            builder.master("local-cluster[2,1,1024]")
+            .config("spark.task.maxFailures", "2")
+            .config("spark.worker.resource.gpu.amount", "1")
+            .config("spark.worker.resource.gpu.discoveryScript", str(script))
+            .config("spark.executor.resource.gpu.amount", "1")
+            .config("spark.task.resource.gpu.amount", "1")
+            .config("spark.executorEnv.PYSPARK_PYTHON", sys.executable)
+        )
+
+    return _spark_session("cluster", configure)
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: "spark_cluster" in getattr(item, "fixturenames", ()))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _spark["session"] is not None:
+        _spark["session"].stop()

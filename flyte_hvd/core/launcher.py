@@ -94,8 +94,9 @@ def find_mpiexec() -> str:
     found = here or shutil.which("mpiexec")
     if not found:
         raise RuntimeError(
-            "`mpiexec` not found beside the Python interpreter or on PATH: install the MPICH "
-            "wheel into this environment (`pip install mpich`)."
+            f"`mpiexec` not found beside the Python interpreter ({sys.executable}) or on PATH: "
+            f"install the MPICH wheel (`pip install mpich`) into the Python that runs the ranks "
+            f"(for Spark executors, the one spark.pyspark.python / PYSPARK_PYTHON names)."
         )
     return found
 
@@ -123,7 +124,7 @@ class _Rank:
         self.exit_string: str | None = None
         self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
         self.done = False
-        self.times: dict[str, float] = {}
+        self.times: dict[str, float] = {}  # event -> wall-clock time, comparable across hosts' logs
         self.pumps: list[threading.Thread] = []
 
 
@@ -131,7 +132,7 @@ class RankSupervisor:
     """Runs ``job`` on ``ranks`` (of ``size``) and returns ``{rank: return value}``.
 
     Args:
-        job: a ``FunctionJob`` or ``ProgramJob`` (cloudpicklable).
+        job: a ``FunctionJob`` or ``ProgramJob``, or its cloudpickle bytes.
         ranks: the ranks this supervisor starts; the rest are started by peers that take part
             in the same ``exchange``.
         exchange: backs the rendezvous rounds.
@@ -173,7 +174,8 @@ class RankSupervisor:
             server.listen(len(self.ranks))
             job_path = os.path.join(workdir, "job.pkl")
             with open(job_path, "wb") as f:
-                cloudpickle.dump(self.job, f)
+                # Spark tasks pass the job already pickled on the driver.
+                f.write(self.job if isinstance(self.job, bytes) else cloudpickle.dumps(self.job))
             threading.Thread(target=self._accept, args=(server,), daemon=True).start()
             self.started_at = time.monotonic()
             for state in self.ranks.values():
@@ -184,6 +186,10 @@ class RankSupervisor:
             self._stop_all()
             server.close()
             shutil.rmtree(workdir, ignore_errors=True)
+
+    def timings(self) -> dict[int, dict[str, float]]:
+        """Wall-clock times of each rank's start-up events (spawned, hello, joined, ...)."""
+        return {r: dict(s.times) for r, s in self.ranks.items()}
 
     # -- starting ----------------------------------------------------------------------------
 
@@ -210,7 +216,7 @@ class RankSupervisor:
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-        state.times["spawned"] = time.monotonic()
+        state.times["spawned"] = time.time()
         for stream, pipe in (("stdout", state.proc.stdout), ("stderr", state.proc.stderr)):
             pump = threading.Thread(target=self._pump, args=(state, stream, pipe), daemon=True)
             pump.start()
@@ -258,17 +264,17 @@ class RankSupervisor:
                     if state is None:
                         return
                     state.conn, state.pid = conn, message["pid"]
-                    state.times["hello"] = time.monotonic()
+                    state.times["hello"] = time.time()
                 elif state is None:
                     return
                 elif op == "allgather":
                     values = self.exchange.all_gather(state.rank, message["value"])
                     conn.sendall(rendezvous.encode({"values": values}))
                 elif op == "joined":
-                    state.times["joined"] = time.monotonic()
+                    state.times["joined"] = time.time()
                 elif op == "failed":
                     state.traceback = message["traceback"]
-                    state.times["failed"] = time.monotonic()
+                    state.times["failed"] = time.time()
                 elif op == "done":
                     state.done = True
                 self._notify()
@@ -289,7 +295,7 @@ class RankSupervisor:
         while True:
             failed = [s for s in self.ranks.values() if self._failed(s)]
             for s in failed:
-                s.times.setdefault("failed", time.monotonic())
+                s.times.setdefault("failed", time.time())
             if failed and first_failure_at is None:
                 first_failure_at = time.monotonic()
             if failed and time.monotonic() - first_failure_at >= _FAILURE_GRACE_S:
@@ -359,7 +365,7 @@ class RankSupervisor:
         for state in self.ranks.values():
             if state.proc is None or state.proc.poll() is not None:
                 continue
-            state.times["killed_by_us"] = time.monotonic()
+            state.times["killed_by_us"] = time.time()
             if state.pid is not None:
                 _kill(state.pid, signal.SIGKILL)
             _kill(state.proc.pid, signal.SIGTERM)

@@ -1,0 +1,386 @@
+"""``run(fn, num_proc=N)``: run ``fn`` on N ranks inside one Spark barrier stage.
+
+The driver checks that the cluster can hold the stage (free slots, no dynamic allocation)
+before submitting, so a job that cannot start fails in seconds with what to change, not after
+Horovod's 600 s "Timed out waiting for Spark tasks". Each barrier task then supervises one rank
+process (``flyte_hvd.core.launcher``); the ranks meet through ``BarrierTaskContext.allGather``,
+their output and failures come back to the driver over a ``DriverLink``, and the driver raises
+one error naming the failing rank with its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import cloudpickle
+
+from flyte_hvd.core.errors import RanksFailedError
+from flyte_hvd.core.job import FunctionJob
+from flyte_hvd.core.launcher import new_secret
+
+START_TIMEOUT_ENV = "HOROVOD_SPARK_START_TIMEOUT"
+DEFAULT_START_TIMEOUT = 600.0
+# Inside a rank: the accelerator addresses Spark assigned to its task, comma-separated.
+DEVICES_ENV = "FLYTE_HVD_SPARK_DEVICES"
+_SLOT_POLL_S = 1.0
+
+
+@dataclass
+class RunReport:
+    """What one ``run`` produced: results by rank and each rank's start-up timeline."""
+
+    results: list[Any]
+    submitted_at: float
+    events: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+def run(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    num_proc: int | None = None,
+    start_timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+    verbose: int = 1,
+    prefix_output_with_timestamp: bool = False,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``num_proc`` ranks of the active SparkSession.
+
+    Args:
+        fn: travels to the ranks with cloudpickle, so it may capture local variables.
+        num_proc: number of ranks; defaults to ``spark.default.parallelism``.
+        start_timeout: seconds for scheduling plus rendezvous; defaults to
+            ``HOROVOD_SPARK_START_TIMEOUT``, then 600.
+        env: extra environment variables for the ranks.
+        stdout, stderr: where rank output goes on the driver (default: sys's).
+        verbose: 0 silences the launcher's own messages.
+        prefix_output_with_timestamp: prefix every rank line with the time it arrived.
+
+    Returns:
+        Each rank's return value, in rank order.
+
+    Raises:
+        RanksFailedError: a rank raised or died; the message names it and carries its
+            traceback.
+    """
+    return launch(
+        fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
+        prefix_output_with_timestamp,
+    ).results  # fmt: skip
+
+
+def launch(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    num_proc: int | None = None,
+    start_timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+    verbose: int = 1,
+    prefix_output_with_timestamp: bool = False,
+) -> RunReport:
+    """``run``, returning the full ``RunReport`` (used by benchmarks and the estimator)."""
+    from flyte_hvd.spark.driver_link import DriverServer
+
+    sc = active_spark_context()
+    num_proc = _check_num_proc(sc.defaultParallelism if num_proc is None else num_proc)
+    timeout = _resolve_start_timeout(start_timeout)
+    job = _pickle_job(fn, args, kwargs)
+    rank_env = _check_env(env)
+    submitted_at = time.time()
+    deadline = time.monotonic() + timeout
+    wait_for_slots(sc, num_proc, deadline, timeout)
+    secret = new_secret()
+    max_attempts = stage_attempts(sc)
+    tag = f"flyte-hvd-{secret[:12]}"
+
+    def stop_after_last_attempt(attempts_started: int) -> None:
+        if attempts_started >= max_attempts:
+            sc.cancelJobsWithTag(tag)
+
+    server = DriverServer(
+        _driver_host(sc), secret, stdout, stderr, prefix_output_with_timestamp,
+        on_failure=stop_after_last_attempt,
+    )  # fmt: skip
+    log = _launcher_log(verbose, stderr)
+    log(f"flyte-hvd: running {num_proc} ranks in a Spark barrier stage")
+    task = _barrier_task(
+        job, num_proc, secret, server.address, rank_env, deadline - time.monotonic()
+    )
+    sc.addJobTag(tag)
+    try:
+        rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(task)
+        if max_attempts > 1:
+            # Spark retries a failed barrier stage only when it feeds a shuffle (a failed
+            # barrier result stage is aborted); the driver stops it after `max_attempts`.
+            rdd = rdd.partitionBy(1)
+        collected = rdd.collect()
+    except Exception as error:
+        failures = server.latest_failures()
+        if failures:
+            first = min(failures)
+            raise RanksFailedError(
+                failures, summary=f"rank {first} failed; the Spark barrier stage was stopped"
+            ) from None
+        raise RuntimeError(
+            f"the Spark barrier stage of {num_proc} ranks failed before any rank reported an "
+            f"error (an executor was lost, or the stage was cancelled): {_first_line(error)}"
+        ) from error
+    finally:
+        sc.removeJobTag(tag)
+        server.close()
+    results = [cloudpickle.loads(payload) for _, payload in sorted(collected)]
+    log(f"flyte-hvd: {num_proc} ranks finished")
+    return RunReport(results=results, submitted_at=submitted_at, events=dict(server.events))
+
+
+def active_spark_context() -> Any:
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise RuntimeError(
+            "flyte_hvd.spark needs pyspark: install it (`pip install pyspark`)."
+        ) from None
+    spark = SparkSession.getActiveSession()
+    if spark is None:
+        raise RuntimeError(
+            "no active SparkSession: create one first (SparkSession.builder.getOrCreate()), "
+            "or run without Spark through HorovodRunner(np=-N) or `flyte-hvd-run -np N`."
+        )
+    return spark.sparkContext
+
+
+def _check_num_proc(num_proc: Any) -> int:
+    if isinstance(num_proc, bool) or not isinstance(num_proc, int):
+        raise ValueError(f"`num_proc` must be an int >= 1; found {num_proc!r}.")
+    if num_proc < 1:
+        raise ValueError(f"`num_proc` must be >= 1; found {num_proc}.")
+    return num_proc
+
+
+def _resolve_start_timeout(start_timeout: float | None) -> float:
+    if start_timeout is None:
+        raw = os.environ.get(START_TIMEOUT_ENV)
+        try:
+            start_timeout = float(raw) if raw else DEFAULT_START_TIMEOUT
+        except ValueError:
+            raise ValueError(f"{START_TIMEOUT_ENV}={raw!r}: expected seconds, e.g. 120.") from None
+    if isinstance(start_timeout, bool) or not isinstance(start_timeout, int | float):
+        raise ValueError(f"`start_timeout` must be seconds > 0; found {start_timeout!r}.")
+    if start_timeout <= 0:
+        raise ValueError(f"`start_timeout` must be > 0 seconds; found {start_timeout}.")
+    return float(start_timeout)
+
+
+def _pickle_job(fn: Any, args: tuple, kwargs: dict[str, Any] | None) -> bytes:
+    if not callable(fn):
+        raise ValueError(f"`fn` must be callable; found {type(fn).__name__}.")
+    if not isinstance(args, tuple | list):
+        raise ValueError(f"`args` must be a tuple; found {type(args).__name__}.")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ValueError(f"`kwargs` must be a dict; found {type(kwargs).__name__}.")
+    try:
+        return cloudpickle.dumps(FunctionJob(fn, tuple(args), dict(kwargs or {})))
+    except Exception as error:
+        raise ValueError(
+            f"`fn` or its arguments cannot be pickled ({type(error).__name__}: {error}); they "
+            f"travel to the ranks with cloudpickle. Create objects such as locks, sockets, "
+            f"sessions or open files inside `fn` instead of capturing them."
+        ) from error
+
+
+def _check_env(env: dict[str, str] | None) -> dict[str, str]:
+    env = dict(env or {})
+    bad = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
+    if bad:
+        raise ValueError(f"`env` must map str to str; found {bad!r}.")
+    return env
+
+
+# -- preflight -------------------------------------------------------------------------------
+
+
+def task_slots(sc: Any) -> int:
+    """How many tasks of the default resource profile the cluster can run at once now
+    (what Spark's own barrier check counts: cores and accelerators per executor)."""
+    jsc = sc._jsc.sc()
+    profile = jsc.resourceProfileManager().defaultResourceProfile()
+    return int(jsc.maxNumConcurrentTasks(profile))
+
+
+def _expected_executors(sc: Any) -> int | None:
+    """Executors the application asked for but may not have yet (None in local mode)."""
+    cluster = re.match(r"local-cluster\[\s*(\d+)\s*,", sc.master)
+    if cluster:
+        return int(cluster.group(1))
+    if _is_local(sc):
+        return None
+    raw = sc.getConf().get("spark.executor.instances")
+    return int(raw) if raw else None
+
+
+def _is_local(sc: Any) -> bool:
+    """``local``/``local[N]``/``local[N,F]``: tasks run in the driver JVM."""
+    return sc.master == "local" or sc.master.startswith("local[")
+
+
+def _registered_executors(sc: Any) -> int:
+    return max(0, int(sc._jsc.sc().getExecutorMemoryStatus().size()) - 1)  # minus the driver
+
+
+def wait_for_slots(sc: Any, num_proc: int, deadline: float, timeout: float) -> None:
+    """Fail fast when the stage can never be scheduled; wait (up to the deadline) only while
+    executors the application asked for are still registering."""
+    conf = sc.getConf()
+    if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true":
+        raise RuntimeError(
+            "Spark barrier stages cannot run with dynamic allocation: set "
+            f"spark.dynamicAllocation.enabled=false and spark.executor.instances so the "
+            f"cluster has {num_proc} task slots."
+        )
+    while True:
+        slots = task_slots(sc)
+        if slots >= num_proc:
+            return
+        expected = _expected_executors(sc)
+        registered = _registered_executors(sc)
+        coming = expected is not None and registered < expected
+        if not coming or time.monotonic() >= deadline:
+            raise RuntimeError(_slots_message(sc, num_proc, slots, registered, coming, timeout))
+        time.sleep(_SLOT_POLL_S)
+
+
+def _slots_message(
+    sc: Any, num_proc: int, slots: int, registered: int, waited: bool, timeout: float
+) -> str:
+    conf = sc.getConf()
+    task_cpus = conf.get("spark.task.cpus", "1")
+    where = (
+        f"master {sc.master}"
+        if _is_local(sc)
+        else f"{registered} executor(s) x spark.executor.cores="
+        f"{conf.get('spark.executor.cores', '?')}"
+    )
+    also = f" after waiting {timeout:g}s for executors to register" if waited else ""
+    return (
+        f"`num_proc`={num_proc} but the cluster has {slots} free task slot(s) ({where}, "
+        f"spark.task.cpus={task_cpus}){also}. Lower `num_proc`, or add task slots: "
+        + (
+            f"a master of local[{num_proc}]."
+            if _is_local(sc)
+            else "more executors (spark.executor.instances) or cores (spark.executor.cores)."
+        )
+    )
+
+
+def stage_attempts(sc: Any) -> int:
+    """How many times a failed stage may run: ``spark.task.maxFailures`` (Spark's default 4),
+    or F of a ``local[N,F]`` master (1 for plain ``local[N]``)."""
+    if _is_local(sc):
+        match = re.match(r"local\[[^,\]]+,\s*(\d+)\]", sc.master)
+        return int(match.group(1)) if match else 1
+    return max(1, int(sc.getConf().get("spark.task.maxFailures", "4")))
+
+
+# -- the barrier task ------------------------------------------------------------------------
+
+
+def _driver_host(sc: Any) -> str:
+    return sc.getConf().get("spark.driver.host") or "127.0.0.1"
+
+
+def _launcher_log(verbose: int, stderr: IO[str] | None) -> Callable[[str], None]:
+    def log(message: str) -> None:
+        if verbose >= 1:
+            target = stderr or sys.stderr
+            target.write(message + "\n")
+            target.flush()
+
+    return log
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def _barrier_task(
+    job: bytes,
+    num_proc: int,
+    secret: str,
+    driver_address: tuple[str, int],
+    env: dict[str, str],
+    start_timeout: float,
+) -> Callable[[Any], Any]:
+    """The closure each barrier task runs: plain values only, no driver objects."""
+
+    def task(_: Any) -> Any:
+        from pyspark import BarrierTaskContext
+
+        from flyte_hvd.core.launcher import RankSupervisor
+        from flyte_hvd.spark.driver_link import DriverLink
+
+        ctx = BarrierTaskContext.get()
+        rank = ctx.partitionId()
+        link = DriverLink(driver_address, secret, rank)
+        link.event("task_started")
+        rank_env = dict(env)
+        gpus = ctx.resources().get("gpu")
+        if gpus is not None and gpus.addresses:
+            rank_env[DEVICES_ENV] = ",".join(gpus.addresses)
+            rank_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus.addresses)
+        supervisor = RankSupervisor(
+            job,
+            ranks=[rank],
+            size=num_proc,
+            exchange=_BarrierExchange(ctx),
+            secret=secret,
+            start_timeout=max(start_timeout, 1.0),
+            env=rank_env,
+            output=link.output,
+        )
+        try:
+            results = supervisor.run()
+        except RanksFailedError as error:
+            link.failed(error.failures.get(rank, str(error)))
+            raise RuntimeError(f"flyte-hvd rank {rank} failed:\n{error}") from None
+        except Exception as error:
+            link.failed(f"{type(error).__name__}: {error}")
+            raise
+        finally:
+            for name, at in supervisor.timings().get(rank, {}).items():
+                link.event(name, at)
+            link.close()
+        yield rank, cloudpickle.dumps(results[rank])
+
+    return task
+
+
+class _BarrierExchange:
+    """Rendezvous rounds through Spark's own authenticated channel."""
+
+    def __init__(self, ctx: Any):
+        self._ctx = ctx
+
+    def all_gather(self, rank: int, value: str) -> list[str]:
+        return list(self._ctx.allGather(value))
+
+    def abort(self) -> None:
+        pass  # a failing task fails the stage; Spark stops the other tasks
+
+
+def get_available_devices() -> list[str]:
+    """Inside a rank: the accelerator addresses Spark assigned to its task (e.g. ``['0']``);
+    empty when none were assigned or outside Spark."""
+    raw = os.environ.get(DEVICES_ENV, "")
+    return [a for a in raw.split(",") if a]

@@ -1,0 +1,77 @@
+"""``flyte_hvd.spark.run`` across separate executor processes (local-cluster[2,1,1024])."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+
+from flyte_hvd.core.errors import RanksFailedError
+from flyte_hvd.spark import run
+
+pytestmark = [pytest.mark.spark, pytest.mark.mpi]
+
+
+def test_ranks_in_executor_processes(spark_cluster, no_leftover_ranks):
+    out = io.StringIO()
+
+    def fn():
+        import numpy as np
+
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        print(f"rank {hvd.rank()} in pid {os.getpid()}")
+        total = hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum)
+        return hvd.rank(), float(total[0]), os.getppid()
+
+    results = run(fn, num_proc=2, stdout=out, verbose=0)
+    assert [(r, t) for r, t, _ in results] == [(0, 3.0), (1, 3.0)]
+    assert "[0]<stdout>:rank 0 in pid" in out.getvalue()
+    assert "[1]<stdout>:rank 1 in pid" in out.getvalue()
+
+
+def test_each_rank_gets_its_own_gpu(spark_cluster):
+    def fn():
+        import flyte_hvd.core as hvd
+        from flyte_hvd.spark import get_available_devices
+
+        hvd.init()
+        return get_available_devices(), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    results = run(fn, num_proc=2, verbose=0)
+    devices = [d for d, _ in results]
+    assert all(len(d) == 1 for d in devices), devices
+    assert devices[0] != devices[1]
+    assert [cuda for _, cuda in results] == [d[0] for d in devices]
+
+
+def test_stage_failing_once_is_retried_with_fresh_ranks(spark_cluster, tmp_path):
+    marker = str(tmp_path / "failed-once")
+
+    def fn():
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        if hvd.rank() == 1 and not os.path.exists(marker):
+            open(marker, "w").close()
+            raise RuntimeError("transient failure")
+        return hvd.allgather_object(hvd.rank())
+
+    assert run(fn, num_proc=2, verbose=0, stderr=io.StringIO()) == [[0, 1], [0, 1]]
+    assert os.path.exists(marker)
+
+
+def test_failure_in_executor_names_rank(spark_cluster, no_leftover_ranks):
+    def fn():
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        if hvd.rank() == 0:
+            raise ZeroDivisionError("rank zero divides by zero")
+        hvd.barrier()
+
+    with pytest.raises(RanksFailedError, match="rank zero divides by zero") as info:
+        run(fn, num_proc=2, verbose=0, stderr=io.StringIO())
+    assert 0 in info.value.ranks

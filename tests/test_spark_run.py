@@ -1,0 +1,190 @@
+"""``flyte_hvd.spark.run`` and ``HorovodRunner`` on a local[2] SparkSession."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from flyte_hvd.core.errors import RanksFailedError
+from flyte_hvd.spark import HorovodRunner, get_available_devices, run
+
+pytestmark = [pytest.mark.spark, pytest.mark.mpi]
+
+
+def test_results_in_rank_order_and_allgather_agrees(spark_local2, no_leftover_ranks):
+    scale = 7  # captured: travels with the function
+
+    def fn(offset):
+        import numpy as np
+
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        gathered = hvd.allgather(np.array([hvd.rank() * scale])).tolist()
+        return hvd.rank() + offset, hvd.size(), hvd.local_rank(), gathered
+
+    assert run(fn, args=(100,), num_proc=2) == [
+        (100, 2, 0, [0, 7]),
+        (101, 2, 1, [0, 7]),
+    ]
+
+
+def test_env_and_kwargs_reach_fn(spark_local2):
+    def fn(suffix=""):
+        return os.environ["MY_SETTING"] + suffix
+
+    assert run(fn, kwargs={"suffix": "!"}, num_proc=2, env={"MY_SETTING": "on"}) == ["on!"] * 2
+
+
+def test_num_proc_defaults_to_default_parallelism(spark_local2):
+    def fn():
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        return hvd.size()
+
+    assert run(fn) == [spark_local2.sparkContext.defaultParallelism] * 2
+
+
+def test_rank_output_reaches_driver_with_prefix(spark_local2):
+    out, err = io.StringIO(), io.StringIO()
+
+    def fn():
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        print(f"epoch done on {hvd.rank()}")
+        print("careful", file=sys.stderr)
+
+    run(fn, num_proc=2, stdout=out, stderr=err, verbose=0)
+    assert "[0]<stdout>:epoch done on 0" in out.getvalue()
+    assert "[1]<stdout>:epoch done on 1" in out.getvalue()
+    assert "[1]<stderr>:careful" in err.getvalue()
+    assert "flyte-hvd:" not in err.getvalue()  # verbose=0: no launcher chatter
+
+    out, err = io.StringIO(), io.StringIO()
+    run(fn, num_proc=1, stdout=out, stderr=err, verbose=1, prefix_output_with_timestamp=True)
+    assert "flyte-hvd: running 1 ranks" in err.getvalue()
+    line = out.getvalue().splitlines()[0]
+    assert line.endswith("[0]<stdout>:epoch done on 0") and line[:4].isdigit()
+
+
+def test_too_many_ranks_fail_fast_with_slot_count(spark_local2):
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"`num_proc`=3 but the cluster has 2 free task slot"):
+        run(print, num_proc=3, start_timeout=120)
+    assert time.monotonic() - started < 10
+
+
+def test_dynamic_allocation_is_refused(spark_local2):
+    conf = spark_local2.sparkContext._conf
+    conf.set("spark.dynamicAllocation.enabled", "true")
+    try:
+        with pytest.raises(RuntimeError, match=r"spark\.dynamicAllocation\.enabled=false"):
+            run(print, num_proc=1)
+    finally:
+        conf.set("spark.dynamicAllocation.enabled", "false")
+
+
+def test_failing_rank_is_named_with_its_traceback(spark_local2, no_leftover_ranks):
+    def fn():
+        import time
+
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        if hvd.rank() == 1:
+            raise KeyError("missing feature column on rank one")
+        time.sleep(300)  # rank 0 would wait forever without the launcher stopping it
+
+    started = time.monotonic()
+    with pytest.raises(RanksFailedError) as info:
+        run(fn, num_proc=2, verbose=0, stderr=io.StringIO())
+    assert time.monotonic() - started < 60
+    assert info.value.ranks == [1]
+    message = str(info.value)
+    assert "rank 1 failed" in message
+    assert "KeyError: 'missing feature column on rank one'" in message
+    assert "in fn\n    raise KeyError" in message
+
+
+def test_killed_rank_reports_the_signal(spark_local2, no_leftover_ranks):
+    def fn():
+        import os
+        import signal
+        import time
+
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        if hvd.rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(300)
+
+    with pytest.raises(RanksFailedError, match=r"rank 0 died: Killed \(signal 9\)"):
+        run(fn, num_proc=2, verbose=0, stderr=io.StringIO())
+
+
+def test_horovod_runner_returns_rank_zero_value(spark_local2, no_leftover_ranks):
+    def main(word="x"):
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        return f"{word}-{hvd.rank()}-{hvd.size()}"
+
+    assert HorovodRunner(np=2).run(main, word="spark") == "spark-0-2"
+    assert HorovodRunner(np=-2).run(main, word="local") == "local-0-2"
+    assert HorovodRunner(np=0).run(main) == "x-0-2"  # one rank per free slot of local[2]
+
+
+@pytest.mark.parametrize("bad", [0, -1, "2", 1.5, True])
+def test_bad_num_proc(spark_local2, bad):
+    with pytest.raises(ValueError, match="num_proc"):
+        run(print, num_proc=bad)
+
+
+def test_unpicklable_fn_is_refused_before_launch(spark_local2):
+    lock = threading.Lock()
+
+    def fn():
+        return lock.locked()
+
+    with pytest.raises(ValueError, match="cannot be pickled"):
+        run(fn, num_proc=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"start_timeout": 0}, "start_timeout"),
+        ({"env": {"A": 1}}, "`env` must map str to str"),
+        ({"kwargs": [1]}, "`kwargs` must be a dict"),
+    ],
+)
+def test_bad_arguments(spark_local2, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        run(print, num_proc=1, **kwargs)
+
+
+def test_bad_horovod_runner_arguments():
+    with pytest.raises(ValueError, match="`np` must be an int"):
+        HorovodRunner(np="2")
+    with pytest.raises(ValueError, match="driver_log_verbosity"):
+        HorovodRunner(np=2, driver_log_verbosity="some")
+
+
+def test_no_active_session_is_a_clear_error():
+    code = "import flyte_hvd.spark as s; s.run(print, num_proc=1)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "no active SparkSession" in result.stderr
+
+
+def test_no_devices_outside_spark():
+    assert get_available_devices() == []

@@ -22,6 +22,7 @@ test: setup
 
 run: setup
 	$(VENV)/bin/flyte-hvd-run -np 2 python examples/data_parallel_regression.py
+	$(PY) examples/spark_data_parallel.py
 
 lint: setup
 	$(PY) -m ruff check .
@@ -32,3 +33,4 @@ format: setup
 
 bench: setup
 	$(PY) -m benchmarks.allreduce
+	$(PY) -m benchmarks.startup

@@ -87,6 +87,44 @@ def test_launch_local_returns_values_in_rank_order(no_leftover_ranks):
     assert launch_local(FunctionJob(fn, (10,)), 3) == [(10, 3, "0"), (11, 3, "1"), (12, 3, "2")]
 
 
+@pytest.mark.parametrize("first", ["broadcast", "broadcast_object", "allgather", "alltoall"])
+def test_any_collective_may_come_first(first):
+    def fn():
+        import numpy as np
+
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        call = {
+            "broadcast": lambda: hvd.broadcast(np.arange(2), root_rank=1).tolist(),
+            "broadcast_object": lambda: hvd.broadcast_object("hi", root_rank=0),
+            "allgather": lambda: hvd.allgather(np.array([hvd.rank()])).tolist(),
+            "alltoall": lambda: hvd.alltoall(np.arange(2) + 10 * hvd.rank())[0].tolist(),
+        }[first]
+        return call()
+
+    results = launch_local(FunctionJob(fn), 2)
+    assert (
+        results[0]
+        == {
+            "broadcast": [0, 1],
+            "broadcast_object": "hi",
+            "allgather": [0, 1],
+            "alltoall": [0, 10],
+        }[first]
+    )
+
+
+def test_five_ranks_join_in_order(no_leftover_ranks):
+    def fn():
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        return hvd.rank(), hvd.allgather_object(hvd.rank())
+
+    assert launch_local(FunctionJob(fn), 5) == [(r, [0, 1, 2, 3, 4]) for r in range(5)]
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.0, "2", True])
 def test_launch_local_rejects_bad_num_proc(bad):
     with pytest.raises(ValueError, match="num_proc"):

@@ -48,7 +48,7 @@ _SUPPORTED_KINDS = "fiuc"
 _MPI_OPS: dict[int, Any] = {}
 
 
-def _mpi_op(op: Any) -> tuple[ReduceOp, Any]:
+def _mpi_ops() -> dict[int, Any]:
     if not _MPI_OPS:
         from mpi4py import MPI
 
@@ -61,7 +61,11 @@ def _mpi_op(op: Any) -> tuple[ReduceOp, Any]:
                 ReduceOp.PRODUCT: MPI.PROD,
             }
         )
-    mpi_op = _MPI_OPS.get(op) if isinstance(op, int) else None
+    return _MPI_OPS
+
+
+def _mpi_op(op: Any) -> tuple[ReduceOp, Any]:
+    mpi_op = _mpi_ops().get(op) if isinstance(op, int) else None
     if mpi_op is None:
         if op == ReduceOp.ADASUM:
             raise ValueError("`op=Adasum` is not supported; use hvd.Average or hvd.Sum.")
@@ -123,7 +127,7 @@ def _check_same(comm: Any, fields: tuple, describe: Callable[[], str]) -> None:
         return
     fp = _fingerprint(fields)
     pair = np.array([fp, -fp], dtype=np.int64)
-    comm.Allreduce(_in_place(), pair, _MPI_OPS[ReduceOp.MAX])
+    comm.Allreduce(_in_place(), pair, _mpi_ops()[ReduceOp.MAX])
     if pair[0] == fp and -pair[1] == fp:
         return
     _raise_mismatch(comm, describe())

@@ -5,10 +5,10 @@ to its supervisor over a private control socket: JSON lines, one request and one
 time. The supervisor backs ``all_gather`` with whatever its launcher has: other local ranks
 (``flyte-hvd-run``) or Spark's ``BarrierTaskContext.allGather`` (one rank per Spark task).
 
-The join admits rank k only in round k: ``Accept`` is collective over the group built so far
-and pairs with whichever process connects first, so two ranks racing to connect can be
-admitted in the wrong order and hang. After the merge every rank proves it holds the run's
-secret before any user code runs.
+The join admits rank k only in round k, on a port of its own: ``Accept`` is collective over
+the group built so far and pairs with whichever process connects first, so with one shared
+port two ranks racing to connect were admitted in the wrong order and hung. After the merge
+every rank proves it holds the run's secret before any user code runs.
 """
 
 from __future__ import annotations
@@ -70,9 +70,6 @@ class ControlClient:
         self.send({"op": "allgather", "value": value})
         return self._replies.get()["values"]
 
-    def barrier(self) -> None:
-        self.all_gather("")
-
     def finish(self) -> None:
         """Report success; from now on the supervisor may close the socket."""
         self._closing = True
@@ -80,24 +77,30 @@ class ControlClient:
 
 
 def join(client: ControlClient, rank: int, size: int) -> Any:
-    """Build the ``size``-rank intracommunicator, ordered by ``rank``."""
+    """Build the ``size``-rank intracommunicator, ordered by ``rank``.
+
+    Rank 0 opens one port per joining rank and a single ``all_gather`` hands them out. In
+    round k the ranks joined so far ``Accept`` on port k, which only rank k connects to, so
+    ranks may connect concurrently without being admitted out of order, and the rounds need
+    no barriers between them (one exchange instead of one per rank).
+    """
     from mpi4py import MPI
 
-    port = MPI.Open_port() if rank == 0 else ""
-    port = client.all_gather(port)[0]
+    ports = [MPI.Open_port() for _ in range(size - 1)] if rank == 0 else []
+    ports = client.all_gather("|".join(ports))[0].split("|")
     comm = MPI.COMM_SELF
     for k in range(1, size):
         if rank < k:
-            inter = comm.Accept(port, root=0)
+            inter = comm.Accept(ports[k - 1], root=0)
             comm = inter.Merge(high=False)
             inter.Free()
         elif rank == k:
-            inter = MPI.COMM_SELF.Connect(port, root=0)
+            inter = MPI.COMM_SELF.Connect(ports[k - 1], root=0)
             comm = inter.Merge(high=True)
             inter.Free()
-        client.barrier()  # round k is complete on every rank before rank k+1 connects
-    if rank == 0 and size > 1:
-        MPI.Close_port(port)
+    if rank == 0:
+        for port in ports[: size - 1]:
+            MPI.Close_port(port)
     if comm.Get_rank() != rank or comm.Get_size() != size:
         raise RuntimeError(
             f"rendezvous built a communicator where rank {rank} of {size} is "

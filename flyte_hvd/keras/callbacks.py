@@ -1,0 +1,214 @@
+"""Horovod's Keras callbacks, for Keras 3."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+
+from flyte_hvd.core import collectives, state
+from flyte_hvd.keras.optimizer import broadcast_variables
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Start every rank from ``root_rank``'s model and optimizer state.
+
+    Keras 3 builds the optimizer before training starts, so the broadcast happens at
+    ``on_train_begin``, before the first step (Horovod had to wait for the first batch end).
+    """
+
+    def __init__(self, root_rank: int = 0, device: str = ""):
+        super().__init__()
+        self.root_rank = root_rank
+        self.broadcast_done = False
+
+    def on_train_begin(self, logs=None):
+        if self.broadcast_done:
+            return
+        model = self.model
+        optimizer = model.optimizer
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        variables = list(model.variables)
+        if optimizer is not None:
+            variables += list(optimizer.variables)
+        broadcast_variables(variables, root_rank=self.root_rank)
+        self.broadcast_done = True
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Replace each epoch's logs by their average over ranks. Put it before callbacks that
+    read the logs (checkpointing, early stopping, LR on plateau) so they see the same values
+    on every rank."""
+
+    def __init__(self, device: str = ""):
+        super().__init__()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None or state.size() == 1:
+            return
+        keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and _is_number(v))
+        values = np.array([float(logs[k]) for k in keys], dtype=np.float64)
+        averaged = collectives.allreduce(values, op=collectives.Average, name="MetricAverage")
+        for key, value in zip(keys, averaged, strict=True):
+            logs[key] = float(value)
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Set ``lr = initial_lr * multiplier(epoch)`` for epochs in ``[start_epoch, end_epoch)``.
+
+    ``multiplier`` is a number or a function of the epoch. With ``staircase=False`` the epoch
+    is fractional and the rate changes every batch. ``momentum_correction`` scales the
+    optimizer's momentum by new_lr/old_lr for the batch where the rate changes, when the
+    momentum is a variable (Keras 3's SGD keeps it as a constant, which is left alone).
+    """
+
+    def __init__(
+        self,
+        initial_lr: float,
+        multiplier: float | Callable[[float], float],
+        start_epoch: int = 0,
+        end_epoch: int | None = None,
+        staircase: bool = True,
+        momentum_correction: bool = True,
+        steps_per_epoch: int | None = None,
+    ):
+        super().__init__()
+        if initial_lr is None or initial_lr <= 0:
+            raise ValueError(f"`initial_lr` must be > 0; found {initial_lr!r}.")
+        self.initial_lr = float(initial_lr)
+        self.multiplier = multiplier if callable(multiplier) else (lambda _epoch: multiplier)
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = staircase
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch = 0
+        self._restore_momentum: float | None = None
+
+    def _in_range(self, epoch: float) -> bool:
+        return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
+
+    def _steps(self) -> int:
+        steps = self.steps_per_epoch or (self.params or {}).get("steps")
+        if not steps:
+            raise ValueError(
+                "LearningRateScheduleCallback with staircase=False needs `steps_per_epoch` "
+                "(Keras did not report the number of steps per epoch)."
+            )
+        return int(steps)
+
+    def _set_lr(self, epoch: float) -> None:
+        optimizer = self.model.optimizer
+        old = float(np.asarray(optimizer.learning_rate))
+        new = self.initial_lr * float(self.multiplier(epoch))
+        optimizer.learning_rate = new
+        momentum = getattr(optimizer, "momentum", None)
+        if self.momentum_correction and isinstance(momentum, keras.Variable) and old > 0:
+            self._restore_momentum = float(np.asarray(momentum))
+            momentum.assign(self._restore_momentum * new / old)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+        if self.staircase and self._in_range(epoch):
+            self._set_lr(epoch)
+
+    def on_batch_begin(self, batch, logs=None):
+        if self.staircase:
+            return
+        epoch = self.current_epoch + batch / self._steps()
+        if self._in_range(epoch):
+            self._set_lr(epoch)
+
+    def on_batch_end(self, batch, logs=None):
+        if self._restore_momentum is not None:
+            self.model.optimizer.momentum.assign(self._restore_momentum)
+            self._restore_momentum = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["lr"] = float(np.asarray(self.model.optimizer.learning_rate))
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Ramp the rate from ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs``, per
+    batch (Goyal et al.): large batches start gently. ``initial_lr`` is the rate after warmup,
+    usually the single-process rate times ``size()``."""
+
+    def __init__(
+        self,
+        initial_lr: float,
+        warmup_epochs: int = 5,
+        momentum_correction: bool = True,
+        steps_per_epoch: int | None = None,
+        verbose: int = 0,
+    ):
+        self.warmup_epochs = warmup_epochs
+        self.verbose = verbose
+
+        def multiplier(epoch: float) -> float:
+            size = state.size()
+            return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
+
+        super().__init__(
+            initial_lr,
+            multiplier,
+            start_epoch=0,
+            end_epoch=warmup_epochs,
+            staircase=False,
+            momentum_correction=momentum_correction,
+            steps_per_epoch=steps_per_epoch,
+        )
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        if epoch == self.end_epoch - 1:
+            self.model.optimizer.learning_rate = self.initial_lr
+            if self.verbose and state.rank() == 0:
+                print(f"\nEpoch {epoch + 1}: finished learning rate warmup to {self.initial_lr:g}.")
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """A ``ModelCheckpoint`` that keeps only the best model by ``monitor``.
+
+    Its file path is set by whoever runs training (the estimator points it into the run's
+    directory); set ``filepath`` yourself to use it directly.
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_weights_only: bool = False,
+        mode: str = "auto",
+        save_freq: str | int = "epoch",
+    ):
+        placeholder = "unset.weights.h5" if save_weights_only else "unset.keras"
+        super().__init__(
+            filepath=placeholder,
+            monitor=monitor,
+            verbose=verbose,
+            save_best_only=True,
+            save_weights_only=save_weights_only,
+            mode=mode,
+            save_freq=save_freq,
+        )
+        self.filepath = None
+
+    def on_train_begin(self, logs=None):
+        if not self.filepath:
+            raise ValueError(
+                "BestModelCheckpoint has no file path: the estimator sets it; when you use it "
+                "directly, set `callback.filepath = 'best.keras'` first."
+            )
+        super().on_train_begin(logs)

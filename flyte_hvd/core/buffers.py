@@ -25,33 +25,46 @@ MAX_POOLED_BYTES = 1 << 30
 _FREE_REFCOUNT = 3
 
 
+# TensorFlow adopts a numpy result without copying only if it is 64-byte aligned; malloc
+# gives 16.
+ALIGNMENT = 64
+
+
 class BufferPool:
     def __init__(self) -> None:
+        # Raw allocations by usable size. Views of them have the raw array as ``base``, so
+        # the raw array's reference count tells whether a caller still holds a view.
         self._by_size: dict[int, list[np.ndarray]] = {}
         self._pooled_bytes = 0
         self._lock = threading.Lock()
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """An uninitialized C-contiguous array, like ``np.empty``, maybe from the pool."""
+        """An uninitialized C-contiguous, 64-byte aligned array, like ``np.empty``, maybe
+        from the pool."""
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < MIN_POOLED_BYTES:
             return np.empty(shape, dtype)
         with self._lock:
-            backings = self._by_size.setdefault(nbytes, [])
-            for backing in backings:
-                if sys.getrefcount(backing) == _FREE_REFCOUNT:
-                    return backing.view(dtype).reshape(shape)
-            backing = np.empty(nbytes, np.uint8)
-            if len(backings) < MAX_PER_SIZE and self._pooled_bytes + nbytes <= MAX_POOLED_BYTES:
-                backings.append(backing)
+            raws = self._by_size.setdefault(nbytes, [])
+            for raw in raws:
+                if sys.getrefcount(raw) == _FREE_REFCOUNT:
+                    return _aligned_view(raw, nbytes, shape, dtype)
+            raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+            if len(raws) < MAX_PER_SIZE and self._pooled_bytes + nbytes <= MAX_POOLED_BYTES:
+                raws.append(raw)
                 self._pooled_bytes += nbytes
-        return backing.view(dtype).reshape(shape)
+        return _aligned_view(raw, nbytes, shape, dtype)
 
     def clear(self) -> None:
         with self._lock:
             self._by_size.clear()
             self._pooled_bytes = 0
+
+
+def _aligned_view(raw: np.ndarray, nbytes: int, shape: tuple[int, ...], dtype: np.dtype):
+    offset = -raw.ctypes.data % ALIGNMENT
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
 pool = BufferPool()

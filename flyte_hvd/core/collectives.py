@@ -19,7 +19,7 @@ import cloudpickle
 import numpy as np
 
 from flyte_hvd.core import state, timeline
-from flyte_hvd.core.buffers import pool
+from flyte_hvd.core.buffers import ALIGNMENT, pool
 from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.core.errors import CollectiveMismatchError
 
@@ -252,24 +252,27 @@ def grouped_allreduce(
     results: list[np.ndarray | None] = [None] * len(arrs)
     for members in _fusion_groups([c[0] for c in compressed], fusion_threshold()):
         dtype = compressed[members[0]][0].dtype
-        total = sum(compressed[i][0].size for i in members)
-        buf = pool.empty((total,), dtype)
-        offset = 0
+        # Each array starts on a 64-byte boundary, so TensorFlow can adopt its result
+        # without a copy.
+        step = max(1, ALIGNMENT // dtype.itemsize)
+        offsets, total = [], 0
         for i in members:
+            offsets.append(total)
+            total += -(-compressed[i][0].size // step) * step
+        buf = pool.empty((total,), dtype)
+        for i, offset in zip(members, offsets, strict=True):
             part = compressed[i][0]
             buf[offset : offset + part.size] = part.reshape(-1)
-            offset += part.size
+            buf[offset + part.size : offset + -(-part.size // step) * step] = 0
         _scale_in_place(buf, prescale_factor, "prescale_factor")
         start = _begin()
         comm.Allreduce(_in_place(), buf, mpi_op)
         _end("grouped_allreduce", name, buf.nbytes, start)
         _finish_average(buf, comm.Get_size(), op)
         _scale_in_place(buf, postscale_factor, "postscale_factor")
-        offset = 0
-        for i in members:
+        for i, offset in zip(members, offsets, strict=True):
             part, ctx = compressed[i]
             view = buf[offset : offset + part.size].reshape(part.shape)
-            offset += part.size
             results[i] = compression.decompress(view, ctx)
     return results  # type: ignore[return-value]
 

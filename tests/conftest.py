@@ -126,3 +126,83 @@ def pytest_collection_modifyitems(items):
 def pytest_sessionfinish(session, exitstatus):
     if _spark["session"] is not None:
         _spark["session"].stop()
+
+
+# -- S3 (moto server) ------------------------------------------------------------------------
+# A real S3 HTTP endpoint on 127.0.0.1 (moto's server mode, in a thread of this process) with
+# authentication on: the fixture's access key works, any other key or secret is refused, as on
+# AWS. Tests talk to it through s3fs/boto3 with `endpoint_url`; nothing is mocked.
+
+S3_BUCKET = "flyte-hvd-test"
+
+
+class S3Server:
+    """Where the test S3 endpoint is and how to sign in to it."""
+
+    def __init__(self, endpoint_url: str, key: str, secret: str, bucket: str):
+        self.endpoint_url = endpoint_url
+        self.key = key
+        self.secret = secret
+        self.bucket = bucket
+
+    def storage_options(self, **overrides) -> dict:
+        """fsspec/s3fs options for this endpoint (override `key`/`secret` to test failures)."""
+        options = {
+            "key": self.key,
+            "secret": self.secret,
+            "endpoint_url": self.endpoint_url,
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
+        options.update(overrides)
+        return options
+
+    def client(self):
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=self.key,
+            aws_secret_access_key=self.secret,
+            region_name="us-east-1",
+        )
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 (a free port) with one bucket and one IAM user."""
+    import logging
+
+    import boto3
+    import requests
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    iam = boto3.client(
+        "iam",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="bootstrap",
+        aws_secret_access_key="bootstrap",
+    )
+    iam.create_user(UserName="flyte-hvd-tests")
+    iam.put_user_policy(
+        UserName="flyte-hvd-tests",
+        PolicyName="all",
+        PolicyDocument='{"Version": "2012-10-17", "Statement": '
+        '[{"Effect": "Allow", "Action": "*", "Resource": "*"}]}',
+    )
+    access = iam.create_access_key(UserName="flyte-hvd-tests")["AccessKey"]
+    # From here on every request must be signed with a known key and the right secret.
+    requests.post(f"{endpoint}/moto-api/reset-auth", data=b"0", timeout=10).raise_for_status()
+    info = S3Server(endpoint, access["AccessKeyId"], access["SecretAccessKey"], S3_BUCKET)
+    info.client().create_bucket(Bucket=S3_BUCKET)
+    try:
+        yield info
+    finally:
+        requests.post(f"{endpoint}/moto-api/reset-auth", data=b"inf", timeout=10)
+        server.stop()

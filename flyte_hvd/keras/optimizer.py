@@ -196,8 +196,9 @@ def broadcast_variables(variables: list[Any], root_rank: int = 0) -> None:
         raise ValueError(
             f"`root_rank`={root_rank} does not exist: expected [0, {len(everyone) - 1}]."
         )
+    # Shapes and dtypes must agree; names may not (Keras numbers layers per process).
     for rank, theirs in enumerate(everyone):
-        if theirs != root:
+        if [d[1:] for d in theirs] != [d[1:] for d in root]:
             raise ValueError(_architecture_mismatch(root_rank, root, rank, theirs))
     by_dtype: dict[str, list[Any]] = {}
     for v in variables:
@@ -218,7 +219,7 @@ def _architecture_mismatch(
     if len(root) != len(theirs):
         detail = f"rank {root_rank} has {len(root)} variables, rank {rank} has {len(theirs)}"
     else:
-        first = next(i for i, (a, b) in enumerate(zip(root, theirs, strict=True)) if a != b)
+        first = next(i for i, (a, b) in enumerate(zip(root, theirs, strict=True)) if a[1:] != b[1:])
         detail = (
             f"variable {first}: rank {root_rank} has {root[first][0]} {root[first][1]} "
             f"{root[first][2]}, rank {rank} has {theirs[first][0]} {theirs[first][1]} "

@@ -1,0 +1,247 @@
+"""What every framework's estimator shares: params checks, data preparation, the launch on
+ranks, and prediction on Arrow batches. ``KerasEstimator`` (and later the Torch ones) supply
+only the framework parts: how to check the model, train on a rank, and predict."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from pyspark.ml import Estimator, Model
+from pyspark.ml.util import MLReadable, MLWritable
+
+from flyte_hvd.spark.params import ESTIMATOR_PARAMS, MODEL_PARAMS, with_params
+from flyte_hvd.spark.runner import launch
+
+
+class SparkBackend:
+    """Runs the training function on ``num_proc`` ranks of the active SparkSession."""
+
+    def __init__(self, num_proc: int | None = None, start_timeout: float | None = None,
+                 verbose: int = 1):  # fmt: skip
+        self._num_proc = num_proc
+        self._start_timeout = start_timeout
+        self._verbose = verbose
+
+    def num_processes(self) -> int:
+        if self._num_proc is None:
+            from flyte_hvd.spark.runner import active_spark_context
+
+            return active_spark_context().defaultParallelism
+        return self._num_proc
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+            env: dict[str, str] | None = None) -> list[Any]:  # fmt: skip
+        return launch(
+            fn, args, kwargs, num_proc=self.num_processes(), start_timeout=self._start_timeout,
+            env=env, verbose=self._verbose,
+        ).results  # fmt: skip
+
+
+@with_params(ESTIMATOR_PARAMS)
+class HorovodEstimator(Estimator):
+    """A ``pyspark.ml`` Estimator whose ``fit`` trains on ranks inside a Spark barrier stage."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__()
+        self._setDefault(**_fresh(self._param_defaults))
+        unknown = sorted(set(kwargs) - set(self._param_defaults))
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__} got unknown parameter(s) {unknown}; known: "
+                f"{sorted(self._param_defaults)}."
+            )
+        self._set(**kwargs)
+
+    # -- checks that run before any rank starts ---------------------------------------------
+
+    def _check_params(self, columns: list[str] | None) -> None:
+        if self.getNumProc() is not None and self.getBackend() is not None:
+            raise ValueError(
+                "`num_proc` and `backend` are exclusive: set the number of ranks on the backend "
+                "(e.g. SparkBackend(num_proc=2)) or pass only `num_proc`."
+            )
+        _check_int("batch_size", self.getBatchSize(), minimum=1)
+        _check_int("epochs", self.getEpochs(), minimum=1)
+        if self.getValBatchSize() is not None:
+            _check_int("val_batch_size", self.getValBatchSize(), minimum=1)
+        if self.getStore() is None:
+            raise ValueError("`store` is required: e.g. store=Store.create('/tmp/flyte-hvd').")
+        labels = self.getLabelCols()
+        if not labels:
+            raise ValueError("`label_cols` is required: the column(s) the model predicts.")
+        if columns is not None:
+            wanted = [*self._feature_cols(columns), *labels]
+            if self.getSampleWeightCol():
+                wanted.append(self.getSampleWeightCol())
+            if isinstance(self.getValidation(), str):
+                wanted.append(self.getValidation())
+            missing = [c for c in wanted if c not in columns]
+            if missing:
+                raise ValueError(
+                    f"column(s) {missing} are not in the DataFrame; it has {columns}. Check "
+                    f"`feature_cols`, `label_cols`, `sample_weight_col` and `validation`."
+                )
+        self.getStore().check_writable()
+
+    def _feature_cols(self, columns: list[str]) -> list[str]:
+        features = self.getFeatureCols()
+        if features:
+            return list(features)
+        skip = {*self.getLabelCols(), self.getSampleWeightCol(), self.getValidation()}
+        return [c for c in columns if c not in skip]
+
+    def _backend(self) -> Any:
+        return self.getBackend() or SparkBackend(self.getNumProc(), verbose=self.getVerbose())
+
+    def _run_id(self) -> str:
+        return self.getRunId() or f"{self._framework}_{time.strftime('%Y%m%d_%H%M%S')}"
+
+    # -- fit ---------------------------------------------------------------------------------
+
+    def _fit(self, df: Any) -> Model:
+        from flyte_hvd.spark.prepare import prepare_data
+
+        self._check_params(df.columns)
+        self._check_model(self._feature_cols(df.columns), self.getLabelCols())
+        backend = self._backend()
+        with prepare_data(
+            backend.num_processes(),
+            self.getStore(),
+            df,
+            label_columns=self.getLabelCols(),
+            feature_columns=self._feature_cols(df.columns),
+            validation=self.getValidation(),
+            sample_weight_col=self.getSampleWeightCol(),
+            partitions_per_process=self.getPartitionsPerProcess(),
+            verbose=self.getVerbose(),
+        ) as dataset_idx:
+            return self._fit_on_prepared(backend, dataset_idx, self._feature_cols(df.columns))
+
+    def fit_on_parquet(self, dataset_idx: str | None = None) -> Model:
+        """Train on data already in the store's train/val paths (written by ``prepare_data``
+        or by anything else that writes Parquet there)."""
+        self._check_params(None)
+        features = self.getFeatureCols()
+        if not features:
+            raise ValueError("`fit_on_parquet` needs `feature_cols`: there is no DataFrame.")
+        self._check_model(list(features), self.getLabelCols())
+        return self._fit_on_prepared(self._backend(), dataset_idx, list(features))
+
+    def _fit_on_prepared(self, backend: Any, dataset_idx: Any, features: list[str]) -> Model:
+        from flyte_hvd.spark.prepare import get_dataset_metadata
+
+        store = self.getStore()
+        metadata = get_dataset_metadata(store, dataset_idx)  # (train, validation or None)
+        run_id = self._run_id()
+        spec = self._training_spec(store.to_remote(run_id, dataset_idx), features, metadata,
+                                   backend.num_processes())  # fmt: skip
+        results = backend.run(self._remote_trainer(), args=(spec,), env={})
+        return self._create_model(results[0], run_id, features, metadata)
+
+    # -- framework hooks ----------------------------------------------------------------------
+
+    _framework = "model"
+
+    def _check_model(self, features: list[str], labels: list[str]) -> None:
+        raise NotImplementedError
+
+    def _training_spec(self, remote_store: Any, features: list[str], metadata: Any,
+                       num_proc: int) -> Any:  # fmt: skip
+        raise NotImplementedError
+
+    def _remote_trainer(self) -> Callable[[Any], dict]:
+        raise NotImplementedError
+
+    def _create_model(self, result: dict, run_id: str, features: list[str],
+                      metadata: Any) -> Model:  # fmt: skip
+        raise NotImplementedError
+
+
+@with_params(MODEL_PARAMS)
+class HorovodModel(Model, MLWritable, MLReadable):
+    """A trained model as a ``pyspark.ml`` Transformer: ``transform`` appends one prediction
+    column per label, computed on Arrow batches by ``mapInPandas`` with the model loaded once
+    per Python worker (never one row at a time)."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__()
+        self._setDefault(**_fresh(self._param_defaults))
+        self._set(**kwargs)
+
+    def _output_cols(self) -> list[str]:
+        return list(self.getOutputCols() or [f"{c}__output" for c in self.getLabelColumns()])
+
+    def setOutputCols(self, value: list[str]) -> HorovodModel:
+        labels = self.getLabelColumns()
+        if not isinstance(value, list | tuple) or len(value) != len(labels):
+            raise ValueError(
+                f"`output_cols` must list one column per label ({len(labels)}: {labels}); "
+                f"found {value!r}."
+            )
+        return self._set(output_cols=list(value))
+
+    def _transform(self, df: Any) -> Any:
+        import pandas as pd
+        from pyspark.ml.functions import vector_to_array
+        from pyspark.ml.linalg import VectorUDT
+        from pyspark.sql import functions as F
+        from pyspark.sql.pandas.functions import PandasUDFType
+        from pyspark.sql.types import StructField, StructType
+
+        outputs = self._output_cols()
+        clash = [c for c in outputs if c in df.columns]
+        if clash:
+            raise ValueError(
+                f"output column(s) {clash} already exist in the DataFrame; pick other names "
+                f"with setOutputCols([...]) or drop them first."
+            )
+        features = self.getFeatureColumns()
+        missing = [c for c in features if c not in df.columns]
+        if missing:
+            raise ValueError(
+                f"feature column(s) {missing} are not in the DataFrame; it has {df.columns}."
+            )
+        # Vectors enter the UDF as arrays: Arrow does not carry Spark's vector type.
+        inputs = [
+            vector_to_array(F.col(c)) if isinstance(df.schema[c].dataType, VectorUDT) else F.col(c)
+            for c in features
+        ]
+        result_type = StructType(
+            [StructField(f"_{i}", t, True) for i, t in enumerate(self._output_types())]
+        )
+        predict = self._batch_predictor(df.sparkSession.sparkContext)
+
+        def predict_batches(batches: Iterator[Any]) -> Iterator[pd.DataFrame]:
+            for batch in batches:
+                columns = batch if isinstance(batch, tuple) else (batch,)
+                values = predict(list(columns))
+                yield pd.DataFrame({f"_{i}": v for i, v in enumerate(values)})
+
+        # An iterator UDF: the model loads once per task, then predicts whole Arrow batches.
+        predict_batches = F.pandas_udf(predict_batches, result_type, PandasUDFType.SCALAR_ITER)
+
+        predicted = "__flyte_hvd_prediction"
+        return df.withColumn(predicted, predict_batches(*inputs)).select(
+            *[F.col(f"`{c}`") for c in df.columns],
+            *[F.col(f"{predicted}._{i}").alias(c) for i, c in enumerate(outputs)],
+        )
+
+    # -- framework hooks ----------------------------------------------------------------------
+
+    def _output_types(self) -> list[Any]:
+        raise NotImplementedError
+
+    def _batch_predictor(self, sc: Any) -> Callable[[Any], list[Any]]:
+        raise NotImplementedError
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}; found {value!r}.")
+
+
+def _fresh(defaults: dict[str, Any]) -> dict[str, Any]:
+    """Defaults with their own copies of mutable values (lists, dicts)."""
+    return {k: (type(v)(v) if isinstance(v, list | dict) else v) for k, v in defaults.items()}

@@ -1,0 +1,483 @@
+"""Data loaders: one rank's batches of a Parquet dataset, epoch after epoch.
+
+``BaseDataLoader`` is what an estimator calls; ``ArrowDataLoader`` (the default) reads with
+``pyarrow.dataset``. Every rank yields the same number of batches per epoch, computed from
+the dataset's total row count alone (``ceil(rows / (size * batch_size))``), so ranks agree
+without talking and no rank waits in an allreduce that another rank never joins.
+
+Runs on ranks: imports neither pyspark nor flyte_hvd.core, and TensorFlow only inside
+``to_tf_dataset``.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from flyte_hvd.spark.dataset import (
+    DatasetMetadata,
+    as_arrow_filesystem,
+    decode_column,
+    open_parquet_dataset,
+    read_metadata_fs,
+)
+from flyte_hvd.spark.store import RemoteStore, Store
+
+Batch = dict[str, np.ndarray]
+# Pipeline of an epoch: a reader thread decodes pieces (pyarrow, without the GIL) up to
+# _READ_AHEAD ahead; a shuffling thread merges and permutes them (numpy copies, without the
+# GIL) up to _BLOCKS_AHEAD runs of batches ahead; the caller only slices batches off runs.
+_READ_AHEAD = 2
+_BLOCKS_AHEAD = 2
+
+
+class BaseDataLoader(abc.ABC):
+    """One rank's batches: ``len(loader)`` batches per epoch, a new epoch per ``iter``.
+
+    Subclasses implement ``__len__`` (the same on every rank), ``_iterate(epoch)`` and
+    ``output_specs``; an estimator accepts any such loader in place of ``ArrowDataLoader``.
+    """
+
+    def __init__(self) -> None:
+        self._epoch = 0
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Batches per epoch; must be equal on every rank."""
+
+    @abc.abstractmethod
+    def _iterate(self, epoch: int) -> Iterator[Batch]:
+        """Yield exactly ``len(self)`` batches for ``epoch``."""
+
+    @property
+    @abc.abstractmethod
+    def output_specs(self) -> dict[str, tuple[np.dtype, tuple[int | None, ...]]]:
+        """Per column: (dtype, batch shape); the batch dimension may be None."""
+
+    def __iter__(self) -> Iterator[Batch]:
+        """The next epoch (each ``iter`` reshuffles with a new epoch number)."""
+        epoch = self._epoch
+        self._epoch += 1
+        return self._iterate(epoch)
+
+    def iter_epoch(self, epoch: int) -> Iterator[Batch]:
+        """The batches of a given epoch (e.g. when resuming from a checkpoint)."""
+        return self._iterate(epoch)
+
+    def to_tf_dataset(
+        self,
+        feature_columns: str | Sequence[str],
+        label_columns: str | Sequence[str] | None = None,
+        sample_weight_col: str | None = None,
+        prefetch: int | None = 2,
+    ) -> Any:
+        """A ``tf.data.Dataset`` of ``x``, ``(x, y)`` or ``(x, y, w)`` for ``model.fit``.
+
+        One column gives a tensor, several a tuple in the order given. Each time Keras starts
+        an epoch it iterates the dataset again, which starts the loader's next epoch; the
+        dataset has a known cardinality of ``len(self)``.
+        """
+        import tensorflow as tf
+
+        specs = self.output_specs
+        parts = [_column_list("feature_columns", feature_columns, specs)]
+        if label_columns is not None:
+            parts.append(_column_list("label_columns", label_columns, specs))
+        if sample_weight_col is not None:
+            parts.append(_column_list("sample_weight_col", sample_weight_col, specs))
+
+        def pack(values: dict[str, Any], names: list[str]) -> Any:
+            return values[names[0]] if len(names) == 1 else tuple(values[n] for n in names)
+
+        signature_by_col = {
+            c: tf.TensorSpec(shape=specs[c][1], dtype=tf.as_dtype(specs[c][0]))
+            for names in parts
+            for c in names
+        }
+        signature = tuple(pack(signature_by_col, names) for names in parts)
+        single = len(parts) == 1
+
+        def generate() -> Iterator[Any]:
+            for batch in self:
+                out = tuple(pack(batch, names) for names in parts)
+                yield out[0] if single else out
+
+        dataset = tf.data.Dataset.from_generator(
+            generate, output_signature=signature[0] if single else signature
+        )
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self)))
+        options = tf.data.Options()  # the loader shards by rank already
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        dataset = dataset.with_options(options)
+        return dataset.prefetch(prefetch) if prefetch else dataset
+
+
+class ArrowDataLoader(BaseDataLoader):
+    """Batches of a Parquet dataset for one rank, read with ``pyarrow.dataset``.
+
+    The dataset's rows (files sorted by path, then row groups) are cut into ``size``
+    contiguous ranges of ``rows // size`` or one more; rank ``r`` reads only the row groups
+    that overlap range ``r``, so shards are disjoint and within one row of each other. Each
+    epoch reads the shard's row groups in a seeded shuffled order through a shuffle buffer
+    and yields ``len(self)`` full batches (dicts of numpy arrays shaped ``(batch_size,
+    *shape)``), reading the shard again when it runs short.
+
+    Args:
+        path: the dataset directory (e.g. ``store.get_train_data_path(idx)``).
+        batch_size: rows per batch on this rank.
+        rank, size: this rank and the number of ranks (plain ints).
+        store: the Store (or ``RemoteStore``) whose filesystem holds ``path``.
+        filesystem: otherwise a pyarrow or fsspec filesystem; otherwise inferred from
+            ``path``.
+        columns: columns to read (default: all that the metadata describes).
+        metadata: the dataset's metadata (default: ``read_metadata``).
+        shuffle: read the row groups in a new random order each epoch and permute each one's
+            rows together with the rows carried over from earlier ones; ``False`` reads the
+            shard in order (about twice as fast: the permutation is a random gather per row).
+        shuffle_buffer_size: rows carried over from one row group to the next, so that a
+            batch mixes rows of several row groups. Memory per epoch stays near one row
+            group plus this many rows, plus up to two row groups read ahead.
+        seed: the epoch's shuffle is seeded by (seed, epoch, rank): reruns repeat it.
+        inmemory_cache_all: decode the shard once and keep it in memory, for data that fits.
+        steps_per_epoch: override the batches per epoch (it must be equal on every rank).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        batch_size: int,
+        *,
+        rank: int = 0,
+        size: int = 1,
+        store: Store | RemoteStore | None = None,
+        filesystem: Any = None,
+        columns: Sequence[str] | None = None,
+        metadata: DatasetMetadata | None = None,
+        shuffle: bool = True,
+        shuffle_buffer_size: int = 10_000,
+        seed: int = 0,
+        inmemory_cache_all: bool = False,
+        steps_per_epoch: int | None = None,
+    ):
+        super().__init__()
+        _check_int("batch_size", batch_size, 1)
+        _check_int("size", size, 1)
+        _check_int("rank", rank, 0)
+        _check_int("shuffle_buffer_size", shuffle_buffer_size, 0)
+        if rank >= size:
+            raise ValueError(f"`rank`={rank} must be below `size`={size}.")
+        if steps_per_epoch is not None:
+            _check_int("steps_per_epoch", steps_per_epoch, 1)
+        self.path = path
+        self.batch_size = batch_size
+        self.rank = rank
+        self.size = size
+        self.shuffle = bool(shuffle)
+        self.shuffle_buffer_size = shuffle_buffer_size if self.shuffle else 0
+        self.seed = seed
+        self.inmemory_cache_all = bool(inmemory_cache_all)
+        fs, fs_path = _resolve_filesystem(path, store, filesystem)
+        self.metadata = metadata if metadata is not None else read_metadata_fs(fs, fs_path)
+        names = list(columns) if columns is not None else self.metadata.column_names
+        self._infos = {n: self.metadata.column(n) for n in names}
+        self.columns = names
+
+        fragments = list(open_parquet_dataset(fs, fs_path).get_fragments())
+        self.total_rows = sum(f.metadata.num_rows for f in fragments)
+        if self.total_rows < size:
+            raise ValueError(
+                f"the dataset at `{path}` has {self.total_rows} rows, fewer than the {size} "
+                f"ranks; every rank needs at least one row. Use fewer ranks or more data."
+            )
+        lo, hi = rank * self.total_rows // size, (rank + 1) * self.total_rows // size
+        self.shard_rows = hi - lo
+        self._pieces = _shard_pieces(fragments, lo, hi)
+        self._steps = steps_per_epoch or math.ceil(self.total_rows / (size * batch_size))
+        self._keep = min(self.shuffle_buffer_size, self.shard_rows // 2)
+        self._cache: Batch | None = None
+
+    def __len__(self) -> int:
+        return self._steps
+
+    @property
+    def output_specs(self) -> dict[str, tuple[np.dtype, tuple[int | None, ...]]]:
+        return {n: (np.dtype(i.dtype), (self.batch_size, *i.shape)) for n, i in self._infos.items()}
+
+    def _iterate(self, epoch: int) -> Iterator[Batch]:
+        entropy = [self.seed, epoch, self.rank]
+        if self.inmemory_cache_all:
+            return self._iterate_cached(np.random.default_rng(entropy))
+        return self._iterate_streaming(entropy)
+
+    def _read_piece(self, piece: tuple[Any, int, int]) -> Batch:
+        fragment, start, stop = piece
+        table = fragment.to_table(columns=self.columns).slice(start, stop - start)
+        return {n: decode_column(table.column(n), info) for n, info in self._infos.items()}
+
+    def _passes(self, rng: np.random.Generator) -> Iterator[Batch | None]:
+        """The shard's pieces, in a new shuffled order each pass, pass after pass (None ends
+        a pass), read ``_READ_AHEAD`` pieces ahead by a reader thread."""
+        # Rows the epoch can use: its batches plus the rows held back to mix with the next
+        # piece; reading further ahead would be wasted.
+        useful = self._steps * self.batch_size + self._keep
+
+        def plan() -> Iterator[int | None]:
+            order = np.arange(len(self._pieces))
+            planned = 0
+            while True:
+                if self.shuffle:
+                    rng.shuffle(order)
+                for i in order.tolist():
+                    yield i
+                    _, start, stop = self._pieces[i]
+                    planned += stop - start
+                    if planned >= useful:
+                        yield None  # the epoch has all it can use: batch what is left
+                        return
+                yield None
+
+        reader = ThreadPoolExecutor(1, thread_name_prefix="flyte-hvd-read")
+        ahead: deque[Future | None] = deque()
+        try:
+            for item in plan():
+                ahead.append(
+                    None if item is None else reader.submit(self._read_piece, self._pieces[item])
+                )
+                if len(ahead) > _READ_AHEAD:
+                    done = ahead.popleft()
+                    yield None if done is None else done.result()
+            while ahead:
+                done = ahead.popleft()
+                yield None if done is None else done.result()
+        finally:
+            reader.shutdown(wait=True, cancel_futures=True)
+
+    def _blocks(self, rng: np.random.Generator) -> Iterator[Batch]:
+        """Runs of whole batches, each a slice of a shuffled pool: the rows not yet batched
+        plus the newest piece, permuted together (one concatenate and one gather per piece).
+        ``_keep`` rows stay behind to mix with the next piece, except at the end of a pass,
+        whose leftover rows go out first (so an epoch of at least ``shard_rows`` rows yields
+        every row of the shard)."""
+        bs, budget = self.batch_size, self._steps
+        pool: Batch = {}
+        pos = carry = 0  # `carry`: rows from the end of a pass, at pool[pos:pos + carry]
+        for chunk in self._passes(rng):
+            if chunk is not None:
+                mixed = _concat(_slice(pool, pos + carry, None), chunk)
+                if self.shuffle:
+                    mixed = _take(mixed, rng.permutation(_rows(mixed)))
+                pool = _concat(_slice(pool, pos, pos + carry), mixed)
+                pos = 0
+            reserve = 0 if chunk is None else self._keep
+            runs = min((_rows(pool) - pos - reserve) // bs, budget)
+            if runs > 0:
+                yield _slice(pool, pos, pos + runs * bs)
+                pos += runs * bs
+                carry = max(0, carry - runs * bs)
+                budget -= runs
+                if budget == 0:
+                    return
+            if chunk is None:
+                carry = _rows(pool) - pos
+        raise RuntimeError(
+            f"flyte-hvd loader bug: {budget} batches short at the end of an epoch of {self.path}."
+        )
+
+    def _iterate_streaming(self, entropy: list[int]) -> Iterator[Batch]:
+        rng = np.random.default_rng(entropy)
+        bs = self.batch_size
+        for run in _in_background(self._blocks(rng), _BLOCKS_AHEAD, "flyte-hvd-shuffle"):
+            for start in range(0, _rows(run), bs):
+                yield _slice(run, start, start + bs)
+
+    def _iterate_cached(self, rng: np.random.Generator) -> Iterator[Batch]:
+        if self._cache is None:
+            chunks = [self._read_piece(p) for p in self._pieces]
+            self._cache = {n: np.concatenate([c[n] for c in chunks]) for n in self._infos}
+        data, n, bs = self._cache, self.shard_rows, self.batch_size
+        need = self._steps * bs
+        passes = -(-need // n)
+        order = (
+            np.concatenate([rng.permutation(n) for _ in range(passes)])
+            if self.shuffle
+            else np.tile(np.arange(n), passes)
+        )
+        for step in range(self._steps):
+            yield _take(data, order[step * bs : (step + 1) * bs])
+
+
+class AsyncDataLoaderMixin:
+    """Reads batches in a background thread into a bounded queue, so that reading and
+    decoding overlap training. An error in the thread is raised in the training loop (with
+    its traceback); stopping early stops the thread.
+
+    ``class MyLoader(AsyncDataLoaderMixin, ArrowDataLoader)``; ``async_loader_queue_size=0``
+    reads in the caller's thread.
+    """
+
+    def __init__(self, *args: Any, async_loader_queue_size: int = 8, **kwargs: Any):
+        _check_int("async_loader_queue_size", async_loader_queue_size, 0)
+        self.async_loader_queue_size = async_loader_queue_size
+        self._stop_events: set[threading.Event] = set()
+        super().__init__(*args, **kwargs)
+
+    def close_async_loader(self) -> None:
+        """Stop background readers that are still running."""
+        for event in list(self._stop_events):
+            event.set()
+
+    def _iterate(self, epoch: int) -> Iterator[Batch]:
+        inner = super()._iterate(epoch)  # type: ignore[misc]
+        if self.async_loader_queue_size == 0:
+            return inner
+        return self._background(inner)
+
+    def _background(self, inner: Iterator[Batch]) -> Iterator[Batch]:
+        stop = threading.Event()
+        self._stop_events.add(stop)
+        try:
+            yield from _in_background(inner, self.async_loader_queue_size, "flyte-hvd-loader", stop)
+        finally:
+            self._stop_events.discard(stop)
+
+
+class AsyncArrowDataLoader(AsyncDataLoaderMixin, ArrowDataLoader):
+    """``ArrowDataLoader`` that prefetches in a background thread."""
+
+
+_DONE = object()
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _in_background(
+    inner: Iterator[Any], maxsize: int, name: str, stop: threading.Event | None = None
+) -> Iterator[Any]:
+    """Run ``inner`` in a thread that stays at most ``maxsize`` items ahead; its error is
+    raised here, with its traceback, and closing this generator (or setting ``stop``) ends
+    the thread."""
+    q: queue.Queue = queue.Queue(maxsize=maxsize)
+    stop = stop or threading.Event()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in inner:
+                if not put(item):
+                    return
+            put(_DONE)
+        except BaseException as error:
+            put(_Failure(error))
+
+    thread = threading.Thread(target=produce, name=name, daemon=True)
+    thread.start()
+    try:
+        while True:
+            try:
+                item = q.get(timeout=0.1)
+            except queue.Empty:
+                if stop.is_set():
+                    return
+                continue
+            if item is _DONE:
+                return
+            if isinstance(item, _Failure):
+                raise item.error
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        if not thread.is_alive() and hasattr(inner, "close"):
+            inner.close()
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}; found {value!r}.")
+
+
+def _column_list(arg: str, value: str | Sequence[str], specs: dict[str, Any]) -> list[str]:
+    names = [value] if isinstance(value, str) else list(value)
+    missing = [n for n in names if n not in specs]
+    if not names or missing:
+        raise ValueError(
+            f"`{arg}`={value!r}: the loader reads only {list(specs)}; name columns it reads "
+            f"(pass them in `columns`)."
+        )
+    return names
+
+
+def _resolve_filesystem(path: str, store: Any, filesystem: Any) -> tuple[Any, str]:
+    import os
+
+    import fsspec
+
+    if store is not None:
+        return as_arrow_filesystem(store.arrow_filesystem), store.fs_path(path)
+    if filesystem is not None:
+        if isinstance(filesystem, fsspec.AbstractFileSystem):
+            return as_arrow_filesystem(filesystem), filesystem._strip_protocol(path)
+        return as_arrow_filesystem(filesystem), path
+    if "://" not in path or path.startswith("file://"):
+        import pyarrow.fs
+
+        local = path[len("file://") :] if path.startswith("file://") else path
+        return pyarrow.fs.LocalFileSystem(), os.path.abspath(local)
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    return as_arrow_filesystem(fs), fs_path
+
+
+def _shard_pieces(fragments: list[Any], lo: int, hi: int) -> list[tuple[Any, int, int]]:
+    """(row-group fragment, first row, end row) of every row group overlapping [lo, hi)."""
+    pieces = []
+    offset = 0
+    for fragment in fragments:
+        md = fragment.metadata
+        for i in range(md.num_row_groups):
+            n = md.row_group(i).num_rows
+            start, stop = max(lo - offset, 0), min(hi - offset, n)
+            if start < stop:
+                pieces.append((fragment.subset(row_group_ids=[i]), start, stop))
+            offset += n
+            if offset >= hi:
+                return pieces
+    return pieces
+
+
+def _rows(batch: Batch) -> int:
+    return len(next(iter(batch.values()))) if batch else 0
+
+
+def _take(batch: Batch, index: np.ndarray) -> Batch:
+    return {k: np.take(v, index, axis=0) for k, v in batch.items()}
+
+
+def _slice(batch: Batch, start: int, stop: int | None) -> Batch:
+    return {k: v[start:stop] for k, v in batch.items()}
+
+
+def _concat(a: Batch, b: Batch) -> Batch:
+    if not a or not _rows(a):
+        return b
+    if not b or not _rows(b):
+        return a
+    return {k: np.concatenate([a[k], b[k]]) for k in a}

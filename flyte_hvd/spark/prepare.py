@@ -1,0 +1,618 @@
+"""``prepare_data``: a Spark DataFrame to Parquet in the Store, for the ranks to read.
+
+One Spark pass checks the selected columns in Arrow (rows, nulls, NaN labels, vector and array
+lengths, sparse or dense), so bad data fails before anything is written; then each split is
+repartitioned into ``num_processes * partitions_per_process`` files and written, by Spark
+itself when the cluster can reach the store's URL, otherwise by each task uploading its file
+through the store's fsspec filesystem. The format is in ``flyte_hvd.spark.dataset``.
+
+pyspark is imported only inside the functions that run Spark jobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from flyte_hvd.spark.dataset import (
+    FIELD_METADATA_KEY,
+    FORMAT,
+    METADATA_FILENAME,
+    VECTOR_KINDS,
+    ColumnInfo,
+    DatasetMetadata,
+    arrow_storage_schema,
+    as_arrow_filesystem,
+    encode_batch,
+    get_dataset_metadata,
+    read_metadata,
+    scan_parquet,
+)
+from flyte_hvd.spark.store import Store
+
+__all__ = [
+    "ColumnInfo",
+    "DatasetMetadata",
+    "get_dataset_metadata",
+    "prepare_data",
+    "read_metadata",
+]
+
+SPLIT_SEED = 20230612  # random validation split: the same rows on every prepare
+_SPLIT_COL = "__flyte_hvd_is_val"
+
+# -- prepare_data ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def prepare_data(
+    num_processes: int,
+    store: Store,
+    df: Any,
+    label_columns: Sequence[str],
+    feature_columns: Sequence[str] | None = None,
+    validation: float | str | None = None,
+    sample_weight_col: str | None = None,
+    compress_sparse: bool = False,
+    partitions_per_process: int = 10,
+    verbose: int = 0,
+) -> Iterator[str]:
+    """Write ``df``'s selected columns to Parquet in ``store``; yields the dataset index.
+
+    ``with prepare_data(2, store, df, ["y"]) as idx:`` then
+    ``get_dataset_metadata(store, idx)`` and loaders over ``store.get_train_data_path(idx)``.
+    The data stays in the store after the block, and preparing the same DataFrame (same plan,
+    schema, columns and options) again reuses it.
+
+    Args:
+        num_processes: ranks that will read the data; each split gets at least this many
+            Parquet files so that every rank has a shard.
+        label_columns, feature_columns: the columns to keep (features default to every
+            column that is not a label, the sample weight or the validation column).
+        validation: a float in (0, 1) for a seeded random split, or the name of a column
+            whose true/non-zero rows go to validation (the column is not stored).
+        sample_weight_col: a numeric column of per-row weights.
+        compress_sparse: store vector columns whose rows are all sparse as (indices, values).
+        partitions_per_process: Parquet files per process and split.
+        verbose: 1 prints what was written or reused.
+
+    Raises:
+        ValueError: bad arguments or data: a missing column, an unsupported type, no rows,
+            an empty split, a null, or NaN in a label or sample weight (a NaN label makes
+            the loss NaN and ruins every weight after one step, so it is refused here).
+        RuntimeError: the data could not be written (nothing half-written is kept).
+    """
+    yield _prepare(
+        num_processes,
+        store,
+        df,
+        label_columns,
+        feature_columns,
+        validation,
+        sample_weight_col,
+        compress_sparse,
+        partitions_per_process,
+        verbose,
+    )
+
+
+def _prepare(
+    num_processes,
+    store,
+    df,
+    label_columns,
+    feature_columns,
+    validation,
+    sample_weight_col,
+    compress_sparse,
+    partitions_per_process,
+    verbose,
+) -> str:
+    _check_count("num_processes", num_processes)
+    _check_count("partitions_per_process", partitions_per_process)
+    if not isinstance(store, Store):
+        raise ValueError(
+            f"`store` must be a flyte_hvd Store (Store.create(prefix_path)); "
+            f"found {type(store).__name__}."
+        )
+    if not (hasattr(df, "schema") and hasattr(df, "mapInArrow")):
+        raise ValueError(f"`df` must be a Spark DataFrame; found {type(df).__name__}.")
+    labels = _names("label_columns", label_columns)
+    if not labels:
+        raise ValueError("`label_columns` is empty; name at least one label column.")
+    val_col = validation if isinstance(validation, str) else None
+    _check_validation(validation)
+    weight = [sample_weight_col] if sample_weight_col is not None else []
+    if sample_weight_col is not None and not isinstance(sample_weight_col, str):
+        raise ValueError(f"`sample_weight_col` must be a column name; found {sample_weight_col!r}.")
+    available = list(df.columns)
+    for arg, names in (
+        ("label_columns", labels),
+        ("sample_weight_col", weight),
+        ("validation", [val_col] if val_col else []),
+    ):
+        _check_exist(arg, names, available)
+    if feature_columns is None:
+        skip = {*labels, *weight, val_col}
+        features = [c for c in available if c not in skip]
+        if not features:
+            raise ValueError(
+                f"no feature columns: the DataFrame has only {available}; pass "
+                f"`feature_columns` or add features."
+            )
+    else:
+        features = _names("feature_columns", feature_columns)
+        _check_exist("feature_columns", features, available)
+    selected = list(dict.fromkeys([*features, *labels, *weight]))
+    types = {f.name: f.dataType for f in df.schema.fields}
+    kinds = {c: _spark_kind(c, types[c]) for c in selected}
+    for c in weight:
+        if kinds[c][0] != "scalar":
+            raise ValueError(
+                f"`sample_weight_col` `{c}` must be a numeric scalar column; it "
+                f"has type {types[c].simpleString()}."
+            )
+    if val_col is not None:
+        try:
+            val_kind = _spark_kind(val_col, types[val_col])[0]
+        except ValueError:
+            val_kind = None
+        if val_kind != "scalar":
+            raise ValueError(
+                f"`validation` column `{val_col}` must be boolean or numeric; it "
+                f"has type {types[val_col].simpleString()}."
+            )
+
+    options = {
+        "features": features,
+        "labels": labels,
+        "weight": sample_weight_col,
+        "validation": validation,
+        "compress_sparse": bool(compress_sparse),
+        "num_processes": num_processes,
+        "partitions_per_process": partitions_per_process,
+    }
+    key = _dataset_key(df, options)
+    idx = key[:16]
+    paths = {"train": store.get_train_data_path(idx)}
+    if validation is not None:
+        paths["val"] = store.get_val_data_path(idx)
+    log = _log(verbose)
+    if _complete(store, paths, key):
+        log(f"flyte-hvd: reusing prepared dataset {idx} at {paths['train']}")
+        return idx
+
+    from pyspark.sql import functions as F
+
+    cols = [F.col(_q(c)) for c in selected]
+    if isinstance(validation, float):
+        cols.append((F.rand(SPLIT_SEED) < validation).alias(_SPLIT_COL))
+    elif val_col is not None:
+        cols.append(F.coalesce(F.col(_q(val_col)).cast("boolean"), F.lit(False)).alias(_SPLIT_COL))
+    sel = df.select(*cols)
+    stats = _collect_stats(sel, kinds, set(labels) | set(weight), validation is not None)
+    infos = _column_infos(selected, kinds, stats, compress_sparse)
+    _check_split_rows(stats, validation, num_processes)
+
+    for path in paths.values():  # a split left half-written by a crash
+        store.delete(path)
+    try:
+        written = {}
+        for split, path in paths.items():
+            part = sel
+            if validation is not None:
+                is_val = F.col(_SPLIT_COL)
+                part = sel.filter(is_val if split == "val" else ~is_val).drop(_SPLIT_COL)
+            part = part.repartition(num_processes * partitions_per_process)
+            log(f"flyte-hvd: writing the {split} split to {path}")
+            _write_split(part, store, path, infos)
+            meta = scan_parquet(
+                as_arrow_filesystem(store.arrow_filesystem), store.fs_path(path), tuple(infos)
+            )
+            if meta.rows < num_processes:
+                raise ValueError(
+                    f"the {split} split has {meta.rows} rows, fewer than `num_processes`="
+                    f"{num_processes}; every process needs rows. Use more data, fewer "
+                    f"processes, or a different `validation`."
+                )
+            written[split] = DatasetMetadata(
+                columns=tuple(infos),
+                rows=meta.rows,
+                bytes=meta.bytes,
+                files=meta.files,
+                row_groups=meta.row_groups,
+                dataset_idx=idx,
+                split=split,
+                key=key,
+                label_columns=tuple(labels),
+                feature_columns=tuple(features),
+                sample_weight_col=sample_weight_col,
+            )
+        for split, path in paths.items():  # the sidecars mark the splits complete
+            store.write_text(store.join(path, METADATA_FILENAME), written[split].to_json())
+    except BaseException:
+        for path in paths.values():
+            with contextlib.suppress(Exception):
+                store.delete(path)
+        raise
+    for split, meta in written.items():
+        log(f"flyte-hvd: {split}: {meta.rows} rows, {meta.files} files, {meta.bytes} bytes")
+    return idx
+
+
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be an int >= 1; found {value!r}.")
+
+
+def _names(arg: str, value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    try:
+        names = list(value)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"`{arg}` must be a column name or a list of them; found {value!r}.")
+    return names
+
+
+def _check_exist(arg: str, names: list[str], available: list[str]) -> None:
+    missing = [n for n in names if n not in available]
+    if missing:
+        raise ValueError(
+            f"`{arg}` names {', '.join(f'`{m}`' for m in missing)}, which the DataFrame does "
+            f"not have; available columns: {', '.join(f'`{a}`' for a in available)}. Fix the "
+            f"name or add the column."
+        )
+
+
+def _check_validation(validation: Any) -> None:
+    if validation is None or isinstance(validation, str):
+        return
+    if isinstance(validation, bool) or not isinstance(validation, float | int):
+        raise ValueError(
+            f"`validation` must be a float in (0, 1), a column name or None; found {validation!r}."
+        )
+    if not 0 < validation < 1:
+        raise ValueError(
+            f"`validation` must be a fraction strictly between 0 and 1 (e.g. "
+            f"0.2); found {validation!r}."
+        )
+
+
+def _spark_kind(name: str, dtype: Any) -> tuple[str, str]:
+    """(kind, numpy dtype) of a Spark column type, or a ValueError naming it."""
+    from pyspark.sql import types as T
+
+    scalars = {
+        T.BooleanType: "bool",
+        T.ByteType: "int8",
+        T.ShortType: "int16",
+        T.IntegerType: "int32",
+        T.LongType: "int64",
+        T.FloatType: "float32",
+        T.DoubleType: "float64",
+    }
+    if type(dtype) in scalars:
+        return "scalar", scalars[type(dtype)]
+    if isinstance(dtype, T.ArrayType) and type(dtype.elementType) in scalars:
+        return "array", scalars[type(dtype.elementType)]
+    if isinstance(dtype, T.UserDefinedType) and type(dtype).__name__ == "VectorUDT":
+        return "vector", "float64"
+    raise ValueError(
+        f"column `{name}` has type {dtype.simpleString()}, which cannot be fed to a model; "
+        f"supported: boolean and numeric scalars, arrays of them, and pyspark.ml.linalg "
+        f"vectors. Convert it first (e.g. StringIndexer, VectorAssembler, a cast) or leave it "
+        f"out of the columns."
+    )
+
+
+def _q(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
+def _dataset_key(df: Any, options: dict[str, Any]) -> str:
+    try:
+        files = sorted(df.inputFiles())
+    except Exception:
+        files = []
+    blob = json.dumps(
+        {
+            "format": FORMAT,
+            "plan": df.semanticHash(),
+            "schema": df.schema.json(),
+            "input_files": files,
+            **options,
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _complete(store: Store, paths: dict[str, str], key: str) -> bool:
+    for path in paths.values():
+        sidecar = store.join(path, METADATA_FILENAME)
+        try:
+            if DatasetMetadata.from_json(store.read_text(sidecar)).key != key:
+                return False
+        except (FileNotFoundError, ValueError, KeyError):
+            return False
+    return True
+
+
+def _log(verbose: int):
+    def log(msg: str) -> None:
+        if verbose:
+            print(msg, file=sys.stderr, flush=True)
+
+    return log
+
+
+# -- statistics: one pass over the selected columns, in Arrow --------------------------------
+
+
+class _StatsTask:
+    """Per Spark partition: rows, validation rows and per-column nulls, NaNs, lengths and
+    sparse/dense vector counts, as one JSON row (runs in Spark's Python workers)."""
+
+    def __init__(self, kinds: dict[str, str], nan_checked: set[str], has_split: bool):
+        self.kinds = kinds
+        self.nan_checked = nan_checked
+        self.has_split = has_split
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        out: dict[str, Any] = {"rows": 0, "val_rows": 0, "cols": {}}
+        for c in self.kinds:
+            out["cols"][c] = {
+                "nulls": 0,
+                "nans": 0,
+                "min_len": None,
+                "max_len": None,
+                "sparse": 0,
+                "dense": 0,
+            }
+        for batch in batches:
+            out["rows"] += batch.num_rows
+            if self.has_split:
+                out["val_rows"] += int(pc.sum(batch.column(_SPLIT_COL)).as_py() or 0)
+            for c, kind in self.kinds.items():
+                self._column(out["cols"][c], batch.column(c), kind, c in self.nan_checked)
+        yield pa.RecordBatch.from_pydict({"stats": [json.dumps(out)]})
+
+    @staticmethod
+    def _column(st: dict[str, Any], arr: pa.Array, kind: str, check_nan: bool) -> None:
+        st["nulls"] += arr.null_count
+        arr = arr.drop_null()
+        if len(arr) == 0:
+            return
+        values = arr
+        if kind == "array":
+            lengths = pc.list_value_length(arr).to_numpy()
+            values = pc.list_flatten(arr)
+        elif kind == "vector":
+            typ = arr.field("type").to_numpy(zero_copy_only=False)
+            vals = arr.field("values")
+            dense_len = pc.list_value_length(vals).to_numpy(zero_copy_only=False)
+            size = arr.field("size").to_numpy(zero_copy_only=False)
+            lengths = np.where(typ == 1, dense_len, size)
+            st["sparse"] += int((typ == 0).sum())
+            st["dense"] += int((typ == 1).sum())
+            values = pc.list_flatten(vals)
+        if kind != "scalar":
+            lo, hi = int(lengths.min()), int(lengths.max())
+            st["min_len"] = lo if st["min_len"] is None else min(st["min_len"], lo)
+            st["max_len"] = hi if st["max_len"] is None else max(st["max_len"], hi)
+        if check_nan and pa.types.is_floating(values.type) and len(values):
+            st["nans"] += int(pc.sum(pc.is_nan(values)).as_py() or 0)
+
+
+def _collect_stats(
+    sel: Any, kinds: dict[str, tuple[str, str]], nan_checked: set[str], has_split: bool
+) -> dict[str, Any]:
+    task = _StatsTask({c: k for c, (k, _) in kinds.items()}, nan_checked, has_split)
+    rows = sel.mapInArrow(task, "stats string").collect()
+    total: dict[str, Any] = {"rows": 0, "val_rows": 0, "cols": {}}
+    for row in rows:
+        part = json.loads(row["stats"])
+        total["rows"] += part["rows"]
+        total["val_rows"] += part["val_rows"]
+        for c, st in part["cols"].items():
+            acc = total["cols"].setdefault(
+                c,
+                {"nulls": 0, "nans": 0, "min_len": None, "max_len": None, "sparse": 0, "dense": 0},
+            )
+            for k in ("nulls", "nans", "sparse", "dense"):
+                acc[k] += st[k]
+            for k, fn in (("min_len", min), ("max_len", max)):
+                if st[k] is not None:
+                    acc[k] = st[k] if acc[k] is None else fn(acc[k], st[k])
+    if total["rows"] == 0:
+        raise ValueError(
+            "the DataFrame has no rows; there is nothing to train on. Check the "
+            "filters that produced it."
+        )
+    for c, st in total["cols"].items():
+        if st["nulls"]:
+            raise ValueError(
+                f"column `{c}` has {st['nulls']} null values; the model needs a "
+                f"value in every row. Drop or fill them first (df.na.drop / "
+                f"df.na.fill)."
+            )
+        if st["nans"]:
+            raise ValueError(
+                f"column `{c}` has {st['nans']} NaN values; a NaN label or weight "
+                f"makes the loss NaN. Drop or fix those rows first "
+                f"(e.g. df.na.drop(subset=['{c}']))."
+            )
+        if st["min_len"] is not None and st["min_len"] != st["max_len"]:
+            raise ValueError(
+                f"column `{c}` has rows of different lengths ({st['min_len']} to "
+                f"{st['max_len']}); every row must have the same length. Pad or "
+                f"truncate it first."
+            )
+        if st["min_len"] == 0:
+            raise ValueError(
+                f"column `{c}` holds empty arrays or vectors; a model input needs "
+                f"at least one value per row."
+            )
+    return total
+
+
+def _column_infos(
+    selected: list[str],
+    kinds: dict[str, tuple[str, str]],
+    stats: dict[str, Any],
+    compress_sparse: bool,
+) -> list[ColumnInfo]:
+    infos = []
+    for c in selected:
+        kind, dtype = kinds[c]
+        st = stats["cols"][c]
+        shape: tuple[int, ...] = () if kind == "scalar" else (st["max_len"],)
+        encoding = "plain" if kind == "scalar" else "list"
+        if kind == "vector":
+            if st["dense"] == 0:
+                kind = "sparse_vector"
+                encoding = "sparse" if compress_sparse else "list"
+            elif st["sparse"] == 0:
+                kind = "dense_vector"
+        infos.append(ColumnInfo(c, kind, dtype, shape, encoding))
+    return infos
+
+
+def _check_split_rows(stats: dict[str, Any], validation: Any, num_processes: int) -> None:
+    if validation is None:
+        return
+    val_rows, rows = stats["val_rows"], stats["rows"]
+    for split, n in (("validation", val_rows), ("training", rows - val_rows)):
+        if n < num_processes:
+            raise ValueError(
+                f"`validation`={validation!r} puts {n} of {rows} rows into the {split} split, "
+                f"fewer than `num_processes`={num_processes}; every process needs rows. "
+                f"Change `validation` or use more data."
+            )
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+
+def _write_split(part: Any, store: Store, path: str, infos: list[ColumnInfo]) -> None:
+    """Spark writes straight to the store's URL when its cluster can reach it; otherwise each
+    task writes its partition to a local file and uploads it through the store's fsspec."""
+    spark = part.sparkSession
+    url = store.spark_url(path)
+    if _spark_can_write(spark, url):
+        from pyspark.sql import functions as F
+
+        if any(i.encoding == "sparse" for i in infos):
+            part = part.mapInArrow(_EncodeTask(infos), _spark_storage_ddl(infos))
+            cols = [F.col(_q(i.name)) for i in infos]
+        else:
+            from pyspark.ml.functions import vector_to_array
+
+            cols = [
+                vector_to_array(F.col(_q(i.name)), "float64")
+                if i.kind in VECTOR_KINDS
+                else F.col(_q(i.name))
+                for i in infos
+            ]
+        part = part.select(
+            *[
+                col.alias(i.name, metadata={FIELD_METADATA_KEY: i.to_dict()})
+                for col, i in zip(cols, infos, strict=True)
+            ]
+        )
+        part.write.mode("overwrite").option("compression", "snappy").parquet(url)
+        return
+    task = _StagedWriteTask(store, path, infos)
+    written = part.mapInArrow(task, "file string, rows long").collect()
+    expected = {r["file"] for r in written}
+    for stray in set(store.fs.find(store.fs_path(path))) - expected:  # from retried tasks
+        if stray.endswith(".parquet"):
+            store.fs.rm(stray)
+
+
+def _spark_can_write(spark: Any, url: str) -> bool:
+    """Whether the cluster has a Hadoop FileSystem for ``url``'s scheme."""
+    scheme = url.split(":", 1)[0] if ":" in url else "file"
+    try:
+        jvm = spark._jvm
+        conf = spark._jsc.hadoopConfiguration()
+        jvm.org.apache.hadoop.fs.FileSystem.getFileSystemClass(scheme, conf)
+        return True
+    except AttributeError:  # Spark Connect: no JVM to ask
+        return scheme in ("file", "hdfs", "dbfs")
+    except Exception:
+        return False
+
+
+def _spark_storage_ddl(infos: list[ColumnInfo]) -> str:
+    spark_types = {
+        "bool": "boolean",
+        "int8": "tinyint",
+        "int16": "smallint",
+        "int32": "int",
+        "int64": "bigint",
+        "float32": "float",
+        "float64": "double",
+    }
+    parts = []
+    for i in infos:
+        t = spark_types[i.dtype]
+        if i.encoding == "list":
+            t = f"array<{t}>"
+        elif i.encoding == "sparse":
+            t = f"struct<indices: array<int>, values: array<{t}>>"
+        parts.append(f"{_q(i.name)} {t}")
+    return ", ".join(parts)
+
+
+class _EncodeTask:
+    def __init__(self, infos: list[ColumnInfo]):
+        self.infos = infos
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            yield encode_batch(batch, self.infos)
+
+
+class _StagedWriteTask:
+    """Writes one Spark partition to a local Parquet file and uploads it (one atomic PUT) as
+    ``part-<partition>.parquet``: a retried task overwrites its own file."""
+
+    def __init__(self, store: Store, path: str, infos: list[ColumnInfo]):
+        self.store = store
+        self.path = path
+        self.infos = infos
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow.parquet as pq
+        from pyspark import TaskContext
+
+        pid = TaskContext.get().partitionId()
+        schema = arrow_storage_schema(self.infos)
+        rows = 0
+        with tempfile.TemporaryDirectory(prefix="flyte-hvd-stage-") as tmp:
+            local = os.path.join(tmp, "part.parquet")
+            with pq.ParquetWriter(local, schema, compression="snappy") as writer:
+                for batch in batches:
+                    if batch.num_rows:
+                        writer.write_batch(encode_batch(batch, self.infos))
+                        rows += batch.num_rows
+            if rows == 0:
+                return
+            remote = self.store.join(self.path, f"part-{pid:05d}.parquet")
+            self.store.upload_file(local, remote)
+        yield pa.RecordBatch.from_pydict({"file": [self.store.fs_path(remote)], "rows": [rows]})

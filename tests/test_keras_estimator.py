@@ -1,0 +1,299 @@
+"""KerasEstimator / KerasModel on local[2] with 2 ranks; small data so each fit takes seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.spark, pytest.mark.mpi, pytest.mark.e2e]
+
+keras = pytest.importorskip("keras")
+
+import sys  # noqa: E402
+
+import cloudpickle  # noqa: E402
+
+from flyte_hvd.spark.keras_estimator import KerasEstimator, KerasModel  # noqa: E402
+from flyte_hvd.spark.store import Store  # noqa: E402
+
+# Functions and callbacks of this module travel to the ranks by value (tests/ is not a package
+# the rank processes can import).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def exp_rmspe(y_true, y_pred):
+    pct = keras.ops.square((keras.ops.exp(y_true) - keras.ops.exp(y_pred)) / keras.ops.exp(y_true))
+    return keras.ops.sqrt(keras.ops.mean(pct))
+
+
+def scaled_tanh(x):
+    return keras.ops.tanh(x) * 3.0
+
+
+def _regression_df(spark, rows=400, seed=0):
+    from pyspark.ml.linalg import Vectors
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 3))
+    y = x @ np.array([1.0, -2.0, 0.5]) + 0.3
+    return spark.createDataFrame(
+        [
+            (Vectors.dense(a.tolist()), float(b), i % 5 == 0)
+            for i, (a, b) in enumerate(zip(x, y, strict=False))
+        ],
+        ["features", "label", "is_val"],
+    )
+
+
+def _mlp(inputs=3, outputs=1, activation=None):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((inputs,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(outputs, activation=activation),
+        ]
+    )
+
+
+@pytest.fixture
+def store(tmp_path):
+    return Store.create(str(tmp_path / "store"))
+
+
+def test_regression_fit_transform_save_load(spark_local2, store, tmp_path, no_leftover_ranks):
+    df = _regression_df(spark_local2)
+    estimator = KerasEstimator(
+        num_proc=2, store=store, model=_mlp(), optimizer=keras.optimizers.Adam(0.02), loss="mse",
+        feature_cols=["features"], label_cols=["label"], validation=0.2, batch_size=16,
+        epochs=5, verbose=0, random_seed=1,
+    )  # fmt: skip
+    model = estimator.fit(df)
+    history = model.getHistory()
+    assert len(history["loss"]) == 5 and len(history["val_loss"]) == 5
+    assert history["loss"][-1] < history["loss"][0] / 3
+    # The learning rate handed back is the one given, not the one scaled by the ranks.
+    assert float(np.asarray(model.getModel().optimizer.learning_rate)) == pytest.approx(0.02)
+
+    predicted = model.transform(df)
+    assert predicted.columns == [*df.columns, "label__output"]
+    assert dict(predicted.dtypes)["label__output"] == "double"
+    rows = predicted.select("label", "label__output").collect()
+    assert len(rows) == df.count()
+    truth, guess = np.array([(r[0], r[1]) for r in rows]).T
+    assert np.corrcoef(truth, guess)[0, 1] > 0.95
+    # The Keras model also works outside Spark.
+    assert model.getModel().predict(np.ones((2, 3)), verbose=0).shape == (2, 1)
+
+    # Only rank 0 wrote the run: checkpoint, state and TensorBoard logs.
+    run = model.getRunId()
+    assert store.exists(store.get_checkpoint_path(run))
+    state = json.loads(store.read(store.get_state_path(run)))
+    assert state["epoch"] == 5 and len(state["history"]["loss"]) == 5
+    assert store.fs.ls(store.fs_path(store.get_logs_path(run)))
+
+    path = str(tmp_path / "saved")
+    model.setOutputCols(["prediction"]).save(path)
+    loaded = KerasModel.load(path)
+    assert loaded.getOutputCols() == ["prediction"] and loaded.getRunId() == run
+    sample = df.limit(20)
+    before = [r.prediction for r in model.transform(sample).collect()]
+    after = [r.prediction for r in loaded.transform(sample).collect()]
+    np.testing.assert_allclose(before, after, rtol=1e-6)
+    with pytest.raises(ValueError, match="already exists"):
+        model.save(path)
+
+    # fit_on_parquet trains on the data prepared above, with no DataFrame.
+    again = KerasEstimator(
+        num_proc=2, store=store, model=_mlp(), optimizer=keras.optimizers.Adam(0.02),
+        loss="mse", feature_cols=["features"], label_cols=["label"], batch_size=32, epochs=1,
+        verbose=0,
+    )  # fmt: skip
+    idx = store.fs.ls(store.fs_path(store.prefix_path))
+    dataset = next(p for p in idx if "intermediate_train_data." in p).rsplit(".", 1)[1]
+    assert len(again.fit_on_parquet(dataset_idx=dataset).getHistory()["loss"]) == 1
+
+
+def test_multiclass_vector_output_validation_column_and_weights(spark_local2, store):
+    from pyspark.ml.linalg import Vectors
+
+    rng = np.random.default_rng(3)
+    centers = np.array([[3.0, 0.0], [-3.0, 0.0], [0.0, 3.0]])
+    labels = rng.integers(0, 3, size=300)
+    points = centers[labels] + rng.normal(scale=0.5, size=(300, 2))
+    one_hot = np.eye(3)[labels]
+    df = spark_local2.createDataFrame(
+        [(Vectors.dense(p.tolist()), o.tolist(), 1.0 + (i % 2), i % 4 == 0)
+         for i, (p, o) in enumerate(zip(points, one_hot, strict=False))],
+        ["xy", "onehot", "weight", "is_val"],
+    )  # fmt: skip
+    model = _mlp(inputs=2, outputs=3, activation="softmax")
+    estimator = KerasEstimator(
+        num_proc=2, store=store, model=model, optimizer=keras.optimizers.Adam(0.05),
+        loss="categorical_crossentropy", metrics=["accuracy"], feature_cols=["xy"],
+        label_cols=["onehot"], validation="is_val", sample_weight_col="weight",
+        batch_size=16, epochs=4, verbose=0,
+    )  # fmt: skip
+    fitted = estimator.fit(df)
+    assert "val_loss" in fitted.getHistory()
+    out = fitted.transform(df)
+    assert dict(out.dtypes)["onehot__output"] == "array<float>"
+    rows = out.select("onehot", "onehot__output").collect()
+    agree = np.mean([np.argmax(r[0]) == np.argmax(r[1]) for r in rows])
+    assert agree > 0.95
+
+
+def test_best_checkpoint_custom_objects_and_resume(spark_local2, store):
+    """The returned model is the best epoch's; a second fit with the same run_id continues
+    at the next epoch without scaling the learning rate twice."""
+    df = _regression_df(spark_local2, rows=200)
+
+    class MarkEpoch(keras.callbacks.Callback):
+        """Stamps each epoch's weights with its number and reports a val_loss that is best
+        at epoch index 1 and worse afterwards."""
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.set_weights(
+                [np.full(w.shape, epoch + 1.0) for w in self.model.get_weights()]
+            )
+            logs["val_loss"] = [3.0, 1.0, 2.0, 5.0][epoch]
+
+    from flyte_hvd.keras.callbacks import BestModelCheckpoint
+
+    common = dict(
+        num_proc=2, store=store, loss="mae", metrics=[exp_rmspe],
+        custom_objects={"exp_rmspe": exp_rmspe, "scaled_tanh": scaled_tanh},
+        feature_cols=["features"], label_cols=["label"], validation=0.25, batch_size=32,
+        verbose=0, run_id="best-run",
+    )  # fmt: skip
+    first = KerasEstimator(
+        model=_mlp(activation=scaled_tanh),
+        optimizer=keras.optimizers.SGD(0.01),
+        epochs=4,
+        callbacks=[MarkEpoch()],
+        checkpoint_callback=BestModelCheckpoint(monitor="val_loss"),
+        **common,
+    ).fit(df)
+    for weights in first.getModel().get_weights():
+        np.testing.assert_array_equal(weights, 2.0)  # epoch index 1 was the best
+    assert "exp_rmspe" in first.getHistory()
+
+    resumed = KerasEstimator(
+        model=_mlp(activation=scaled_tanh),
+        optimizer=keras.optimizers.SGD(0.01),
+        epochs=6,
+        **common,
+    ).fit(df)
+    history = resumed.getHistory()
+    assert len(history["loss"]) == 6  # 4 from the first fit, 2 more
+    assert history["val_loss"][:4] == [3.0, 1.0, 2.0, 5.0]
+    state = json.loads(store.read(store.get_state_path("best-run")))
+    assert state["epoch"] == 6
+    assert float(np.asarray(resumed.getModel().optimizer.learning_rate)) == pytest.approx(0.01)
+
+
+def test_inside_a_pipeline_with_vector_assembler(spark_local2, store):
+    from pyspark.ml import Pipeline
+    from pyspark.ml.feature import VectorAssembler
+
+    rng = np.random.default_rng(5)
+    rows = [(float(a), float(b), float(2 * a - b)) for a, b in rng.normal(size=(200, 2))]
+    df = spark_local2.createDataFrame(rows, ["a", "b", "y"])
+    pipeline = Pipeline(
+        stages=[
+            VectorAssembler(inputCols=["a", "b"], outputCol="features"),
+            KerasEstimator(
+                num_proc=2, store=store, model=_mlp(inputs=2),
+                optimizer=keras.optimizers.Adam(0.02), loss="mse", feature_cols=["features"],
+                label_cols=["y"], batch_size=16, epochs=2, verbose=0,
+            ),
+        ]
+    )  # fmt: skip
+    out = pipeline.fit(df).transform(df)
+    assert "y__output" in out.columns and out.count() == 200
+
+
+def test_a_killed_rank_resumes_and_finishes(spark_cluster, tmp_path):
+    """local-cluster with spark.task.maxFailures=2: rank 1 dies in epoch 3 of 4; Spark
+    retries the stage, which resumes after the last completed epoch."""
+    store = Store.create(str(tmp_path / "store"))
+    marker = str(tmp_path / "killed-once")
+
+    class KillOnce(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            import flyte_hvd.core as hvd
+
+            if epoch == 2 and hvd.rank() == 1 and not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), 9)
+
+    df = _regression_df(spark_cluster, rows=200)
+    fitted = KerasEstimator(
+        num_proc=2, store=store, model=_mlp(), optimizer=keras.optimizers.Adam(0.02),
+        loss="mse", feature_cols=["features"], label_cols=["label"], batch_size=32, epochs=4,
+        verbose=0, callbacks=[KillOnce()], run_id="killed",
+    ).fit(df)  # fmt: skip
+    assert os.path.exists(marker)
+    assert len(fitted.getHistory()["loss"]) == 4
+    state = json.loads(store.read(store.get_state_path("killed")))
+    assert state["epoch"] == 4
+
+
+# -- bad input: each fails before any rank starts --------------------------------------------
+
+
+def _estimator(store, **overrides):
+    params = dict(
+        num_proc=2, store=store, model=_mlp(), optimizer=keras.optimizers.Adam(0.01),
+        loss="mse", feature_cols=["features"], label_cols=["label"], epochs=1, verbose=0,
+    )  # fmt: skip
+    params.update(overrides)
+    return KerasEstimator(**params)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"feature_cols": ["nope"]}, r"column\(s\) \['nope'\] are not in the DataFrame"),
+        ({"label_cols": ["missing"]}, r"\['missing'\] are not in the DataFrame"),
+        ({"feature_cols": ["features", "label"], "label_cols": ["is_val"]},
+         r"the model has 1 input\(s\) but `feature_cols` names 2"),
+        ({"optimizer": None, "loss": None}, "not compiled"),
+        ({"backend": object()}, "`num_proc` and `backend` are exclusive"),
+        ({"batch_size": 0}, "`batch_size` must be an int >= 1"),
+        ({"epochs": 0}, "`epochs` must be an int >= 1"),
+        ({"model": "not a model"}, "must be a Keras 3 model"),
+    ],
+)  # fmt: skip
+def test_bad_input_fails_before_ranks_start(spark_local2, store, overrides, match):
+    df = _regression_df(spark_local2, rows=20)
+    with pytest.raises(ValueError, match=match):
+        _estimator(store, **overrides).fit(df)
+
+
+def test_unwritable_store_fails_before_ranks_start(spark_local2, store):
+    df = _regression_df(spark_local2, rows=20)
+    estimator = _estimator(store)
+    shutil.rmtree(store.prefix_path)
+    with open(store.prefix_path, "w") as f:  # a file where the store's directory was
+        f.write("in the way")
+    with pytest.raises(RuntimeError, match=str(store.prefix_path)):
+        estimator.fit(df)
+
+
+def test_unknown_parameter_and_output_name_clash(spark_local2, store):
+    with pytest.raises(ValueError, match="unknown parameter"):
+        KerasEstimator(num_procs=2)
+    df = _regression_df(spark_local2, rows=20)
+    model = KerasModel(
+        model_bytes=None, feature_columns=["features"], label_columns=["label"],
+        output_cols=["label"],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"already exist in the DataFrame"):
+        model.transform(df)
+    with pytest.raises(ValueError, match="one column per label"):
+        model.setOutputCols(["a", "b"])

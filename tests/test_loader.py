@@ -1,0 +1,294 @@
+"""ArrowDataLoader on Parquet written here with pyarrow: disjoint balanced shards, the same
+number of batches on every rank, shuffling, caching, the background reader, tf.data."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import tracemalloc
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from flyte_hvd.spark.dataset import read_metadata_fs
+from flyte_hvd.spark.loader import (
+    ArrowDataLoader,
+    AsyncArrowDataLoader,
+    AsyncDataLoaderMixin,
+    BaseDataLoader,
+)
+
+# Uneven files, one of them empty, some with several row groups.
+FILE_ROWS = [7, 0, 13, 1, 30, 2, 50]
+TOTAL = sum(FILE_ROWS)
+
+
+def write_dataset(root, file_rows=FILE_ROWS, row_group_size=8) -> str:
+    """Files of rows with ``id`` 0..N-1, ``x`` = [id, id + 0.5, -id] and ``y`` = 2 * id."""
+    os.makedirs(root, exist_ok=True)
+    start = 0
+    for i, n in enumerate(file_rows):
+        ids = np.arange(start, start + n, dtype=np.int64)
+        x = np.stack([ids, ids + 0.5, -ids], axis=1).astype(np.float32).reshape(-1)
+        table = pa.table(
+            {
+                "id": ids,
+                "x": pa.FixedSizeListArray.from_arrays(pa.array(x), 3),
+                "y": (2 * ids).astype(np.float32),
+            }
+        )
+        pq.write_table(
+            table, os.path.join(root, f"part-{i:03d}.parquet"), row_group_size=row_group_size
+        )
+        start += n
+    return str(root)
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    return write_dataset(tmp_path / "data")
+
+
+def ids_of(batches) -> list[int]:
+    return [int(i) for b in batches for i in b["id"]]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_shards_are_disjoint_balanced_and_equal_in_steps(dataset, size):
+    bs = 4
+    shards = []
+    for rank in range(size):
+        loader = ArrowDataLoader(dataset, bs, rank=rank, size=size, shuffle=False)
+        batches = list(loader)
+        assert len(loader) == len(batches) == math.ceil(TOTAL / (size * bs))
+        assert all(len(b["id"]) == bs for b in batches)
+        expected_rows = (rank + 1) * TOTAL // size - rank * TOTAL // size
+        assert loader.shard_rows == expected_rows
+        # Unshuffled, the shard comes first, in order, then wraps around.
+        stream = ids_of(batches)
+        shard = stream[:expected_rows]
+        assert shard == list(range(rank * TOTAL // size, (rank + 1) * TOTAL // size))
+        assert set(stream) == set(shard)
+        shards.append(set(shard))
+    assert set().union(*shards) == set(range(TOTAL))
+    assert sum(len(s) for s in shards) == TOTAL
+
+
+def test_short_shard_wraps_around(tmp_path):
+    path = write_dataset(tmp_path / "d", [10])
+    # Shards of 3, 3 and 4 rows; 3 steps of 4 rows means 12 rows from each shard.
+    for rank, shard_rows in enumerate([3, 3, 4]):
+        loader = ArrowDataLoader(path, 4, rank=rank, size=3, steps_per_epoch=3, seed=1)
+        counts = Counter(ids_of(loader))
+        assert sum(counts.values()) == 12
+        assert len(counts) == shard_rows
+        if shard_rows == 3:
+            assert set(counts.values()) == {4}  # whole passes, each row once per pass
+
+
+def test_each_row_once_per_epoch_in_a_new_order(tmp_path):
+    path = write_dataset(tmp_path / "d", [16] * 8)  # 128 rows, shards of 64
+    loader = ArrowDataLoader(path, 8, rank=1, size=2, shuffle_buffer_size=16, seed=7)
+    assert len(loader) == 8
+    epochs = [ids_of(loader) for _ in range(3)]
+    for ids in epochs:
+        assert sorted(ids) == list(range(64, 128))
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert epochs[0] != list(range(64, 128))
+    again = ArrowDataLoader(path, 8, rank=1, size=2, shuffle_buffer_size=16, seed=7)
+    assert ids_of(again.iter_epoch(1)) == epochs[1]  # seeded by (seed, epoch, rank)
+
+
+def test_batches_have_the_recorded_shapes(dataset):
+    loader = ArrowDataLoader(dataset, 5, columns=["id", "x", "y"])
+    assert loader.output_specs["x"] == (np.dtype("float32"), (5, 3))
+    for batch in loader:
+        assert batch["x"].shape == (5, 3) and batch["x"].dtype == np.float32
+        assert batch["y"].shape == (5,)
+        np.testing.assert_array_equal(batch["x"][:, 1], batch["id"] + 0.5)
+        np.testing.assert_array_equal(batch["y"], 2 * batch["id"])
+
+
+def test_inmemory_cache_reads_the_files_once(tmp_path):
+    path = write_dataset(tmp_path / "d")
+    cached = ArrowDataLoader(path, 4, rank=0, size=2, inmemory_cache_all=True, seed=3)
+    streamed = ArrowDataLoader(path, 4, rank=0, size=2, seed=3)
+    first = ids_of(cached)
+    assert len(first) == len(ids_of(streamed)) == 4 * math.ceil(TOTAL / 8)
+    assert set(first) == set(ids_of(streamed)) == set(range(TOTAL // 2))
+    for name in os.listdir(path):
+        os.remove(os.path.join(path, name))
+    second = ids_of(cached)  # from memory: the files are gone
+    assert set(second) == set(first) and len(second) == len(first) and second != first
+
+
+def test_spark_vector_layout_is_expanded(tmp_path):
+    # Spark writes a VectorUDT column as struct<type, size, indices, values>: mix dense rows
+    # (type 1) and sparse rows (type 0).
+    vectors = pa.array(
+        [
+            {"type": 1, "size": None, "indices": None, "values": [1.0, 2.0, 3.0, 4.0]},
+            {"type": 0, "size": 4, "indices": [1, 3], "values": [5.0, 6.0]},
+            {"type": 0, "size": 4, "indices": [], "values": []},
+            {"type": 1, "size": None, "indices": None, "values": [7.0, 8.0, 9.0, 10.0]},
+        ],
+        type=pa.struct(
+            [
+                ("type", pa.int8()),
+                ("size", pa.int32()),
+                ("indices", pa.list_(pa.int32())),
+                ("values", pa.list_(pa.float64())),
+            ]
+        ),
+    )
+    os.makedirs(tmp_path / "v")
+    pq.write_table(pa.table({"v": vectors, "y": [0, 1, 2, 3]}), tmp_path / "v" / "a.parquet")
+    meta = read_metadata_fs(pa.fs.LocalFileSystem(), str(tmp_path / "v"))
+    assert meta.column("v").shape == (4,) and meta.column("v").encoding == "vector_struct"
+    batch = next(iter(ArrowDataLoader(str(tmp_path / "v"), 4, shuffle=False)))
+    expected = [[1, 2, 3, 4], [0, 5, 0, 6], [0, 0, 0, 0], [7, 8, 9, 10]]
+    np.testing.assert_array_equal(batch["v"], np.array(expected, dtype=np.float64))
+
+
+def test_bad_arguments_and_data(dataset, tmp_path):
+    with pytest.raises(ValueError, match=r"`rank`=2 must be below `size`=2"):
+        ArrowDataLoader(dataset, 4, rank=2, size=2)
+    with pytest.raises(ValueError, match="`batch_size` must be an int >= 1; found 0"):
+        ArrowDataLoader(dataset, 0)
+    with pytest.raises(ValueError, match=r"column `nope` is not in the dataset.*'id'"):
+        ArrowDataLoader(dataset, 4, columns=["nope"])
+    tiny = write_dataset(tmp_path / "tiny", [2])
+    with pytest.raises(ValueError, match="has 2 rows, fewer than the 3 ranks"):
+        ArrowDataLoader(tiny, 1, rank=0, size=3)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no Parquet files under"):
+        ArrowDataLoader(str(tmp_path / "empty"), 1)
+    ragged = tmp_path / "ragged"
+    ragged.mkdir()
+    pq.write_table(pa.table({"a": [[1.0, 2.0], [3.0]]}), ragged / "r.parquet")
+    with pytest.raises(ValueError, match=r"column `a` has rows of lengths \[1, 2\]"):
+        list(ArrowDataLoader(str(ragged), 2))
+
+
+def test_memory_is_flat_across_epochs(tmp_path):
+    path = write_dataset(tmp_path / "d", [4000] * 5, row_group_size=1000)
+    loader = ArrowDataLoader(path, 64, rank=0, size=1, shuffle_buffer_size=2000)
+    tracemalloc.start()
+    try:
+        after = []
+        for _ in range(8):
+            for _batch in loader:
+                pass
+            del _batch
+            after.append(tracemalloc.get_traced_memory()[0])
+    finally:
+        tracemalloc.stop()
+    assert max(after[2:]) - after[1] < 256 * 1024, after
+
+
+# -- background reading ----------------------------------------------------------------------
+
+
+def test_async_loader_yields_the_same_batches(dataset):
+    sync = ArrowDataLoader(dataset, 4, rank=1, size=2, seed=5)
+    background = AsyncArrowDataLoader(dataset, 4, rank=1, size=2, seed=5, async_loader_queue_size=2)
+    for _ in range(2):
+        assert ids_of(sync) == ids_of(background)
+
+
+class _Broken(AsyncDataLoaderMixin, ArrowDataLoader):
+    """Fails reading its third row group."""
+
+    reads = 0
+
+    def _read_piece(self, piece):
+        self.reads += 1
+        if self.reads == 3:
+            raise OSError("disk on fire")
+        return super()._read_piece(piece)
+
+
+def _loader_threads() -> int:
+    return sum(t.name.startswith("flyte-hvd") for t in threading.enumerate())
+
+
+def test_async_error_surfaces_in_the_training_loop(dataset):
+    baseline = _loader_threads()  # threads other tests left running
+    loader = _Broken(dataset, 2, shuffle=False)
+    got = []
+    with pytest.raises(OSError, match="disk on fire"):
+        for batch in loader:
+            got.append(batch)
+    assert got  # batches before the failure arrived first
+    assert _loader_threads() <= baseline
+
+
+def test_async_stopping_early_ends_the_thread(dataset):
+    baseline = _loader_threads()  # threads other tests left running
+    loader = AsyncArrowDataLoader(dataset, 1, async_loader_queue_size=1)
+    epoch = iter(loader)
+    next(epoch)
+    assert _loader_threads() >= 2  # the loader's thread, and the epoch's reading threads
+    epoch.close()
+    assert _loader_threads() <= baseline
+
+
+class _Counting(BaseDataLoader):
+    """A user-defined loader: batches of ``i`` for i in range(3)."""
+
+    def __len__(self):
+        return 3
+
+    def _iterate(self, epoch):
+        for i in range(3):
+            yield {"a": np.full((2, 1), i + 10 * epoch, np.float32), "b": np.zeros(2, np.int64)}
+
+    @property
+    def output_specs(self):
+        return {"a": (np.dtype("float32"), (None, 1)), "b": (np.dtype("int64"), (None,))}
+
+
+def test_tf_dataset_feeds_keras_one_epoch_per_pass(dataset):
+    import keras
+    import tensorflow as tf
+
+    loader = ArrowDataLoader(dataset, 8, rank=0, size=2, columns=["x", "id", "y"])
+    ds = loader.to_tf_dataset(["x", "id"], "y")
+    x_spec, y_spec = ds.element_spec
+    assert x_spec[0].shape == (8, 3) and x_spec[0].dtype == tf.float32
+    assert x_spec[1].shape == (8,) and x_spec[1].dtype == tf.int64
+    assert y_spec.shape == (8,)
+    assert int(ds.cardinality()) == len(loader) == math.ceil(TOTAL / 16)
+
+    only_x = loader.to_tf_dataset("x")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    before = loader._epoch
+    history = model.fit(loader.to_tf_dataset("x", "y"), epochs=2, verbose=0, shuffle=False)
+    assert len(history.history["loss"]) == 2
+    assert loader._epoch - before == 2  # Keras re-iterated the dataset: one loader epoch each
+    assert next(iter(only_x)).shape == (8, 3)
+
+    user = _Counting().to_tf_dataset("a", "b")
+    firsts = [float(x[0, 0]) for x, _ in user]
+    assert firsts == [0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="`label_columns`='nope'"):
+        _Counting().to_tf_dataset("a", "nope")
+
+
+def test_rank_side_modules_import_neither_spark_nor_tensorflow():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import flyte_hvd.spark.loader, flyte_hvd.spark.store, flyte_hvd.spark.dataset\n"
+        "import flyte_hvd.spark.prepare\n"
+        "print(sorted(m for m in ('pyspark', 'tensorflow', 'keras') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

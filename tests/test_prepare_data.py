@@ -1,0 +1,255 @@
+"""prepare_data on a real local[2] SparkSession: layout, metadata, reuse, vectors, bad input,
+and the staged upload to a real S3 endpoint (moto's server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from flyte_hvd.spark.dataset import METADATA_FILENAME, get_dataset_metadata, read_metadata
+from flyte_hvd.spark.loader import ArrowDataLoader
+from flyte_hvd.spark.prepare import prepare_data
+from flyte_hvd.spark.store import Store
+
+pytestmark = pytest.mark.spark
+
+N = 60
+
+
+@pytest.fixture
+def vectors_df(spark_local2):
+    """N rows: a dense vector, a sparse vector, an array, a scalar feature, a label, a weight
+    and a validation flag (every fifth row), all functions of `id`."""
+    from pyspark.ml.linalg import Vectors
+
+    rows = [
+        (
+            i,
+            Vectors.dense([float(i), 1.0, -float(i)]),
+            Vectors.sparse(5, [i % 5], [float(i)]),
+            [i, 2 * i],
+            float(i) / 2,
+            float(i % 3),
+            1.0 + i % 2,
+            i % 5 == 0,
+        )
+        for i in range(N)
+    ]
+    return spark_local2.createDataFrame(
+        rows, ["id", "dense", "sparse", "arr", "f", "label", "w", "is_val"]
+    )
+
+
+@pytest.fixture
+def store(tmp_path):
+    return Store.create(str(tmp_path / "store"))
+
+
+def prepare(store, df, **kwargs):
+    kwargs.setdefault("label_columns", ["label"])
+    kwargs.setdefault("partitions_per_process", 2)
+    with prepare_data(2, store, df, **kwargs) as idx:
+        return idx
+
+
+def all_rows(path, store, columns=None):
+    loader = ArrowDataLoader(path, 1, store=store, shuffle=False, columns=columns)
+    return {
+        k: np.concatenate([b[k] for b in loader.iter_epoch(0)])[: loader.total_rows]
+        for k in loader.columns
+    }
+
+
+def test_layout_metadata_and_shapes(store, vectors_df):
+    idx = prepare(store, vectors_df, validation="is_val", sample_weight_col="w")
+    train_path, val_path = store.get_train_data_path(idx), store.get_val_data_path(idx)
+    assert os.path.isfile(os.path.join(train_path, METADATA_FILENAME))
+    train, val = get_dataset_metadata(store, idx)
+    assert (train.rows, val.rows) == (N - N // 5, N // 5)
+    assert train.files >= 2 and val.files >= 2  # at least num_processes
+    assert train.bytes > 0 and train.split == "train" and train.dataset_idx == idx
+    cols = {c.name: (c.kind, c.dtype, c.shape, c.encoding) for c in train.columns}
+    assert cols == {
+        "id": ("scalar", "int64", (), "plain"),
+        "dense": ("dense_vector", "float64", (3,), "list"),
+        "sparse": ("sparse_vector", "float64", (5,), "list"),
+        "arr": ("array", "int64", (2,), "list"),
+        "f": ("scalar", "float64", (), "plain"),
+        "label": ("scalar", "float64", (), "plain"),
+        "w": ("scalar", "float64", (), "plain"),
+    }  # the validation column is not stored
+    assert train.feature_columns == ("id", "dense", "sparse", "arr", "f")
+    rows = all_rows(val_path, store)
+    assert sorted(rows["id"].tolist()) == list(range(0, N, 5))
+    order = np.argsort(rows["id"])
+    ids = rows["id"][order]
+    np.testing.assert_array_equal(rows["dense"][order], np.stack([ids, ids * 0 + 1, -ids], 1))
+    expected_sparse = np.zeros((len(ids), 5))
+    expected_sparse[np.arange(len(ids)), ids % 5] = ids
+    np.testing.assert_array_equal(rows["sparse"][order], expected_sparse)
+    np.testing.assert_array_equal(rows["arr"][order], np.stack([ids, 2 * ids], 1))
+
+    # Without the sidecar the shapes still come back, from the Parquet schema (horovod#1762).
+    sidecar = os.path.join(train_path, METADATA_FILENAME)
+    os.rename(sidecar, sidecar + ".moved")
+    from_schema = read_metadata(store, train_path)
+    assert from_schema.columns == train.columns
+    assert from_schema.rows == train.rows
+
+
+def test_random_split_is_seeded_and_reused(store, vectors_df):
+    idx = prepare(store, vectors_df, feature_columns=["f"], validation=0.25)
+    train, val = get_dataset_metadata(store, idx)
+    assert train.rows + val.rows == N and 0 < val.rows < N
+    sidecar = os.path.join(store.get_train_data_path(idx), METADATA_FILENAME)
+    files = sorted(os.listdir(store.get_train_data_path(idx)))
+    stamp = os.stat(sidecar).st_mtime_ns
+    # The same DataFrame and options: the data is reused, not written again.
+    assert prepare(store, vectors_df, feature_columns=["f"], validation=0.25) == idx
+    assert os.stat(sidecar).st_mtime_ns == stamp
+    assert sorted(os.listdir(store.get_train_data_path(idx))) == files
+    # A changed DataFrame, or a changed option, is a new dataset.
+    fewer = vectors_df.filter("id < 40")
+    idx_fewer = prepare(store, fewer, feature_columns=["f"], validation=0.25)
+    idx_split = prepare(store, vectors_df, feature_columns=["f"], validation=0.5)
+    assert len({idx, idx_fewer, idx_split}) == 3
+    assert sum(get_dataset_metadata(store, idx_fewer)[i].rows for i in (0, 1)) == 40
+
+
+def test_compress_sparse_is_expanded_by_the_loader(store, vectors_df):
+    idx = prepare(
+        store, vectors_df, feature_columns=["id", "sparse", "dense"], compress_sparse=True
+    )
+    train, val = get_dataset_metadata(store, idx)
+    assert val is None
+    info = train.column("sparse")
+    assert (info.kind, info.encoding, info.shape) == ("sparse_vector", "sparse", (5,))
+    assert train.column("dense").encoding == "list"  # dense rows are not compressed
+    path = store.get_train_data_path(idx)
+    stored = pq.read_schema(next(p for p in _parquet_files(path)))
+    assert stored.field("sparse").type.num_fields == 2  # indices, values
+    rows = all_rows(path, store)
+    ids = rows["id"]
+    expected = np.zeros((N, 5))
+    expected[np.arange(N), ids % 5] = ids
+    np.testing.assert_array_equal(rows["sparse"], expected)
+
+
+def _parquet_files(path):
+    return [os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(".parquet")]
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+def test_missing_columns_list_what_exists(store, vectors_df):
+    with pytest.raises(ValueError, match=r"`label_columns` names `nope`.*available columns: `id`"):
+        prepare(store, vectors_df, label_columns=["nope"])
+    with pytest.raises(ValueError, match=r"`feature_columns` names `x1`, `x2`.*`is_val`"):
+        prepare(store, vectors_df, feature_columns=["f", "x1", "x2"])
+    with pytest.raises(ValueError, match=r"`sample_weight_col` names `ww`"):
+        prepare(store, vectors_df, sample_weight_col="ww")
+
+
+def test_unsupported_type_is_named(store, vectors_df):
+    df = vectors_df.selectExpr("*", "cast(id as string) as name")
+    with pytest.raises(ValueError, match=r"column `name` has type string, which cannot be fed"):
+        prepare(store, df)
+
+
+@pytest.mark.parametrize(
+    ("validation", "message"),
+    [
+        (0.0, r"strictly between 0 and 1.*found 0\.0"),
+        (1.0, r"strictly between 0 and 1.*found 1\.0"),
+        (1.5, r"strictly between 0 and 1"),
+        (True, r"a float in \(0, 1\), a column name or None; found True"),
+        ("missing", r"`validation` names `missing`"),
+        ("arr", r"`validation` column `arr` must be boolean or numeric"),
+    ],
+)
+def test_bad_validation(store, vectors_df, validation, message):
+    with pytest.raises(ValueError, match=message):
+        prepare(store, vectors_df, validation=validation)
+
+
+@pytest.mark.parametrize("num_processes", [0, -1, 1.5, None])
+def test_bad_num_processes(store, vectors_df, num_processes):
+    with (
+        pytest.raises(ValueError, match="`num_processes` must be an int >= 1"),
+        prepare_data(num_processes, store, vectors_df, ["label"]),
+    ):
+        pass
+
+
+def test_empty_dataframe_and_empty_split(store, vectors_df, tmp_path):
+    with pytest.raises(ValueError, match="the DataFrame has no rows"):
+        prepare(store, vectors_df.filter("id < 0"))
+    none_val = vectors_df.selectExpr("*", "false as never")
+    with pytest.raises(ValueError, match=r"puts 0 of 60 rows into the validation split"):
+        prepare(store, none_val, validation="never")
+    assert not os.listdir(store.prefix_path)  # nothing written
+
+
+def test_nan_label_is_refused(store, vectors_df):
+    df = vectors_df.selectExpr("*", "if(id = 7, double('NaN'), label) as bad_label")
+    with pytest.raises(ValueError, match=r"column `bad_label` has 1 NaN values"):
+        prepare(store, df, label_columns=["bad_label"], feature_columns=["f"])
+    nulls = vectors_df.selectExpr("*", "if(id = 3, null, f) as f_null")
+    with pytest.raises(ValueError, match=r"column `f_null` has 1 null values"):
+        prepare(store, nulls, feature_columns=["f_null"])
+
+
+def test_failed_write_leaves_nothing_behind(tmp_path, vectors_df):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("the validation split cannot go under a file")
+    store = Store.create(str(tmp_path / "store"), val_path=str(blocker / "val"))
+    with pytest.raises(Exception, match="a-file"):
+        prepare(store, vectors_df, feature_columns=["f"], validation=0.5)
+    assert not [n for n in os.listdir(store.prefix_path) if n.startswith("intermediate")]
+
+
+# -- S3: Spark on local[2] has no S3A connector, so the data is staged and uploaded ----------
+
+
+def test_staged_upload_to_s3_and_back(s3_server, vectors_df):
+    prefix = f"s3://{s3_server.bucket}/prep-{uuid.uuid4().hex[:8]}"
+    store = Store.create(prefix, storage_options=s3_server.storage_options())
+    idx = prepare(store, vectors_df, feature_columns=["id", "dense"], validation="is_val")
+    train, val = get_dataset_metadata(store, idx)
+    assert (train.rows, val.rows) == (N - N // 5, N // 5)
+    key_prefix = store.fs_path(store.get_train_data_path(idx)).split("/", 1)[1]
+    listed = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=key_prefix)
+    names = sorted(o["Key"].rsplit("/", 1)[1] for o in listed["Contents"])
+    assert METADATA_FILENAME in names
+    assert len([n for n in names if n.endswith(".parquet")]) == train.files >= 2
+    # Both ranks read their shards back from S3: disjoint, and together every row.
+    remote = store.to_remote(dataset_idx=idx)
+    shards = []
+    for rank in range(2):
+        loader = ArrowDataLoader(remote.train_data_path, 4, rank=rank, size=2, store=remote)
+        seen = {int(i) for b in loader for i in b["id"]}
+        assert len(seen) == loader.shard_rows
+        shards.append(seen)
+    assert shards[0].isdisjoint(shards[1])
+    assert shards[0] | shards[1] == {i for i in range(N) if i % 5}
+    assert json.loads(store.read_text(f"{store.get_train_data_path(idx)}/{METADATA_FILENAME}"))
+
+
+def test_failed_staged_upload_leaves_nothing_behind(s3_server, vectors_df):
+    prefix = f"s3://{s3_server.bucket}/fail-{uuid.uuid4().hex[:8]}"
+    store = Store.create(
+        prefix,
+        val_path="s3://no-such-bucket/val",
+        storage_options=s3_server.storage_options(),
+    )
+    with pytest.raises(Exception, match=r"NoSuchBucket|does not exist"):
+        prepare(store, vectors_df, feature_columns=["f"], validation=0.5)
+    key_prefix = prefix.split("/", 3)[3]
+    listed = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=key_prefix)
+    assert listed["KeyCount"] == 0

@@ -103,6 +103,22 @@ def test_each_row_once_per_epoch_in_a_new_order(tmp_path):
     assert ids_of(again.iter_epoch(1)) == epochs[1]  # seeded by (seed, epoch, rank)
 
 
+def test_shuffle_buffer_mixes_rows_across_row_groups(tmp_path):
+    path = write_dataset(tmp_path / "d", [100] * 4, row_group_size=50)  # 8 row groups
+
+    def groups_per_batch(buffer: int) -> list[int]:
+        loader = ArrowDataLoader(path, 10, shuffle_buffer_size=buffer, seed=3)
+        return [len({i // 50 for i in b["id"]}) for b in loader]
+
+    # Without a buffer, a batch holds rows of one row group (50 rows: 5 whole batches), in
+    # a shuffled order; with one, most batches mix rows of several.
+    assert set(groups_per_batch(0)) == {1}
+    first = ids_of(ArrowDataLoader(path, 10, shuffle_buffer_size=0))[:50]
+    assert len({i // 50 for i in first}) == 1 and first != sorted(first)
+    mixed = groups_per_batch(25)
+    assert sum(n > 1 for n in mixed) > len(mixed) // 2, mixed
+
+
 def test_batches_have_the_recorded_shapes(dataset):
     loader = ArrowDataLoader(dataset, 5, columns=["id", "x", "y"])
     assert loader.output_specs["x"] == (np.dtype("float32"), (5, 3))
@@ -179,15 +195,17 @@ def test_memory_is_flat_across_epochs(tmp_path):
     loader = ArrowDataLoader(path, 64, rank=0, size=1, shuffle_buffer_size=2000)
     tracemalloc.start()
     try:
-        after = []
+        after, arrow = [], []  # Python's allocations; Arrow's (where batches live)
         for _ in range(8):
             for _batch in loader:
                 pass
             del _batch
             after.append(tracemalloc.get_traced_memory()[0])
+            arrow.append(pa.total_allocated_bytes())
     finally:
         tracemalloc.stop()
     assert max(after[2:]) - after[1] < 256 * 1024, after
+    assert max(arrow[2:]) - arrow[1] < 256 * 1024, arrow
 
 
 # -- background reading ----------------------------------------------------------------------

@@ -42,6 +42,27 @@ def test_env_and_kwargs_reach_fn(spark_local2):
     assert run(fn, kwargs={"suffix": "!"}, num_proc=2, env={"MY_SETTING": "on"}) == ["on!"] * 2
 
 
+def test_ranks_import_code_added_with_add_py_file(spark_local2, tmp_path):
+    """Code shipped with SparkContext.addPyFile (how Flyte ships fast-registered code) is
+    importable in the rank processes, not only in Spark's Python workers; and AWS_* settings
+    the driver made after Spark started reach a local master's ranks."""
+    import zipfile
+
+    bundle = tmp_path / "bundle.zip"
+    with zipfile.ZipFile(bundle, "w") as zf:
+        zf.writestr("flyte_hvd_shipped_code.py", "VALUE = 7\n")
+    spark_local2.sparkContext.addPyFile(str(bundle))
+    os.environ["AWS_FLYTE_HVD_PROBE"] = "set-after-start"
+    try:
+        results = run(
+            lambda: (__import__("flyte_hvd_shipped_code").VALUE, os.environ["AWS_FLYTE_HVD_PROBE"]),
+            num_proc=2,
+        )
+    finally:
+        del os.environ["AWS_FLYTE_HVD_PROBE"]
+    assert results == [(7, "set-after-start"), (7, "set-after-start")]
+
+
 def test_num_proc_defaults_to_default_parallelism(spark_local2):
     def fn():
         import flyte_hvd.core as hvd

@@ -298,8 +298,10 @@ def _start_local_session(app_name: str, config: HorovodSpark) -> None:
         return
     conf = config.local_spark_conf
     builder = SparkSession.builder.appName(app_name).master(conf.pop("spark.master"))
-    # As flytekit does locally: bind to loopback, hand PYTHONPATH to the Python workers.
+    # As flytekit does locally: bind to loopback, hand PYTHONPATH to the Python workers. Also
+    # advertise loopback: the host's own address is not bound, so block fetches would fail.
     builder = builder.config("spark.driver.bindAddress", "127.0.0.1")
+    builder = builder.config("spark.driver.host", "127.0.0.1")
     if "PYTHONPATH" in os.environ:
         builder = builder.config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
     for key, value in conf.items():

@@ -25,6 +25,11 @@ _LAZY = {
     "ArrowDataLoader": "flyte_hvd.spark.loader",
     "AsyncDataLoaderMixin": "flyte_hvd.spark.loader",
     "AsyncArrowDataLoader": "flyte_hvd.spark.loader",
+    "KerasEstimator": "flyte_hvd.spark.keras_estimator",
+    "KerasModel": "flyte_hvd.spark.keras_estimator",
+    "TorchEstimator": "flyte_hvd.spark.torch_estimator",
+    "TorchModel": "flyte_hvd.spark.torch_estimator",
+    "LightningEstimator": "flyte_hvd.spark.lightning_estimator",
 }
 __all__ += list(_LAZY)
 

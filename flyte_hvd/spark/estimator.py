@@ -1,13 +1,18 @@
 """What every framework's estimator shares: params checks, data preparation, the launch on
-ranks, and prediction on Arrow batches. ``KerasEstimator`` (and later the Torch ones) supply
-only the framework parts: how to check the model, train on a rank, and predict."""
+ranks, the trained model's creation, prediction on Arrow batches, and save/load.
+``KerasEstimator``, ``TorchEstimator`` and ``LightningEstimator`` supply only the framework
+parts: how to check the model, train on a rank (with ``flyte_hvd.spark.training``), load the
+model and predict."""
 
 from __future__ import annotations
 
+import io
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import cloudpickle
 from pyspark.ml import Estimator, Model
 from pyspark.ml.util import MLReadable, MLWritable
 
@@ -134,28 +139,66 @@ class HorovodEstimator(Estimator):
 
         store = self.getStore()
         metadata = get_dataset_metadata(store, dataset_idx)  # (train, validation or None)
+        model_params = self._check_data(features, metadata)
         run_id = self._run_id()
         spec = self._training_spec(store.to_remote(run_id, dataset_idx), features, metadata,
                                    backend.num_processes())  # fmt: skip
         results = backend.run(self._remote_trainer(), args=(spec,), env={})
-        return self._create_model(results[0], run_id, features, metadata)
+        result = results[0]
+        return self._model_class(
+            model_bytes=result["model"],
+            history=result["history"],
+            run_id=run_id,
+            feature_columns=features,
+            label_columns=list(self.getLabelCols()),
+            metadata=metadata,
+            **model_params,
+        )
+
+    def _spec_fields(self, remote_store: Any, features: list[str], metadata: Any) -> dict:
+        """The fields of ``training.TrainingSpec`` that every framework fills the same way."""
+        return dict(
+            store=remote_store,
+            features=features,
+            labels=list(self.getLabelCols()),
+            sample_weight_col=self.getSampleWeightCol(),
+            metadata=metadata,
+            batch_size=self.getBatchSize(),
+            val_batch_size=self.getValBatchSize() or self.getBatchSize(),
+            epochs=self.getEpochs(),
+            verbose=self.getVerbose(),
+            shuffle=self.getShuffle(),
+            shuffle_buffer_size=self.getShuffleBufferSize(),
+            random_seed=self.getRandomSeed(),
+            train_steps_per_epoch=self.getTrainStepsPerEpoch(),
+            validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
+            transformation_fn=self.getTransformationFn(),
+            inmemory_cache_all=self.getInmemoryCacheAll(),
+            data_loader=self.getDataLoader(),
+            use_gpu=self.getUseGpu(),
+        )
 
     # -- framework hooks ----------------------------------------------------------------------
 
     _framework = "model"
+    _model_class: type[HorovodModel]
 
     def _check_model(self, features: list[str], labels: list[str]) -> None:
+        """Checks that need only the params (before the data is prepared)."""
         raise NotImplementedError
+
+    def _check_data(self, features: list[str], metadata: Any) -> dict[str, Any]:
+        """Checks against the prepared columns (still before any rank starts); returns extra
+        params for the trained model."""
+        return {}
 
     def _training_spec(self, remote_store: Any, features: list[str], metadata: Any,
                        num_proc: int) -> Any:  # fmt: skip
         raise NotImplementedError
 
     def _remote_trainer(self) -> Callable[[Any], dict]:
-        raise NotImplementedError
-
-    def _create_model(self, result: dict, run_id: str, features: list[str],
-                      metadata: Any) -> Model:  # fmt: skip
+        """The function every rank runs: ``fn(spec) -> dict``; rank 0 returns ``model``
+        (bytes) and ``history``."""
         raise NotImplementedError
 
 
@@ -165,10 +208,21 @@ class HorovodModel(Model, MLWritable, MLReadable):
     column per label, computed on Arrow batches by ``mapInPandas`` with the model loaded once
     per Python worker (never one row at a time)."""
 
-    def __init__(self, **kwargs: Any):
+    _archive_name = "model.zip"  # what save() writes: params and model bytes
+    _model_file = "model.bin"
+
+    def __init__(self, model_bytes: bytes | None = None, **kwargs: Any):
         super().__init__()
         self._setDefault(**_fresh(self._param_defaults))
         self._set(**kwargs)
+        self._model_bytes = model_bytes
+        self._model: Any = None
+
+    def getModel(self) -> Any:
+        """The trained framework model, usable outside Spark."""
+        if self._model is None:
+            self._model = self._load_model(self._model_bytes)
+        return self._model
 
     def _output_cols(self) -> list[str]:
         return list(self.getOutputCols() or [f"{c}__output" for c in self.getLabelColumns()])
@@ -230,11 +284,74 @@ class HorovodModel(Model, MLWritable, MLReadable):
 
     # -- framework hooks ----------------------------------------------------------------------
 
+    def _load_model(self, data: bytes) -> Any:
+        raise NotImplementedError
+
     def _output_types(self) -> list[Any]:
         raise NotImplementedError
 
     def _batch_predictor(self, sc: Any) -> Callable[[Any], list[Any]]:
         raise NotImplementedError
+
+    # -- persistence --------------------------------------------------------------------------
+
+    def write(self) -> ModelWriter:
+        return ModelWriter(self)
+
+    @classmethod
+    def read(cls) -> ModelReader:
+        return ModelReader(cls)
+
+
+_PARAMS_FILE = "params.pkl"
+
+
+class ModelWriter:
+    """Saves a model as one zip (params and model bytes) under ``path`` (local or a URL)."""
+
+    def __init__(self, instance: HorovodModel):
+        self.instance = instance
+        self._overwrite = False
+
+    def overwrite(self) -> ModelWriter:
+        self._overwrite = True
+        return self
+
+    def save(self, path: str) -> None:
+        import fsspec
+
+        instance = self.instance
+        fs, root = fsspec.core.url_to_fs(path)
+        if fs.exists(root) and not self._overwrite:
+            raise ValueError(
+                f"{path!r} already exists; use model.write().overwrite().save(path) to replace it."
+            )
+        params = {p.name: v for p, v in instance._paramMap.items()}
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as archive:
+            archive.writestr(_PARAMS_FILE, cloudpickle.dumps(params))
+            archive.writestr(instance._model_file, instance._model_bytes)
+        fs.makedirs(root, exist_ok=True)
+        with fs.open(f"{root.rstrip('/')}/{instance._archive_name}", "wb") as f:
+            f.write(buffer.getvalue())
+
+
+class ModelReader:
+    def __init__(self, cls: type[HorovodModel]):
+        self.cls = cls
+
+    def load(self, path: str) -> HorovodModel:
+        import fsspec
+
+        cls = self.cls
+        fs, root = fsspec.core.url_to_fs(path)
+        target = f"{root.rstrip('/')}/{cls._archive_name}"
+        if not fs.exists(target):
+            raise ValueError(f"{path!r} holds no saved {cls.__name__} (expected {target}).")
+        with fs.open(target, "rb") as f, zipfile.ZipFile(io.BytesIO(f.read())) as archive:
+            params = cloudpickle.loads(archive.read(_PARAMS_FILE))
+            model_bytes = archive.read(cls._model_file)
+        return cls(model_bytes=model_bytes, **params)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

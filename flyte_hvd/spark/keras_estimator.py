@@ -9,54 +9,35 @@ epoch, with the learning rate scaled once (Horovod scaled a resumed rate again).
 
 from __future__ import annotations
 
-import io
-import json
 import math
 import os
 import tempfile
-import time
-import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
-import cloudpickle
 import keras
 import numpy as np
 
+from flyte_hvd.spark import training
 from flyte_hvd.spark.estimator import HorovodEstimator, HorovodModel
+from flyte_hvd.spark.training import TrainingSpec, TransformedLoader, read_run_state
 
 LAST_MODEL_FILENAME = "last.keras"  # the latest epoch, for resuming
 BEST_MODEL_FILENAME = "best.keras"  # where a checkpoint callback writes, on rank 0
+_EXTENSION = ".keras"
+
+__all__ = ["KerasEstimator", "KerasModel", "KerasTrainingSpec", "TransformedLoader"]
 
 
-@dataclass
-class KerasTrainingSpec:
-    """Everything a rank needs to train: plain values, no driver objects."""
+@dataclass(kw_only=True)
+class KerasTrainingSpec(TrainingSpec):
+    """The common spec plus what a Keras rank needs."""
 
-    store: Any  # RemoteStore
-    model_bytes: bytes
     custom_objects: dict[str, Any]
     learning_rate: float | None
-    features: list[str]
-    labels: list[str]
-    sample_weight_col: str | None
-    metadata: Any
-    batch_size: int
-    val_batch_size: int
-    epochs: int
-    verbose: int
-    shuffle: bool
-    shuffle_buffer_size: int | None
-    random_seed: int | None
-    train_steps_per_epoch: int | None
-    validation_steps_per_epoch: int | None
     callbacks: list[Any] = field(default_factory=list)
     checkpoint_callback: Any = None
     compression: Any = None
-    transformation_fn: Any = None
-    inmemory_cache_all: bool = False
-    data_loader: Any = None
-    use_gpu: bool = True
 
 
 class KerasEstimator(HorovodEstimator):
@@ -110,66 +91,39 @@ class KerasEstimator(HorovodEstimator):
             return clone
         return model
 
+    def _check_data(self, features: list[str], metadata: Any) -> dict[str, Any]:
+        return {"custom_objects": dict(self.getCustomObjects() or {})}
+
     def _training_spec(self, remote_store: Any, features: list[str], metadata: Any,
                        num_proc: int) -> KerasTrainingSpec:  # fmt: skip
         model = self._compiled_model()
         return KerasTrainingSpec(
-            store=remote_store,
+            **self._spec_fields(remote_store, features, metadata),
             model_bytes=model_to_bytes(model),
             custom_objects=dict(self.getCustomObjects() or {}),
             learning_rate=_learning_rate(model.optimizer),
-            features=features,
-            labels=list(self.getLabelCols()),
-            sample_weight_col=self.getSampleWeightCol(),
-            metadata=metadata,
-            batch_size=self.getBatchSize(),
-            val_batch_size=self.getValBatchSize() or self.getBatchSize(),
-            epochs=self.getEpochs(),
-            verbose=self.getVerbose(),
-            shuffle=self.getShuffle(),
-            shuffle_buffer_size=self.getShuffleBufferSize(),
-            random_seed=self.getRandomSeed(),
-            train_steps_per_epoch=self.getTrainStepsPerEpoch(),
-            validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
             callbacks=list(self.getCallbacks() or []),
             checkpoint_callback=self.getCheckpointCallback(),
             compression=self.getGradientCompression(),
-            transformation_fn=self.getTransformationFn(),
-            inmemory_cache_all=self.getInmemoryCacheAll(),
-            data_loader=self.getDataLoader(),
-            use_gpu=self.getUseGpu(),
         )
 
     def _remote_trainer(self):
         return train_on_rank
-
-    def _create_model(self, result: dict, run_id: str, features: list[str],
-                      metadata: Any) -> KerasModel:  # fmt: skip
-        return KerasModel(
-            model_bytes=result["model"],
-            history=result["history"],
-            run_id=run_id,
-            feature_columns=features,
-            label_columns=list(self.getLabelCols()),
-            custom_objects=dict(self.getCustomObjects() or {}),
-            metadata=metadata,
-        )
 
 
 class KerasModel(HorovodModel):
     """A trained Keras model as a Transformer. Scalar outputs become ``double`` columns;
     vector outputs (e.g. class probabilities) become ``array<float>`` columns."""
 
-    def __init__(self, model_bytes: bytes | None = None, **kwargs: Any):
-        super().__init__(**kwargs)
-        self._model_bytes = model_bytes
-        self._model: Any = None
+    _archive_name = "keras_model.zip"
+    _model_file = "model.keras"
 
     def getModel(self) -> Any:
         """The compiled Keras model, usable outside Spark."""
-        if self._model is None:
-            self._model = model_from_bytes(self._model_bytes, self.getCustomObjects())
-        return self._model
+        return super().getModel()
+
+    def _load_model(self, data: bytes) -> Any:
+        return model_from_bytes(data, self.getCustomObjects())
 
     def _output_types(self) -> list[Any]:
         from pyspark.sql.types import ArrayType, DoubleType, FloatType
@@ -187,33 +141,18 @@ class KerasModel(HorovodModel):
         def predict(columns: list[Any]) -> list[Any]:
             model = _worker_model(model_bytes.value, custom_objects)
             inputs = [
-                _column_array(column, tensor.shape)
+                training.column_array(column, tensor.shape[1:])
                 for column, tensor in zip(columns, model.inputs, strict=True)
             ]
             outputs = model.predict_on_batch(inputs if len(inputs) > 1 else inputs[0])
             if not isinstance(outputs, list | tuple):
                 outputs = [outputs]
-            rows = len(columns[0])
-            predictions = []
-            for out in outputs:
-                flat = np.asarray(out).reshape(rows, -1)
-                if flat.shape[1] == 1:
-                    predictions.append(flat[:, 0].astype(np.float64))
-                else:
-                    predictions.append(list(flat.astype(np.float32)))
-            return predictions
+            return training.prediction_columns(list(outputs), len(columns[0]))
 
         return predict
 
-    # -- persistence --------------------------------------------------------------------------
 
-    def write(self):
-        return _KerasModelWriter(self)
-
-    @classmethod
-    def read(cls):
-        return _KerasModelReader()
-
+KerasEstimator._model_class = KerasModel
 
 # -- on the ranks --------------------------------------------------------------------------
 
@@ -231,7 +170,7 @@ def train_on_rank(spec: KerasTrainingSpec) -> dict:
     if spec.random_seed is not None:
         keras.utils.set_random_seed(spec.random_seed + rank)
     store = spec.store
-    state = hvd.broadcast_object(_read_state(store) if rank == 0 else None, root_rank=0)
+    state = hvd.broadcast_object(read_run_state(store) if rank == 0 else None, root_rank=0)
     with tempfile.TemporaryDirectory(prefix="flyte-hvd-train-") as work:
         model = _initial_model(spec, store, state, work, rank)
         if spec.learning_rate is not None:
@@ -251,9 +190,10 @@ def train_on_rank(spec: KerasTrainingSpec) -> dict:
                 spec.checkpoint_callback.filepath = os.path.join(work, BEST_MODEL_FILENAME)
                 callbacks.append(spec.checkpoint_callback)
             logs = os.path.join(work, "logs")
+            record = training.RunRecord(store, state, spec.epochs, _EXTENSION)
             callbacks += [
                 keras.callbacks.TensorBoard(logs, write_graph=False, profile_batch=0),
-                RunRecorder(store, work, state, spec.epochs),
+                RunRecorder(record, work),
             ]
         history = model.fit(
             train.dataset,
@@ -268,21 +208,13 @@ def train_on_rank(spec: KerasTrainingSpec) -> dict:
         )
         if rank != 0:
             return {"rank": rank}
-        past = (state or {}).get("history", {})
-        merged = {k: list(past.get(k, [])) + [float(v) for v in vs]
-                  for k, vs in history.history.items()}  # fmt: skip
+        merged = training.merge_history(state, history.history)
         best_path = os.path.join(work, BEST_MODEL_FILENAME)
         if spec.checkpoint_callback is not None and os.path.exists(best_path):
             model = keras.models.load_model(best_path, custom_objects=spec.custom_objects)
         if spec.learning_rate is not None:
             model.optimizer.learning_rate = spec.learning_rate  # hand back the rate given
         return {"model": model_to_bytes(model), "history": merged}
-
-
-def _read_state(store: Any) -> dict | None:
-    if not store.exists(store.state_path):
-        return None
-    return json.loads(store.read(store.state_path))
 
 
 def _initial_model(spec: KerasTrainingSpec, store: Any, state: dict | None, work: str,
@@ -297,54 +229,30 @@ def _initial_model(spec: KerasTrainingSpec, store: Any, state: dict | None, work
 
 
 def _last_model_path(store: Any) -> str:
-    return store.run_path.rstrip("/") + "/" + LAST_MODEL_FILENAME
+    return training.run_file(store, LAST_MODEL_FILENAME)
 
 
 class RunRecorder(keras.callbacks.Callback):
-    """Rank 0, after each epoch: publish the checkpoint (the best model with a checkpoint
-    callback, else the last), the last model, the logs and then ``state.json``, each
-    atomically, so ``state.json`` never names an epoch whose model is not saved. Also prints
-    one summary line per epoch."""
+    """Rank 0, after each epoch: save the last model and hand it (and the best one, with a
+    checkpoint callback) to the run's ``training.RunRecord``."""
 
-    def __init__(self, store: Any, work: str, state: dict | None, epochs: int):
+    def __init__(self, record: training.RunRecord, work: str):
         super().__init__()
-        self.store, self.work, self.epochs = store, work, epochs
-        self.history = {k: list(v) for k, v in (state or {}).get("history", {}).items()}
-        self.epoch_seconds = list((state or {}).get("epoch_seconds", []))
-        self.first_step_at: float | None = None
-        self.started = time.monotonic()
+        self.record, self.work = record, work
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.started = time.monotonic()
+        self.record.epoch_begin()
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self.first_step_at is None:
-            self.first_step_at = time.time()
+        self.record.step_begin()
 
     def on_epoch_end(self, epoch, logs=None):
-        logs = logs or {}
-        for key, value in logs.items():
-            self.history.setdefault(key, []).append(float(value))
-        store = self.store
         last = os.path.join(self.work, LAST_MODEL_FILENAME)
         self.model.save(last)
-        best = os.path.join(self.work, BEST_MODEL_FILENAME)
-        store.upload_file(best if os.path.exists(best) else last, store.checkpoint_path)
-        store.upload_file(last, _last_model_path(store))
-        if os.path.isdir(os.path.join(self.work, "logs")):
-            store.upload_dir(os.path.join(self.work, "logs"), store.logs_path)
-        seconds = time.monotonic() - self.started
-        self.epoch_seconds.append(seconds)
-        state = {
-            "epoch": epoch + 1,
-            "epochs": self.epochs,
-            "history": self.history,
-            "epoch_seconds": self.epoch_seconds,
-            "first_step_at": self.first_step_at,  # wall clock of this attempt's first step
-        }
-        store.write_text(store.state_path, json.dumps(state))
-        metrics = "  ".join(f"{k}={float(v):.4g}" for k, v in sorted(logs.items()))
-        print(f"epoch {epoch + 1}/{self.epochs}  {metrics}  ({seconds:.1f}s)", flush=True)
+        self.record.epoch_end(
+            epoch, logs or {}, last, os.path.join(self.work, BEST_MODEL_FILENAME),
+            os.path.join(self.work, "logs"),
+        )  # fmt: skip
 
 
 @dataclass
@@ -354,41 +262,13 @@ class _Data:
 
 
 def _datasets(spec: KerasTrainingSpec, rank: int, size: int) -> tuple[_Data, _Data | None]:
-    from flyte_hvd.spark.loader import ArrowDataLoader
+    train, val = training.make_loaders(spec, rank, size)
 
-    loader_cls = spec.data_loader or ArrowDataLoader
-    train_meta, val_meta = spec.metadata
-    columns = [*spec.features, *spec.labels]
-    if spec.sample_weight_col:
-        columns.append(spec.sample_weight_col)
-
-    def make(path: str, metadata: Any, batch_size: int, shuffle: bool, steps: int | None):
-        loader = loader_cls(
-            path,
-            batch_size,
-            rank=rank,
-            size=size,
-            store=spec.store,
-            columns=columns,
-            metadata=metadata,
-            shuffle=shuffle,
-            shuffle_buffer_size=spec.shuffle_buffer_size or 10_000,
-            seed=spec.random_seed or 0,
-            inmemory_cache_all=spec.inmemory_cache_all,
-            steps_per_epoch=steps,
-        )
-        if spec.transformation_fn is not None:
-            loader = TransformedLoader(loader, spec.transformation_fn)
+    def as_data(loader: Any) -> _Data:
         dataset = loader.to_tf_dataset(spec.features, spec.labels, spec.sample_weight_col)
         return _Data(_as_float32(dataset), len(loader))
 
-    train = make(spec.store.train_data_path, train_meta, spec.batch_size, spec.shuffle,
-                 spec.train_steps_per_epoch)  # fmt: skip
-    val = None
-    if val_meta is not None:
-        val = make(spec.store.val_data_path, val_meta, spec.val_batch_size, False,
-                   spec.validation_steps_per_epoch)  # fmt: skip
-    return train, val
+    return as_data(train), (as_data(val) if val is not None else None)
 
 
 def _as_float32(dataset: Any) -> Any:
@@ -403,26 +283,6 @@ def _as_float32(dataset: Any) -> Any:
         return out if len(out) > 1 else out[0]
 
     return dataset.map(cast, num_parallel_calls=tf.data.AUTOTUNE)
-
-
-def TransformedLoader(loader: Any, fn: Any) -> Any:
-    """``loader`` with ``fn(batch) -> batch`` applied to every batch (Horovod's
-    ``transformation_fn``); ``fn`` must keep each column's dtype and shape."""
-    from flyte_hvd.spark.loader import BaseDataLoader
-
-    class Transformed(BaseDataLoader):
-        def __len__(self) -> int:
-            return len(loader)
-
-        @property
-        def output_specs(self):
-            return loader.output_specs
-
-        def _iterate(self, epoch: int):
-            for batch in loader.iter_epoch(epoch):
-                yield fn(batch)
-
-    return Transformed()
 
 
 # -- model bytes and prediction --------------------------------------------------------------
@@ -445,29 +305,9 @@ def model_from_bytes(data: bytes, custom_objects: dict[str, Any] | None = None) 
         return keras.models.load_model(path, custom_objects=custom_objects or {})
 
 
-_WORKER_MODELS: dict[int, Any] = {}
-
-
 def _worker_model(data: bytes, custom_objects: dict[str, Any]) -> Any:
     """One loaded model per Python worker and model: Spark reuses workers across tasks."""
-    key = hash(data)
-    if key not in _WORKER_MODELS:
-        _WORKER_MODELS.clear()
-        _WORKER_MODELS[key] = model_from_bytes(data, custom_objects)
-    return _WORKER_MODELS[key]
-
-
-def _column_array(series: Any, input_shape: tuple) -> np.ndarray:
-    """A pandas column (scalars or arrays) as the model input's array."""
-    first = series.iloc[0] if len(series) else None
-    if isinstance(first, list | tuple | np.ndarray):
-        values = np.stack([np.asarray(v) for v in series])
-    else:
-        values = series.to_numpy()
-    dims = tuple(d for d in input_shape[1:])
-    if None not in dims:
-        values = values.reshape((len(series), *dims))
-    return values
+    return training.worker_model(data, lambda d: model_from_bytes(d, custom_objects))
 
 
 def _learning_rate(optimizer: Any) -> float | None:
@@ -479,51 +319,3 @@ def _learning_rate(optimizer: Any) -> float | None:
         return float(np.asarray(optimizer.learning_rate))
     except (TypeError, ValueError):
         return None
-
-
-# -- save / load -------------------------------------------------------------------------------
-
-
-_PARAMS_FILE = "params.pkl"
-_MODEL_FILE = "model.keras"
-
-
-class _KerasModelWriter:
-    def __init__(self, instance: KerasModel):
-        self.instance = instance
-        self._overwrite = False
-
-    def overwrite(self) -> _KerasModelWriter:
-        self._overwrite = True
-        return self
-
-    def save(self, path: str) -> None:
-        import fsspec
-
-        fs, root = fsspec.core.url_to_fs(path)
-        if fs.exists(root) and not self._overwrite:
-            raise ValueError(
-                f"{path!r} already exists; use model.write().overwrite().save(path) to replace it."
-            )
-        params = {p.name: v for p, v in self.instance._paramMap.items()}
-        buffer = io.BytesIO()
-        with zipfile.ZipFile(buffer, "w") as archive:
-            archive.writestr(_PARAMS_FILE, cloudpickle.dumps(params))
-            archive.writestr(_MODEL_FILE, self.instance._model_bytes)
-        fs.makedirs(root, exist_ok=True)
-        with fs.open(f"{root.rstrip('/')}/keras_model.zip", "wb") as f:
-            f.write(buffer.getvalue())
-
-
-class _KerasModelReader:
-    def load(self, path: str) -> KerasModel:
-        import fsspec
-
-        fs, root = fsspec.core.url_to_fs(path)
-        target = f"{root.rstrip('/')}/keras_model.zip"
-        if not fs.exists(target):
-            raise ValueError(f"{path!r} holds no saved KerasModel (expected {target}).")
-        with fs.open(target, "rb") as f, zipfile.ZipFile(io.BytesIO(f.read())) as archive:
-            params = cloudpickle.loads(archive.read(_PARAMS_FILE))
-            model_bytes = archive.read(_MODEL_FILE)
-        return KerasModel(model_bytes=model_bytes, **params)

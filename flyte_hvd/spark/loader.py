@@ -21,6 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from flyte_hvd.spark.dataset import (
     DatasetMetadata,
@@ -33,7 +35,7 @@ from flyte_hvd.spark.store import RemoteStore, Store
 
 Batch = dict[str, np.ndarray]
 # Pipeline of an epoch: a reader thread decodes pieces (pyarrow, without the GIL) up to
-# _READ_AHEAD ahead; a shuffling thread merges and permutes them (numpy copies, without the
+# _READ_AHEAD ahead; a shuffling thread joins and permutes them (Arrow's take, without the
 # GIL) up to _BLOCKS_AHEAD runs of batches ahead; the caller only slices batches off runs.
 _READ_AHEAD = 2
 _BLOCKS_AHEAD = 2
@@ -128,7 +130,8 @@ class ArrowDataLoader(BaseDataLoader):
     that overlap range ``r``, so shards are disjoint and within one row of each other. Each
     epoch reads the shard's row groups in a seeded shuffled order through a shuffle buffer
     and yields ``len(self)`` full batches (dicts of numpy arrays shaped ``(batch_size,
-    *shape)``), reading the shard again when it runs short.
+    *shape)``), reading the shard again when it runs short. The arrays may be read-only views
+    of Arrow memory: copy one before writing to it.
 
     Args:
         path: the dataset directory (e.g. ``store.get_train_data_path(idx)``).
@@ -141,7 +144,7 @@ class ArrowDataLoader(BaseDataLoader):
         metadata: the dataset's metadata (default: ``read_metadata``).
         shuffle: read the row groups in a new random order each epoch and permute each one's
             rows together with the rows carried over from earlier ones; ``False`` reads the
-            shard in order (about twice as fast: the permutation is a random gather per row).
+            shard in order (faster: no permutation, and batches are views of what was read).
         shuffle_buffer_size: rows carried over from one row group to the next, so that a
             batch mixes rows of several row groups. Memory per epoch stays near one row
             group plus this many rows, plus up to two row groups read ahead.
@@ -217,12 +220,14 @@ class ArrowDataLoader(BaseDataLoader):
             return self._iterate_cached(np.random.default_rng(entropy))
         return self._iterate_streaming(entropy)
 
-    def _read_piece(self, piece: tuple[Any, int, int]) -> Batch:
+    def _read_piece(self, piece: tuple[Any, int, int]) -> pa.Table:
         fragment, start, stop = piece
-        table = fragment.to_table(columns=self.columns).slice(start, stop - start)
+        return fragment.to_table(columns=self.columns).slice(start, stop - start)
+
+    def _decode(self, table: pa.Table) -> Batch:
         return {n: decode_column(table.column(n), info) for n, info in self._infos.items()}
 
-    def _passes(self, rng: np.random.Generator) -> Iterator[Batch | None]:
+    def _passes(self, rng: np.random.Generator) -> Iterator[pa.Table | None]:
         """The shard's pieces, in a new shuffled order each pass, pass after pass (None ends
         a pass), read ``_READ_AHEAD`` pieces ahead by a reader thread."""
         # Rows the epoch can use: its batches plus the rows held back to mix with the next
@@ -261,32 +266,48 @@ class ArrowDataLoader(BaseDataLoader):
             reader.shutdown(wait=True, cancel_futures=True)
 
     def _blocks(self, rng: np.random.Generator) -> Iterator[Batch]:
-        """Runs of whole batches, each a slice of a shuffled pool: the rows not yet batched
-        plus the newest piece, permuted together (one concatenate and one gather per piece).
-        ``_keep`` rows stay behind to mix with the next piece, except at the end of a pass,
-        whose leftover rows go out first (so an epoch of at least ``shard_rows`` rows yields
-        every row of the shard)."""
+        """Runs of whole batches. Each piece joins the rows not yet batched (``rest``); when
+        shuffling, all of them are permuted together, except that rows left over from the end
+        of a pass stay first (so an epoch of at least ``shard_rows`` rows yields every row of
+        the shard). The leading whole batches go out; ``_keep`` rows stay behind to mix with
+        the next piece, except at the end of a pass.
+
+        The rows stay in Arrow until they go out: joining copies nothing (``concat_tables``
+        keeps the chunks), and Arrow's ``take`` gathers each column once, straight from both
+        chunks, without the GIL, into memory that Arrow's allocator reuses (fresh numpy arrays
+        per piece cost a page fault every 4 KiB)."""
         bs, budget = self.batch_size, self._steps
-        pool: Batch = {}
-        pos = carry = 0  # `carry`: rows from the end of a pass, at pool[pos:pos + carry]
+        rest: Any = None  # a pa.Table once the first piece is in
+        carry = 0  # rows from the end of a pass, at rest[:carry]
         for chunk in self._passes(rng):
-            if chunk is not None:
-                mixed = _concat(_slice(pool, pos + carry, None), chunk)
-                if self.shuffle:
-                    mixed = _take(mixed, rng.permutation(_rows(mixed)))
-                pool = _concat(_slice(pool, pos, pos + carry), mixed)
-                pos = 0
-            reserve = 0 if chunk is None else self._keep
-            runs = min((_rows(pool) - pos - reserve) // bs, budget)
+            if chunk is None:  # the end of a pass: batch all that is left
+                pool, reserve = rest, 0
+            else:
+                pool = chunk if rest is None else pa.concat_tables([rest, chunk])
+                reserve = self._keep
+            runs = min((pool.num_rows - reserve) // bs, budget)
+            if chunk is not None and self.shuffle:
+                order = np.arange(pool.num_rows)
+                rng.shuffle(order[carry:])
+                if runs == budget:  # the epoch's last batches: later rows would go unused
+                    order = order[: runs * bs]
+                # A permutation of the pool's rows is in bounds: skip Arrow's check.
+                pool = pc.take(pool, order, boundscheck=False)
             if runs > 0:
-                yield _slice(pool, pos, pos + runs * bs)
-                pos += runs * bs
+                # Unshuffled, the pool is `rest` then the piece: the batches that join the two
+                # go out apart, so that the others decode as views of the piece, not copies.
+                joined = 0 if rest is None or self.shuffle else -(-rest.num_rows // bs) * bs
+                cut = min(joined, runs * bs)
+                for lo, hi in ((0, cut), (cut, runs * bs)):
+                    if hi > lo:
+                        yield self._decode(pool.slice(lo, hi - lo))
                 carry = max(0, carry - runs * bs)
                 budget -= runs
                 if budget == 0:
                     return
+            rest = pool.slice(max(runs, 0) * bs)
             if chunk is None:
-                carry = _rows(pool) - pos
+                carry = rest.num_rows
         raise RuntimeError(
             f"flyte-hvd loader bug: {budget} batches short at the end of an epoch of {self.path}."
         )
@@ -300,8 +321,9 @@ class ArrowDataLoader(BaseDataLoader):
 
     def _iterate_cached(self, rng: np.random.Generator) -> Iterator[Batch]:
         if self._cache is None:
-            chunks = [self._read_piece(p) for p in self._pieces]
-            self._cache = {n: np.concatenate([c[n] for c in chunks]) for n in self._infos}
+            self._cache = self._decode(
+                pa.concat_tables([self._read_piece(p) for p in self._pieces])
+            )
         data, n, bs = self._cache, self.shard_rows, self.batch_size
         need = self._steps * bs
         passes = -(-need // n)
@@ -427,6 +449,17 @@ def _column_list(arg: str, value: str | Sequence[str], specs: dict[str, Any]) ->
 
 
 def _resolve_filesystem(path: str, store: Any, filesystem: Any) -> tuple[Any, str]:
+    import pyarrow.fs as pafs
+
+    fs, fs_path = _arrow_filesystem(path, store, filesystem)
+    if isinstance(fs, pafs.LocalFileSystem):
+        # Local files are memory-mapped: Parquet pages are decoded straight from the page
+        # cache instead of being copied out of it by read() first.
+        fs = pafs.LocalFileSystem(use_mmap=True)
+    return fs, fs_path
+
+
+def _arrow_filesystem(path: str, store: Any, filesystem: Any) -> tuple[Any, str]:
     import os
 
     import fsspec
@@ -473,11 +506,3 @@ def _take(batch: Batch, index: np.ndarray) -> Batch:
 
 def _slice(batch: Batch, start: int, stop: int | None) -> Batch:
     return {k: v[start:stop] for k, v in batch.items()}
-
-
-def _concat(a: Batch, b: Batch) -> Batch:
-    if not a or not _rows(a):
-        return b
-    if not b or not _rows(b):
-        return a
-    return {k: np.concatenate([a[k], b[k]]) for k in a}

@@ -536,7 +536,9 @@ def _write_split(part: Any, store: Store, path: str, infos: list[ColumnInfo]) ->
         )
         part.write.mode("overwrite").option("compression", "snappy").parquet(url)
         return
-    task = _StagedWriteTask(store, path, infos)
+    from flyte_hvd.spark.runner import local_driver_env
+
+    task = _StagedWriteTask(store, path, infos, local_driver_env(part.sparkSession.sparkContext))
     written = part.mapInArrow(task, "file string, rows long").collect()
     expected = {r["file"] for r in written}
     for stray in set(store.fs.find(store.fs_path(path))) - expected:  # from retried tasks
@@ -592,10 +594,11 @@ class _StagedWriteTask:
     """Writes one Spark partition to a local Parquet file and uploads it (one atomic PUT) as
     ``part-<partition>.parquet``: a retried task overwrites its own file."""
 
-    def __init__(self, store: Store, path: str, infos: list[ColumnInfo]):
+    def __init__(self, store: Store, path: str, infos: list[ColumnInfo], env: dict[str, str]):
         self.store = store
         self.path = path
         self.infos = infos
+        self.env = env  # the driver's storage settings, for a local master's workers
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow.parquet as pq
@@ -614,5 +617,6 @@ class _StagedWriteTask:
             if rows == 0:
                 return
             remote = self.store.join(self.path, f"part-{pid:05d}.parquet")
+            os.environ.update(self.env)
             self.store.upload_file(local, remote)
         yield pa.RecordBatch.from_pydict({"file": [self.store.fs_path(remote)], "rows": [rows]})

@@ -96,7 +96,7 @@ def launch(
     num_proc = _check_num_proc(sc.defaultParallelism if num_proc is None else num_proc)
     timeout = _resolve_start_timeout(start_timeout)
     job = _pickle_job(fn, args, kwargs)
-    rank_env = _check_env(env)
+    rank_env = {**local_driver_env(sc), **_check_env(env)}
     submitted_at = time.time()
     deadline = time.monotonic() + timeout
     wait_for_slots(sc, num_proc, deadline, timeout)
@@ -197,6 +197,21 @@ def _pickle_job(fn: Any, args: tuple, kwargs: dict[str, Any] | None) -> bytes:
             f"travel to the ranks with cloudpickle. Create objects such as locks, sockets, "
             f"sessions or open files inside `fn` instead of capturing them."
         ) from error
+
+
+# Storage settings a local master's ranks take from the driver as it is now (see below).
+FORWARDED_ENV_PREFIXES = ("AWS_", "FSSPEC_")
+
+
+def local_driver_env(sc: Any) -> dict[str, str]:
+    """On a ``local``/``local-cluster`` master the ranks are the driver's own descendants on
+    this host, but their environment is the one Spark started with: S3 credentials or an
+    endpoint the driver set since (``AWS_*``) would be missing. Pass the driver's current
+    ones, as an executor pod on a cluster gets them from its own secret. (Used for the ranks
+    and for the Python workers that upload prepared data.)"""
+    if not sc.master.startswith("local"):
+        return {}
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
 
 
 def _check_env(env: dict[str, str] | None) -> dict[str, str]:
@@ -335,6 +350,7 @@ def _barrier_task(
         link = DriverLink(driver_address, secret, rank)
         link.event("task_started")
         rank_env = dict(env)
+        rank_env["PYTHONPATH"] = _worker_import_path(rank_env.get("PYTHONPATH"))
         gpus = ctx.resources().get("gpu")
         if gpus is not None and gpus.addresses:
             rank_env[DEVICES_ENV] = ",".join(gpus.addresses)
@@ -364,6 +380,20 @@ def _barrier_task(
         yield rank, cloudpickle.dumps(results[rank])
 
     return task
+
+
+def _worker_import_path(extra: str | None) -> str:
+    """This Python worker's import path for the rank process: it includes what Spark added
+    with ``addPyFile`` (e.g. the code a Flyte task was fast-registered with), which the
+    worker's PYTHONPATH does not name, so the rank can import what the task's code imports.
+    The interpreter's own folders are left out: the rank's interpreter finds them itself."""
+    own = tuple(os.path.abspath(p) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})
+    paths = [p for p in (extra or "").split(os.pathsep) if p]
+    for entry in sys.path:
+        path = os.path.abspath(entry) if entry else ""
+        if path and not path.startswith(own) and path not in paths and os.path.exists(path):
+            paths.append(path)
+    return os.pathsep.join(paths)
 
 
 class _BarrierExchange:

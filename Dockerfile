@@ -1,0 +1,97 @@
+# syntax=docker/dockerfile:1.7
+# flyte-hvd's Spark image: the Flyte task container, the Spark driver and the Spark executors
+# (where the ranks run) all use it.
+#
+#   docker build -t REGISTRY/flyte-hvd:TAG .                       CPU (tensorflow, torch CPU)
+#   docker build -t REGISTRY/flyte-hvd:TAG-gpu --build-arg LOCK_FILE=lock/image-gpu.txt .
+#                                                                    GPU (tensorflow[and-cuda])
+#
+# Every Python package comes from a lock file in lock/ (`make lock` regenerates them):
+# lock/image.txt is `.[tf,torch]`, lock/image-gpu.txt adds tensorflow[and-cuda] (the CUDA
+# and cuDNN libraries as nvidia-* wheels, so the base image needs no CUDA). torch is the CPU
+# build in both, from the PyTorch CPU index.
+
+# Debian 12: the last Debian with a Java 17 package (Spark 4 runs on 17 or 21).
+FROM python:3.11.14-slim-bookworm AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
+
+
+# -- build: the virtual environment, from the lock file --------------------------------------
+FROM base AS build
+ARG LOCK_FILE=lock/image.txt
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN python -m venv /opt/venv
+COPY lock/ /src/lock/
+RUN pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" -r "/src/${LOCK_FILE}"
+COPY pyproject.toml README.md /src/
+COPY flyte_hvd/ /src/flyte_hvd/
+# The project alone: its dependencies, and setuptools that builds it, are in the lock file.
+RUN pip install --no-cache-dir --no-deps --no-build-isolation /src
+
+
+# -- jars: the S3A connector for s3a:// paths ------------------------------------------------
+# hadoop-aws must be the version of the Hadoop client inside pyspark's jars
+# (hadoop-client-api-<version>.jar; pyspark 4.3 ships 3.5.0), with the AWS SDK v2 bundle that
+# Hadoop release was built against (hadoop-project's aws-java-sdk-v2.version).
+FROM base AS jars
+ARG HADOOP_VERSION=3.5.0
+ARG AWS_SDK_VERSION=2.35.4
+ARG MAVEN_URL=https://repo1.maven.org/maven2
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates curl \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /jars
+# Each jar is checked against the SHA-1 that Maven Central publishes beside it.
+RUN for path in \
+        "org/apache/hadoop/hadoop-aws/${HADOOP_VERSION}/hadoop-aws-${HADOOP_VERSION}.jar" \
+        "software/amazon/awssdk/bundle/${AWS_SDK_VERSION}/bundle-${AWS_SDK_VERSION}.jar"; do \
+        curl -fsSL -o "${path##*/}" "${MAVEN_URL}/${path}" \
+        && echo "$(curl -fsSL "${MAVEN_URL}/${path}.sha1")  ${path##*/}" | sha1sum --check --strict; \
+    done
+
+
+# -- runtime ---------------------------------------------------------------------------------
+FROM base AS runtime
+# Java 17 for Spark; tini reaps rank processes (see docker/entrypoint.sh). Debian's security
+# updates replace these package versions, so they are not pinned.
+# hadolint ignore=DL3008
+RUN mkdir -p /usr/share/man/man1 \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends openjdk-17-jre-headless tini procps \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=build /opt/venv /opt/venv
+COPY --from=jars /jars/ /opt/venv/lib/python3.11/site-packages/pyspark/jars/
+COPY docker/entrypoint.sh /usr/local/bin/flyte-hvd-entrypoint
+COPY docker/gpu-discovery.sh /opt/spark/gpu-discovery.sh
+
+# Spark runs from the pyspark wheel: SPARK_HOME is the package, its bin/ has spark-submit and
+# its jars/ the Spark, Hadoop, Kubernetes and S3A jars. Spark's Python workers, and so the
+# ranks, use the same interpreter as the driver; the mpich wheel's mpiexec is in
+# /opt/venv/bin, on PATH.
+#
+# flytekitplugins-spark conventions. A Spark task's SparkApplication gets
+#   executor_path     = the task's python interpreter   -> /opt/venv/bin/python3
+#   applications_path = local://<venv>/bin/entrypoint.py -> local:///opt/venv/bin/entrypoint.py
+# (flytekit's defaults: SerializationSettings.python_interpreter is /opt/venv/bin/python3 and
+# the entrypoint is bin/entrypoint.py of that venv, installed there by flytekit.) The venv is
+# at /opt/venv so a task needs neither HorovodSpark(executor_path=..., applications_path=...)
+# nor `pyflyte register --python-interpreter`.
+ENV VIRTUAL_ENV=/opt/venv \
+    SPARK_HOME=/opt/venv/lib/python3.11/site-packages/pyspark \
+    PYSPARK_PYTHON=/opt/venv/bin/python3 \
+    PYSPARK_DRIVER_PYTHON=/opt/venv/bin/python3 \
+    HOME=/home/spark
+
+# Spark images run as uid 185. Fast-registered code is unpacked into the working directory.
+RUN useradd --uid 185 --gid 0 --create-home --home-dir /home/spark spark \
+    && test -x /opt/venv/bin/entrypoint.py \
+    && test -x /opt/venv/bin/mpiexec
+WORKDIR /home/spark
+USER 185
+ENTRYPOINT ["/usr/local/bin/flyte-hvd-entrypoint"]
+CMD ["python"]

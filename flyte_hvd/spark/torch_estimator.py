@@ -1,0 +1,508 @@
+"""``TorchEstimator`` and ``TorchModel``: fit a PyTorch model on a Spark DataFrame across
+ranks, predict with ``transform``.
+
+Everything but the training loop is the shared estimator machinery (``estimator.py``,
+``training.py``): params, data preparation, launch, the run's record in the store, resume,
+transform and save/load. On the ranks each batch becomes tensors (features reshaped by
+``input_shapes``), ``train_minibatch_fn`` runs forward, loss and backward, and
+``flyte_hvd.torch.DistributedOptimizer`` averages the gradients. Rank 0 writes
+``runs/<run_id>/last.pt`` and ``checkpoint.pt`` (model and optimizer ``state_dict``, learning
+rate as given) and ``state.json`` after each epoch; a ``fit`` with an existing ``run_id``, or
+a Spark retry, resumes after the last completed epoch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from flyte_hvd.spark import training
+from flyte_hvd.spark.estimator import HorovodEstimator, HorovodModel, _check_int
+from flyte_hvd.spark.params import ESTIMATOR_PARAMS, MODEL_PARAMS, with_params
+from flyte_hvd.spark.training import TrainingSpec
+
+TORCH_PARAMS: dict[str, tuple[Any, str]] = {
+    "input_shapes": (
+        None,
+        "each feature's model input shape, batch dimension -1 (default: the column's shape)",
+    ),
+    "loss_constructors": (
+        None,
+        "functions that build the loss functions on the ranks (for losses that do not pickle)",
+    ),
+    "train_minibatch_fn": (
+        None,
+        "fn(model, optimizer, transform_outputs, loss_fn, inputs, labels, sample_weights) "
+        "-> (outputs, loss)",
+    ),
+    "backward_passes_per_step": (1, "backward passes accumulated locally per reduction"),
+}
+
+TORCH_MODEL_PARAMS: dict[str, tuple[Any, str]] = {
+    "input_shapes": (None, "each feature's model input shape, batch dimension -1"),
+    "output_shapes": (None, "each output's shape per row"),
+}
+
+_EXTENSION = ".pt"
+LAST_MODEL_FILENAME = "last.pt"
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "TorchEstimator needs PyTorch: install the extra `pip install flyte-hvd[torch]`."
+        ) from error
+    return torch
+
+
+@dataclass(kw_only=True)
+class TorchTrainingSpec(TrainingSpec):
+    """The common spec plus what a PyTorch rank needs."""
+
+    input_shapes: list[list[int]]
+    losses: list[Any] | None = None
+    loss_constructors: list[Any] | None = None
+    loss_weights: list[float] | None = None
+    metrics: list[Any] = field(default_factory=list)
+    train_minibatch_fn: Any = None
+    backward_passes_per_step: int = 1
+    compression: Any = None
+
+
+# -- checks shared with LightningEstimator ---------------------------------------------------
+
+
+def resolve_input_shapes(given: Any, features: list[str], metadata: Any) -> list[list[int]]:
+    """One input shape per feature column (batch dimension -1), checked against the number of
+    values per row the column holds."""
+    if given is None:
+        return [[-1, *(metadata.column(c).shape or (1,))] for c in features]
+    shapes = [list(s) for s in given]
+    for i, (shape, column) in enumerate(zip(shapes, features, strict=True)):
+        info = metadata.column(column)
+        per_row = math.prod(d for d in shape[1:])
+        if not shape or shape[0] != -1 or any(d < 1 for d in shape[1:]) or per_row != info.size:
+            raise ValueError(
+                f"`input_shapes`[{i}]={shape} does not fit column `{column}`, which holds "
+                f"{info.size} value(s) per row (shape {info.shape or '()'}): expected a shape "
+                f"starting with the batch dimension -1 whose other dimensions multiply to "
+                f"{info.size}, e.g. {[-1, *(info.shape or (1,))]}."
+            )
+    return shapes
+
+
+def probe_outputs(model: Any, input_shapes: list[list[int]], labels: list[str]) -> list[list[int]]:
+    """Run the model once on zeros shaped by ``input_shapes`` (on a copy, in eval mode), so a
+    model that cannot take them fails here, before any rank starts. Returns each output's
+    shape per row."""
+    import copy
+
+    torch = _import_torch()
+    probe = copy.deepcopy(model).eval()
+    inputs = [torch.zeros((2, *shape[1:]), dtype=torch.float32) for shape in input_shapes]
+    try:
+        with torch.no_grad():
+            outputs = probe(*inputs)
+    except Exception as error:
+        raise ValueError(
+            f"the model cannot run on inputs shaped by `input_shapes`={input_shapes} "
+            f"(one per feature column, batch dimension -1): {type(error).__name__}: {error}. "
+            f"Make `input_shapes` match the model's forward()."
+        ) from None
+    outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
+    if len(outputs) != len(labels):
+        raise ValueError(
+            f"the model returns {len(outputs)} output(s) but `label_cols` names {len(labels)} "
+            f"column(s) {labels}: label columns map to the outputs in order."
+        )
+    return [list(o.shape[1:]) for o in outputs]
+
+
+def _check_callables(name: str, value: Any) -> list[Any]:
+    items = list(value) if isinstance(value, list | tuple) else [value]
+    bad = [v for v in items if not callable(v)]
+    if bad:
+        raise ValueError(f"`{name}` must be a function or a list of functions; found {bad[0]!r}.")
+    return items
+
+
+# -- the estimator -------------------------------------------------------------------------
+
+
+@with_params({**ESTIMATOR_PARAMS, **TORCH_PARAMS})
+class TorchEstimator(HorovodEstimator):
+    """Train a ``torch.nn.Module`` on a Spark DataFrame with Horovod's estimator API.
+
+    ``model`` and ``optimizer`` (built on ``model.parameters()``) are required, and ``loss``
+    (a function ``loss(output, label)``, or one per label) or ``loss_constructors``. With
+    ``sample_weight_col`` the loss is called with ``reduction='none'``. ``metrics`` are
+    functions ``metric(output, label)``, averaged over batches and ranks. The learning rate
+    given is the single-rank rate: ranks scale it by ``size()``, and the returned optimizer
+    holds the rate given. ``fit(df)`` returns a ``TorchModel``.
+    """
+
+    _framework = "torch"
+
+    def _check_model(self, features: list[str], labels: list[str]) -> None:
+        torch = _import_torch()
+        model, optimizer = self.getModel(), self.getOptimizer()
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"`model` must be a torch.nn.Module; found {type(model).__name__}.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                f"`optimizer` is required: a torch.optim.Optimizer built on the model's "
+                f"parameters, e.g. torch.optim.Adam(model.parameters(), lr=0.01); found "
+                f"{type(optimizer).__name__}."
+            )
+        own = {id(p) for p in model.parameters()}
+        if any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(
+                "`optimizer` holds parameters that are not the model's: build it on "
+                "`model.parameters()` of the model passed as `model`."
+            )
+        if not self.getLoss() and not self.getLossConstructors():
+            raise ValueError(
+                "`loss` (or `loss_constructors`) is required: e.g. "
+                "loss=torch.nn.functional.mse_loss, or one loss per label column."
+            )
+        if self.getLoss():
+            _check_callables("loss", self.getLoss())
+        if self.getLossConstructors():
+            _check_callables("loss_constructors", self.getLossConstructors())
+        _check_callables("metrics", self.getMetrics() or [])
+        shapes = self.getInputShapes()
+        if shapes is not None and (
+            not isinstance(shapes, list | tuple) or len(shapes) != len(features)
+        ):
+            raise ValueError(
+                f"`input_shapes` must list one shape per feature column ({len(features)}: "
+                f"{features}); found {shapes!r}."
+            )
+        _check_int("backward_passes_per_step", self.getBackwardPassesPerStep(), minimum=1)
+        if self.getCallbacks() or self.getCheckpointCallback() is not None:
+            raise ValueError(
+                "`callbacks` and `checkpoint_callback` apply to KerasEstimator and "
+                "LightningEstimator; TorchEstimator saves the last epoch each epoch. Customize "
+                "the step with `train_minibatch_fn`, or use LightningEstimator."
+            )
+
+    def _check_data(self, features: list[str], metadata: Any) -> dict[str, Any]:
+        shapes = resolve_input_shapes(self.getInputShapes(), features, metadata[0])
+        outputs = probe_outputs(self.getModel(), shapes, list(self.getLabelCols()))
+        return {"input_shapes": shapes, "output_shapes": outputs}
+
+    def _training_spec(self, remote_store: Any, features: list[str], metadata: Any,
+                       num_proc: int) -> TorchTrainingSpec:  # fmt: skip
+        loss = self.getLoss()
+        return TorchTrainingSpec(
+            **self._spec_fields(remote_store, features, metadata),
+            model_bytes=cloudpickle.dumps(
+                {"model": self.getModel(), "optimizer": self.getOptimizer()}
+            ),
+            input_shapes=resolve_input_shapes(self.getInputShapes(), features, metadata[0]),
+            losses=_check_callables("loss", loss) if loss else None,
+            loss_constructors=list(self.getLossConstructors() or []) or None,
+            loss_weights=self.getLossWeights(),
+            metrics=list(self.getMetrics() or []),
+            train_minibatch_fn=self.getTrainMinibatchFn(),
+            backward_passes_per_step=self.getBackwardPassesPerStep(),
+            compression=self.getGradientCompression(),
+        )
+
+    def _remote_trainer(self) -> Callable[[TorchTrainingSpec], dict]:
+        return train_on_rank
+
+
+@with_params({**MODEL_PARAMS, **TORCH_MODEL_PARAMS})
+class TorchModel(HorovodModel):
+    """A trained PyTorch (or Lightning) model as a Transformer. Outputs of one value per row
+    become ``double`` columns; wider outputs become ``array<float>`` columns."""
+
+    _archive_name = "torch_model.zip"
+    _model_file = "model.pkl"
+
+    def getModel(self) -> Any:
+        """The trained ``torch.nn.Module`` (a ``LightningModule`` from LightningEstimator),
+        in eval mode."""
+        return super().getModel()["model"].eval()
+
+    def getOptimizer(self) -> Any:
+        """The optimizer, with the learning rate given (None from LightningEstimator)."""
+        return super().getModel()["optimizer"]
+
+    def _load_model(self, data: bytes) -> dict:
+        _import_torch()
+        return cloudpickle.loads(data)
+
+    def _output_types(self) -> list[Any]:
+        from pyspark.sql.types import ArrayType, DoubleType, FloatType
+
+        return [
+            DoubleType() if math.prod(shape) == 1 else ArrayType(FloatType())
+            for shape in self.getOutputShapes()
+        ]
+
+    def _batch_predictor(self, sc: Any):
+        model_bytes = sc.broadcast(self._model_bytes)
+        shapes = self.getInputShapes()
+
+        def load(data: bytes) -> Any:
+            return cloudpickle.loads(data)["model"].eval()
+
+        def predict(columns: list[Any]) -> list[Any]:
+            import torch
+
+            model = training.worker_model(model_bytes.value, load)
+            inputs = [
+                torch.from_numpy(
+                    np.require(training.column_array(column, shape[1:]), np.float32, ["C", "W"])
+                )
+                for column, shape in zip(columns, shapes, strict=True)
+            ]
+            with torch.no_grad():
+                outputs = model(*inputs)
+            outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
+            return training.prediction_columns(
+                [o.detach().cpu().numpy() for o in outputs], len(columns[0])
+            )
+
+        return predict
+
+
+TorchEstimator._model_class = TorchModel
+
+
+# -- on the ranks --------------------------------------------------------------------------
+
+
+def batch_tensors(
+    batch: dict[str, np.ndarray], spec: TrainingSpec, input_shapes: list[list[int]], device: Any
+) -> tuple[list, list, Any]:
+    """A loader batch as (inputs reshaped by ``input_shapes``, labels, sample weights or
+    None): floats as float32, integer labels as int64."""
+    import torch
+
+    def tensor(values: np.ndarray, dtype: Any = None) -> Any:
+        # Loader batches may be read-only views of Arrow buffers; torch wants writable memory.
+        return torch.from_numpy(np.require(values, dtype=dtype, requirements=["C", "W"]))
+
+    inputs = [
+        tensor(batch[c], np.float32).to(device).reshape(shape)
+        for c, shape in zip(spec.features, input_shapes, strict=True)
+    ]
+    labels = []
+    for c in spec.labels:
+        values = batch[c]
+        dtype = np.float32 if values.dtype.kind in "fc" else np.int64
+        labels.append(tensor(values, dtype).to(device))
+    weights = None
+    if spec.sample_weight_col:
+        weights = tensor(batch[spec.sample_weight_col], np.float32).to(device)
+    return inputs, labels, weights
+
+
+def _transform_outputs(outputs: Any, labels: list) -> tuple[list, list]:
+    """Outputs as a list; each label reshaped to its output's shape when the sizes agree."""
+    outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
+    labels = [
+        label.reshape(out.shape) if out.numel() == label.numel() else label
+        for out, label in zip(outputs, labels, strict=True)
+    ]
+    return outputs, labels
+
+
+def _loss_function(spec: TorchTrainingSpec, losses: list[Any]) -> Callable:
+    n = len(spec.labels)
+    fns = losses if len(losses) > 1 else losses * n
+    weights = spec.loss_weights or [1.0 / n] * n
+
+    def loss_fn(outputs: list, labels: list, sample_weights: Any) -> Any:
+        total = 0
+        for out, label, fn, w in zip(outputs, labels, fns, weights, strict=True):
+            if sample_weights is None:
+                total = total + fn(out, label) * w
+            else:
+                # Per-row losses times their weights, averaged over the batch (Horovod's rule).
+                total = total + (fn(out, label, reduction="none").flatten() * sample_weights
+                                 ).mean() * w  # fmt: skip
+        return total
+
+    return loss_fn
+
+
+def _default_train_minibatch(backward_passes_per_step: int) -> Callable:
+    """zero_grad, forward, loss, backward, step; with ``backward_passes_per_step`` = n > 1,
+    n batches' gradients (each loss divided by n) are summed before one step."""
+    passes = {"count": 0}
+    n = backward_passes_per_step
+
+    def train_minibatch(model, optimizer, transform_outputs, loss_fn, inputs, labels,
+                        sample_weights):  # fmt: skip
+        if passes["count"] % n == 0:
+            optimizer.zero_grad()
+        outputs = model(*inputs)
+        outputs, labels = transform_outputs(outputs, labels)
+        loss = loss_fn(outputs, labels, sample_weights)
+        (loss / n if n > 1 else loss).backward()
+        passes["count"] += 1
+        if passes["count"] % n == 0:
+            optimizer.step()
+        return outputs, loss
+
+    return train_minibatch
+
+
+def _scale_lr(optimizer: Any, factor: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+
+
+def _state_dicts(model: Any, optimizer: Any, size: int) -> dict:
+    """Model and optimizer state with the learning rate as the user gave it."""
+    optimizer_state = optimizer.state_dict()
+    for group in optimizer_state["param_groups"]:
+        group["lr"] = group["lr"] / size
+    return {"model": model.state_dict(), "optimizer": optimizer_state}
+
+
+def train_on_rank(spec: TorchTrainingSpec) -> dict:
+    """The training function every rank runs (see ``TorchEstimator``)."""
+    import torch
+
+    import flyte_hvd.torch as hvd
+    from flyte_hvd.torch.optimizer import unwrap
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    if spec.random_seed is not None:
+        torch.manual_seed(spec.random_seed + rank)
+    device = torch.device(
+        "cuda", hvd.local_rank()
+    ) if spec.use_gpu and torch.cuda.is_available() else torch.device("cpu")  # fmt: skip
+    packed = cloudpickle.loads(spec.model_bytes)
+    model, optimizer = packed["model"].to(device), packed["optimizer"]
+    losses = spec.losses or [build() for build in spec.loss_constructors or []]
+    loss_fn = _loss_function(spec, losses)
+    store = spec.store
+    state = hvd.broadcast_object(training.read_run_state(store) if rank == 0 else None)
+    with tempfile.TemporaryDirectory(prefix="flyte-hvd-train-") as work:
+        last_local = os.path.join(work, LAST_MODEL_FILENAME)
+        if state and rank == 0:  # the others get rank 0's state by broadcast below
+            store.download_file(training.run_file(store, LAST_MODEL_FILENAME), last_local)
+            saved = torch.load(last_local, map_location=device, weights_only=True)
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+        _scale_lr(optimizer, size)  # scaled once, also on resume (checkpoints hold the rate given)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=model.named_parameters(),
+            compression=spec.compression or hvd.Compression.none,
+            backward_passes_per_step=spec.backward_passes_per_step,
+        )
+        train_loader, val_loader = training.make_loaders(spec, rank, size)
+        minibatch = spec.train_minibatch_fn or _default_train_minibatch(
+            spec.backward_passes_per_step
+        )
+        record = training.RunRecord(store, state, spec.epochs, _EXTENSION, spec.verbose)
+        logs_dir = os.path.join(work, "logs")
+        writer = _summary_writer(logs_dir) if rank == 0 else None
+        history: dict[str, list[float]] = {}
+        initial_epoch = state["epoch"] if state else 0
+        for epoch in range(initial_epoch, spec.epochs):
+            record.epoch_begin()
+            model.train()
+            sums: dict[str, float] = {}
+            for batch in train_loader.iter_epoch(epoch):
+                record.step_begin()
+                inputs, labels, weights = batch_tensors(batch, spec, spec.input_shapes, device)
+                outputs, loss = minibatch(model, optimizer, _transform_outputs, loss_fn, inputs,
+                                          labels, weights)  # fmt: skip
+                outputs, labels = _transform_outputs(outputs, labels)
+                _add_metrics(sums, "", loss, outputs, labels, spec)
+            logs = _mean(sums, len(train_loader))
+            if val_loader is not None:
+                model.eval()
+                val_sums: dict[str, float] = {}
+                with torch.no_grad():
+                    for batch in val_loader.iter_epoch(epoch):
+                        inputs, labels, weights = batch_tensors(batch, spec, spec.input_shapes,
+                                                                device)  # fmt: skip
+                        outputs, labels = _transform_outputs(model(*inputs), labels)
+                        loss = loss_fn(outputs, labels, weights)
+                        _add_metrics(val_sums, "val_", loss, outputs, labels, spec)
+                logs.update(_mean(val_sums, len(val_loader)))
+            logs = _average_over_ranks(hvd, logs)
+            for key, value in logs.items():
+                history.setdefault(key, []).append(value)
+            if rank == 0:
+                if writer is not None:
+                    for key, value in logs.items():
+                        writer.add_scalar(key, value, epoch)
+                    writer.flush()
+                torch.save(_state_dicts(model, optimizer, size), last_local)
+                record.epoch_end(epoch, logs, last_local, None, logs_dir)
+        if writer is not None:
+            writer.close()
+        if rank != 0:
+            return {"rank": rank}
+        unwrap(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        _scale_lr(optimizer, 1.0 / size)  # hand back the rate given
+        model = model.cpu()
+        return {
+            "model": cloudpickle.dumps({"model": model, "optimizer": optimizer}),
+            "history": training.merge_history(state, history),
+        }
+
+
+def _add_metrics(sums: dict[str, float], prefix: str, loss: Any, outputs: list, labels: list,
+                 spec: TorchTrainingSpec) -> None:  # fmt: skip
+    sums[f"{prefix}loss"] = sums.get(f"{prefix}loss", 0.0) + float(loss.detach())
+    for metric in spec.metrics:
+        name = getattr(metric, "__name__", type(metric).__name__)
+        for out, label, column in zip(outputs, labels, spec.labels, strict=True):
+            key = f"{prefix}{name}" if len(spec.labels) == 1 else f"{prefix}{name}_{column}"
+            sums[key] = sums.get(key, 0.0) + float(metric(out.detach(), label))
+
+
+def _mean(sums: dict[str, float], steps: int) -> dict[str, float]:
+    return {k: v / max(steps, 1) for k, v in sums.items()}
+
+
+def _average_over_ranks(hvd: Any, logs: dict[str, float]) -> dict[str, float]:
+    """Every rank runs the same steps, so the mean of the ranks' means is the global mean."""
+    keys = sorted(logs)
+    values = hvd.allreduce(np.array([logs[k] for k in keys], dtype=np.float64))
+    return {k: float(v) for k, v in zip(keys, np.asarray(values), strict=True)}
+
+
+def tensorboard_without_tensorflow() -> None:
+    """Make TensorBoard's writer use its built-in stub instead of importing TensorFlow (about
+    10 s per rank process, for nothing a PyTorch rank needs). TensorBoard skips the import
+    when the marker module ``tensorboard.compat.notf`` exists; a process that already
+    imported TensorFlow is left as it is."""
+    import sys
+    import types
+
+    if "tensorflow" not in sys.modules:
+        sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
+
+
+def _summary_writer(logs_dir: str) -> Any:
+    tensorboard_without_tensorflow()
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional: the run simply has no logs
+        return None
+    return SummaryWriter(logs_dir)

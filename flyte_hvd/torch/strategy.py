@@ -1,0 +1,188 @@
+"""``HorovodStrategy``: Lightning 2.x training on ranks that flyte-hvd started.
+
+The ranks already exist (``flyte_hvd.spark.run``, ``flyte-hvd-run``, a Flyte task), so the
+strategy launches nothing: it takes rank and size from the collective core, starts every rank
+from rank 0's weights and optimizer state, wraps each optimizer in ``DistributedOptimizer``
+(gradients reduced during backward) and answers Lightning's collectives (``reduce``,
+``all_gather``, ``broadcast``, ``barrier``) with the core's. Callbacks that reduce across ranks
+(``EarlyStopping``, ``ModelCheckpoint``) and ``self.log(..., sync_dist=True)`` work on every rank.
+
+    trainer = lightning.pytorch.Trainer(strategy=HorovodStrategy(), accelerator="cpu", devices=1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+try:
+    import lightning.pytorch as pl
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "HorovodStrategy needs Lightning 2.x: install the extra `pip install flyte-hvd[torch]`."
+    ) from error
+
+import torch
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+
+import flyte_hvd.torch as hvd
+from flyte_hvd.core.compression import Compression, Compressor
+from flyte_hvd.torch.optimizer import _DistributedOptimizer
+
+
+class HorovodStrategy(ParallelStrategy):
+    """Data-parallel Lightning training over the collective core (one process per rank).
+
+    Args:
+        compression: wire compression for gradients (``hvd.Compression.fp16``).
+        gradient_predivide_factor: see ``DistributedOptimizer``.
+
+    Gradient accumulation (``Trainer(accumulate_grad_batches=N)``) reduces once per N
+    batches. Learning rates are used as given (scale them by ``hvd.size()`` yourself if the
+    global batch grows with the ranks).
+    """
+
+    strategy_name = "flyte_hvd"
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        compression: type[Compressor] = Compression.none,
+        gradient_predivide_factor: float = 1.0,
+    ):
+        hvd.init()
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices,
+            cluster_environment=None, checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )  # fmt: skip
+        self.compression = compression
+        self.gradient_predivide_factor = gradient_predivide_factor
+        _set_rank_zero(hvd.rank())
+
+    # -- where this process is ---------------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        devices = self.parallel_devices
+        if devices and devices[0].type == "cuda":
+            return torch.device("cuda", hvd.local_rank())
+        return torch.device("cpu")
+
+    @property
+    def global_rank(self) -> int:
+        return hvd.rank()
+
+    @property
+    def local_rank(self) -> int:
+        return hvd.local_rank()
+
+    @property
+    def node_rank(self) -> int:
+        return hvd.cross_rank()
+
+    @property
+    def world_size(self) -> int:
+        return hvd.size()
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": hvd.size(), "rank": hvd.rank()}
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        module = self.lightning_module
+        hvd.broadcast_parameters(module.state_dict(), root_rank=0)
+        names = {p: n for n, p in module.named_parameters()}
+        for optimizer in self.optimizers:
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+            hvd.DistributedOptimizer(
+                optimizer,
+                named_parameters=[(names.get(p, f"param.{i}"), p) for i, p in enumerate(params)],
+                compression=self.compression,
+                backward_passes_per_step=trainer.accumulate_grad_batches,
+                gradient_predivide_factor=self.gradient_predivide_factor,
+            )
+
+    def teardown(self) -> None:
+        from flyte_hvd.torch.optimizer import unwrap
+
+        for optimizer in self.optimizers:
+            unwrap(optimizer)
+        super().teardown()
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        if not isinstance(optimizer, _DistributedOptimizer):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        # Reduce right after backward, before Lightning clips gradients or runs
+        # `on_before_optimizer_step`, so both see the averaged gradients.
+        def closure_then_synchronize() -> Any:
+            result = closure()
+            optimizer.synchronize()
+            return result
+
+        with optimizer.skip_synchronize():
+            return super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        name = reduce_op if isinstance(reduce_op, str) else getattr(reduce_op, "name", "")
+        name = str(name or reduce_op).lower()
+        ops = {"mean": hvd.Average, "avg": hvd.Average, "sum": hvd.Sum, "max": hvd.Max,
+               "min": hvd.Min, "product": hvd.Product}  # fmt: skip
+        op = next((o for key, o in ops.items() if key in name), None)
+        if op is None:
+            raise ValueError(
+                f"HorovodStrategy.reduce: unsupported `reduce_op`={reduce_op!r}; use 'mean', "
+                f"'sum', 'max', 'min' or 'product'."
+            )
+        source = tensor.float() if tensor.dtype == torch.bool else tensor
+        return hvd.allreduce(source, op=op).to(tensor.dtype)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False):
+        return hvd.allgather(tensor.unsqueeze(0))
+
+    def barrier(self, name: str | None = None) -> None:
+        hvd.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return hvd.broadcast_object(obj, root_rank=src)
+
+
+def _set_rank_zero(rank: int) -> None:
+    """Lightning's rank-zero-only logging reads the rank from these, not from the strategy."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
+
+    for fn in (rank_zero_only, fabric_rank_zero, utils_rank_zero):
+        fn.rank = rank

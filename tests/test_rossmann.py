@@ -1,0 +1,244 @@
+"""The Rossmann pipeline: dataset loading and checks, Spark features, each task, the workflow
+end to end (local and S3 work_dir), serialization and the retraining launch plan."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tarfile
+import zipfile
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("keras")
+
+from workflows import rossmann
+from workflows.rossmann_data import SCHEMA, DatasetError, fetch_dataset, write_synthetic
+
+SMALL = dict(stores=6, seed=1)
+
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory):
+    """A six-store synthetic dataset (about 5 k training rows)."""
+    return write_synthetic(str(tmp_path_factory.mktemp("rossmann")), **SMALL)
+
+
+# -- the dataset ---------------------------------------------------------------------------
+
+
+def test_synthetic_dataset_has_the_real_files_columns_and_formats(small_dataset):
+    for name, columns in SCHEMA.items():
+        frame = pd.read_csv(os.path.join(small_dataset, name), dtype=str, keep_default_na=False)
+        assert list(frame.columns) == columns, name
+    train = pd.read_csv(os.path.join(small_dataset, "train.csv"), dtype=str)
+    assert set(train.StateHoliday) <= {"0", "a", "b", "c"}
+    assert train.Date.min() == "2013-01-01" and train.Date.max() == "2015-07-31"
+    test = pd.read_csv(os.path.join(small_dataset, "test.csv"), dtype=str)
+    assert test.Date.min() == "2015-08-01" and test.Date.max() == "2015-09-17"
+    assert test.Id.astype(int).is_unique
+    trend = pd.read_csv(os.path.join(small_dataset, "googletrend.csv"), dtype=str)
+    assert trend.week.str.fullmatch(r"\d{4}-\d\d-\d\d - \d{4}-\d\d-\d\d").all()
+    assert {"Rossmann_DE", "Rossmann_DE_NI"} <= set(trend.file)
+    states = pd.read_csv(os.path.join(small_dataset, "state_names.csv"), dtype=str)
+    assert "HB,NI" in set(states.State)
+    # Learnable: promotions raise sales.
+    sales = train[train.Open == "1"].assign(Sales=lambda f: f.Sales.astype(float))
+    by_promo = sales.groupby("Promo").Sales.mean()
+    assert by_promo["1"] > 1.15 * by_promo["0"]
+
+
+@pytest.mark.parametrize("kind", ["tgz", "zip", "dir"])
+def test_fetch_dataset_from_archives_and_directories(small_dataset, tmp_path, kind):
+    if kind == "tgz":
+        source = str(tmp_path / "rossmann.tgz")
+        with tarfile.open(source, "w:gz") as tf:
+            tf.add(small_dataset, arcname="rossmann")  # files under a folder, as usual
+        source = f"file://{source}"
+    elif kind == "zip":
+        source = str(tmp_path / "rossmann.zip")
+        with zipfile.ZipFile(source, "w") as zf:
+            for name in SCHEMA:
+                zf.write(os.path.join(small_dataset, name), arcname=name)
+    else:
+        source = small_dataset
+    dest = fetch_dataset(source, str(tmp_path / "out"))
+    assert sorted(os.listdir(dest)) == sorted(SCHEMA)
+
+
+def test_fetch_dataset_errors_name_what_is_wrong(small_dataset, tmp_path):
+    with pytest.raises(DatasetError, match="cannot read dataset archive"):
+        fetch_dataset(f"file://{tmp_path}/nope.tgz", str(tmp_path / "a"))
+    with pytest.raises(DatasetError, match="neither a local directory nor"):
+        fetch_dataset("https://example.invalid/rossmann.csv", str(tmp_path / "b"))
+    not_archive = tmp_path / "fake.tgz"
+    not_archive.write_text("not gzip")
+    with pytest.raises(DatasetError, match="not a readable archive"):
+        fetch_dataset(str(not_archive), str(tmp_path / "c"))
+
+    partial = tmp_path / "partial"
+    shutil.copytree(small_dataset, partial)
+    os.remove(partial / "weather.csv")
+    os.remove(partial / "store_states.csv")
+    with pytest.raises(DatasetError, match=r"lacks store_states\.csv, weather\.csv"):
+        fetch_dataset(str(partial), str(tmp_path / "d"))
+
+    renamed = tmp_path / "renamed"
+    shutil.copytree(small_dataset, renamed)
+    store = pd.read_csv(renamed / "store.csv", dtype=str, keep_default_na=False)
+    store.rename(columns={"Assortment": "Range"}).to_csv(renamed / "store.csv", index=False)
+    with pytest.raises(DatasetError, match=r"store\.csv lacks the column\(s\) \['Assortment'\]"):
+        fetch_dataset(str(renamed), str(tmp_path / "e"))
+
+
+def test_hyperparameters_refuse_bad_values():
+    with pytest.raises(ValueError, match=r"sample_rate must be in \(0, 1\] .*; found 0\."):
+        rossmann.Hyperparameters(sample_rate=0)
+    with pytest.raises(ValueError, match="sample_rate"):
+        rossmann.Hyperparameters(sample_rate=1.5)
+    with pytest.raises(ValueError, match="num_proc must be an int >= 1; found 0"):
+        rossmann.Hyperparameters(num_proc=0)
+    with pytest.raises(ValueError, match="learning_rate"):
+        rossmann.Hyperparameters(learning_rate=-1.0)
+
+
+def test_unwritable_work_dir_fails_first(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file, not a directory")
+    with pytest.raises(Exception, match="cannot write to the store"):
+        rossmann.check_work_dir(work_dir=str(blocker / "rossmann"))
+
+
+# -- Spark features and the tasks on their own ---------------------------------------------
+
+
+def test_features_keep_every_row_and_flag_validation(spark_local2, small_dataset):
+    from workflows.rossmann_features import FEATURE_COLS, baseline_rmspe, prepare_frames
+
+    train, test, vocab, max_sales, mean_sales = prepare_frames(spark_local2, small_dataset)
+    raw_train = pd.read_csv(os.path.join(small_dataset, "train.csv"), dtype=str)
+    assert train.count() == int((raw_train.Sales.astype(int) > 0).sum())
+    assert test.count() == len(pd.read_csv(os.path.join(small_dataset, "test.csv")))
+    assert set(FEATURE_COLS) <= set(train.columns)
+    row = train.filter("Validation").agg({"Date": "min"}).first()[0]
+    assert str(row) == "2014-08-02"  # after test start minus one year, as in the tutorial
+    assert len(vocab["Store"]) == SMALL["stores"] and 7 < mean_sales < max_sales < 11
+    limits = train.agg({"CompetitionMonthsOpen": "max", "Promo2Weeks": "max"}).first()
+    assert vocab["CompetitionMonthsOpen"][-1] == "24" and vocab["Promo2Weeks"][-1] == "25"
+    assert limits is not None
+    assert 0.02 < baseline_rmspe(train) < 0.5
+
+
+def test_a_join_that_loses_rows_is_an_error(spark_local2, small_dataset, tmp_path):
+    from workflows.rossmann_features import LostRowsError, prepare_frames
+
+    broken = tmp_path / "broken"
+    shutil.copytree(small_dataset, broken)
+    states = pd.read_csv(broken / "store_states.csv", dtype=str)
+    states[states.Store != "3"].to_csv(broken / "store_states.csv", index=False)
+    with pytest.raises(LostRowsError, match=r"store\.csv / store_states\.csv onto train\.csv"):
+        prepare_frames(spark_local2, str(broken))
+
+
+def _train(prepared, **inputs):
+    return rossmann.train(
+        train=prepared.train, vocab=prepared.vocab, max_sales=prepared.max_sales,
+        mean_sales=prepared.mean_sales, **{"warm_start": "", **inputs},
+    )  # fmt: skip
+
+
+@pytest.mark.flyte
+def test_tasks_on_their_own(spark_local2, small_dataset, tmp_path):
+    """download_data, prepare, train (1 epoch) and predict, each called as a task."""
+    data = rossmann.download_data(dataset=small_dataset)
+    hp = rossmann.Hyperparameters(sample_rate=0.5, epochs=1, batch_size=128)
+    prepared = rossmann.prepare(data=data, hp=hp)
+    assert 0 < prepared.baseline_rmspe < 1 and set(prepared.vocab) >= {"Store", "Events"}
+    work_dir = str(tmp_path / "work")
+    result = _train(prepared, hp=hp, work_dir=work_dir)
+    assert len(result.history["val_loss"]) == 1 and result.val_rmspe > 0
+    assert os.path.exists(result.checkpoint_uri)
+    submission = rossmann.predict(test=prepared.test, result=result, work_dir=work_dir)
+    frame = pd.read_csv(submission.download())
+    test_ids = pd.read_csv(os.path.join(small_dataset, "test.csv")).Id
+    assert list(frame.columns) == ["Id", "Sales"]
+    assert frame.Id.tolist() == sorted(test_ids.tolist())
+
+    # num_proc beyond the session's task slots: the launcher's preflight refuses it.
+    with pytest.raises(Exception, match="slots"):
+        _train(prepared, hp=rossmann.Hyperparameters(num_proc=3, epochs=1), work_dir=work_dir)
+    # A warm start from a checkpoint that does not exist says so.
+    with pytest.raises(Exception, match=r"warm_start checkpoint .* does not exist"):
+        _train(prepared, hp=hp, work_dir=work_dir, warm_start=str(tmp_path / "missing.keras"))
+
+
+# -- the workflow --------------------------------------------------------------------------
+
+
+def _check_report(report, dataset: str) -> pd.DataFrame:
+    submission = pd.read_csv(report.submission.download())
+    test_ids = pd.read_csv(os.path.join(dataset, "test.csv")).Id
+    assert submission.Id.tolist() == sorted(test_ids.tolist())
+    assert (submission.Sales >= 0).all()
+    assert report.val_rmspe > 0 and report.baseline_rmspe > 0 and report.validation_rows > 0
+    return submission
+
+
+@pytest.mark.flyte
+@pytest.mark.e2e
+def test_workflow_end_to_end_with_warm_start(spark_local2, small_dataset, tmp_path):
+    hp = rossmann.Hyperparameters(sample_rate=0.5, epochs=2, batch_size=128)
+    work_dir = str(tmp_path / "work")
+    report = rossmann.horovod_spark_wf(dataset=small_dataset, hp=hp, work_dir=work_dir)
+    _check_report(report, small_dataset)
+    assert report.submission_uri.startswith(work_dir)
+    assert os.path.exists(report.submission_uri) and os.path.exists(report.checkpoint_uri)
+    assert os.listdir(os.path.join(work_dir, "runs", report.run_id, "logs"))
+
+    # The scheduled launch plan's warm start: 'latest' resolves to this run's checkpoint.
+    import keras
+
+    from flyte_hvd.spark.store import Store
+
+    warm = rossmann._initial_model(Store.create(work_dir), rossmann.LATEST)
+    best = keras.models.load_model(report.checkpoint_uri, compile=False)
+    assert all((a == b).all() for a, b in zip(warm.get_weights(), best.get_weights(), strict=True))
+    assert rossmann._initial_model(Store.create(str(tmp_path / "empty")), rossmann.LATEST) is None
+
+
+@pytest.mark.flyte
+@pytest.mark.e2e
+def test_workflow_with_work_dir_on_s3(spark_local2, small_dataset, s3_server, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    work_dir = f"s3://{s3_server.bucket}/rossmann"
+    hp = rossmann.Hyperparameters(sample_rate=0.3, epochs=1, batch_size=128)
+    report = rossmann.horovod_spark_wf(dataset=small_dataset, hp=hp, work_dir=work_dir)
+    _check_report(report, small_dataset)
+    objects = {
+        o["Key"]
+        for o in s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix="rossmann/")[
+            "Contents"
+        ]
+    }
+    run = f"rossmann/runs/{report.run_id}"
+    assert {f"{run}/checkpoint.keras", f"{run}/state.json", f"{run}/submission.csv"} <= objects
+
+
+def test_launch_plan_and_serialization():
+    from flytekit.configuration import Image, ImageConfig, SerializationSettings
+
+    plan = rossmann.rossmann_weekly_retrain
+    assert plan.schedule.cron_schedule.schedule == "0 3 * * 1"
+    assert plan.parameters.parameters["warm_start"].default.scalar.primitive.string_value == (
+        rossmann.LATEST
+    )
+    settings = SerializationSettings(
+        image_config=ImageConfig(default_image=Image(name="d", fqn="flyte-hvd", tag="t"))
+    )
+    custom = rossmann.train.get_custom(settings)
+    assert custom["sparkConf"]["spark.executor.instances"] == "2"
+    assert custom["sparkConf"]["spark.dynamicAllocation.enabled"] == "false"

@@ -1,0 +1,264 @@
+"""TorchEstimator / LightningEstimator / TorchModel on local[2] with 2 ranks; small data so
+each fit takes seconds."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.spark, pytest.mark.mpi, pytest.mark.e2e]
+
+torch = pytest.importorskip("torch")
+pl = pytest.importorskip("lightning.pytorch")
+
+import cloudpickle  # noqa: E402
+
+from flyte_hvd.spark.lightning_estimator import LightningEstimator  # noqa: E402
+from flyte_hvd.spark.store import Store  # noqa: E402
+from flyte_hvd.spark.torch_estimator import TorchEstimator, TorchModel  # noqa: E402
+
+# Models and functions of this module travel to the ranks by value (tests/ is not a package
+# the rank processes can import).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+F = torch.nn.functional
+
+
+def _regression_df(spark, rows=400, seed=0):
+    from pyspark.ml.linalg import Vectors
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 3))
+    y = x @ np.array([1.0, -2.0, 0.5]) + 0.3
+    return spark.createDataFrame(
+        [
+            (Vectors.dense(a.tolist()), float(b), i % 5 == 0)
+            for i, (a, b) in enumerate(zip(x, y, strict=True))
+        ],
+        ["features", "label", "is_val"],
+    )
+
+
+def _mlp(inputs=3, outputs=1, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(inputs, 16), torch.nn.ReLU(), torch.nn.Linear(16, outputs)
+    )
+
+
+@pytest.fixture
+def store(tmp_path):
+    return Store.create(str(tmp_path / "store"))
+
+
+def _torch_estimator(store, model=None, lr=0.02, **overrides):
+    model = model if model is not None else _mlp()
+    params = dict(
+        num_proc=2, store=store, model=model, loss=F.mse_loss, feature_cols=["features"],
+        label_cols=["label"], batch_size=16, epochs=4, verbose=0, random_seed=1,
+        partitions_per_process=2,
+    )  # fmt: skip
+    params.update(overrides)
+    if "optimizer" not in params:
+        params["optimizer"] = torch.optim.Adam(model.parameters(), lr)
+    return TorchEstimator(**params)
+
+
+def test_regression_fit_transform_save_load(spark_local2, store, tmp_path, no_leftover_ranks):
+    df = _regression_df(spark_local2)
+    fitted = _torch_estimator(store, validation=0.2, metrics=[F.l1_loss]).fit(df)
+    history = fitted.getHistory()
+    assert sorted(history) == ["l1_loss", "loss", "val_l1_loss", "val_loss"]
+    assert len(history["loss"]) == 4 and history["loss"][-1] < history["loss"][0] / 3
+    # The optimizer handed back holds the learning rate given, not the one the ranks scaled.
+    assert fitted.getOptimizer().param_groups[0]["lr"] == pytest.approx(0.02)
+    assert not fitted.getModel().training
+
+    predicted = fitted.transform(df)
+    assert predicted.columns == [*df.columns, "label__output"]
+    assert dict(predicted.dtypes)["label__output"] == "double"
+    rows = predicted.select("label", "label__output").collect()
+    truth, guess = np.array([(r[0], r[1]) for r in rows]).T
+    assert len(rows) == 400 and np.corrcoef(truth, guess)[0, 1] > 0.95
+    with torch.no_grad():
+        assert fitted.getModel()(torch.ones(2, 3)).shape == (2, 1)
+
+    # Rank 0 recorded the run: model and optimizer state, last epoch, state.json.
+    run = fitted.getRunId()
+    checkpoint = torch.load(
+        store.fs_path(store.get_run_path(run)) + "/checkpoint.pt", weights_only=True
+    )
+    assert set(checkpoint) == {"model", "optimizer"}
+    assert checkpoint["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.02)
+    state = json.loads(store.read(store.get_state_path(run)))
+    assert state["epoch"] == 4 and state["history"]["loss"] == history["loss"]
+
+    path = str(tmp_path / "saved")
+    fitted.setOutputCols(["prediction"]).save(path)
+    loaded = TorchModel.load(path)
+    assert loaded.getOutputCols() == ["prediction"] and loaded.getRunId() == run
+    sample = df.limit(20)
+    before = [r.prediction for r in fitted.transform(sample).collect()]
+    after = [r.prediction for r in loaded.transform(sample).collect()]
+    np.testing.assert_allclose(before, after, rtol=1e-6)
+    with pytest.raises(ValueError, match="already exists"):
+        fitted.save(path)
+
+
+def test_multiclass_transform_with_integer_labels_and_weights(spark_local2, store):
+    from pyspark.ml.linalg import Vectors
+
+    rng = np.random.default_rng(3)
+    centers = np.array([[3.0, 0.0], [-3.0, 0.0], [0.0, 3.0]])
+    labels = rng.integers(0, 3, size=300)
+    points = centers[labels] + rng.normal(scale=0.5, size=(300, 2))
+    df = spark_local2.createDataFrame(
+        [(Vectors.dense(p.tolist()), int(c), 1.0 + (i % 2)) for i, (p, c) in
+         enumerate(zip(points, labels, strict=True))],
+        ["xy", "cls", "weight"],
+    )  # fmt: skip
+    model = _mlp(inputs=2, outputs=3)
+    fitted = _torch_estimator(
+        store, model=model, lr=0.05, loss=F.cross_entropy, feature_cols=["xy"],
+        label_cols=["cls"], sample_weight_col="weight", input_shapes=[[-1, 2]], epochs=3,
+    ).fit(df)  # fmt: skip
+    out = fitted.transform(df)
+    assert dict(out.dtypes)["cls__output"] == "array<float>"
+    rows = out.select("cls", "cls__output").collect()
+    assert np.mean([r[0] == np.argmax(r[1]) for r in rows]) > 0.95
+
+
+def test_resume_continues_after_the_last_epoch(spark_local2, store):
+    df = _regression_df(spark_local2, rows=200)
+    first = _torch_estimator(store, lr=0.01, epochs=2, run_id="resumed").fit(df)
+    again = _torch_estimator(store, lr=0.01, epochs=3, run_id="resumed").fit(df)
+    history = again.getHistory()
+    assert len(history["loss"]) == 3 and history["loss"][:2] == first.getHistory()["loss"]
+    # The second fit started from the first fit's weights, not from the fresh model it got.
+    assert history["loss"][2] < first.getHistory()["loss"][0]
+    assert json.loads(store.read(store.get_state_path("resumed")))["epoch"] == 3
+    assert again.getOptimizer().param_groups[0]["lr"] == pytest.approx(0.01)
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        loss = F.mse_loss(self(batch["features"]), batch["label"].view(-1, 1))
+        self.log("train_loss", loss, on_epoch=True, on_step=False, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = F.mse_loss(self(batch["features"]), batch["label"].view(-1, 1))
+        self.log("val_loss", loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.02)
+
+
+def test_lightning_fit_transform_with_early_stopping(spark_local2, store, no_leftover_ranks):
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    df = _regression_df(spark_local2)
+    fitted = LightningEstimator(
+        num_proc=2, store=store, model=Regressor(), feature_cols=["features"],
+        label_cols=["label"], validation="is_val", batch_size=16, epochs=10, verbose=0,
+        random_seed=2, run_id="lightning", partitions_per_process=2,
+        # No epoch improves val_loss by 1e6: every rank stops after `patience` more epochs.
+        callbacks=[EarlyStopping(monitor="val_loss", patience=1, min_delta=1e6)],
+        checkpoint_callback=ModelCheckpoint(monitor="val_loss"),
+    ).fit(df)  # fmt: skip
+    history = fitted.getHistory()
+    assert len(history["val_loss"]) == 2 and len(history["train_loss"]) == 2
+    assert history["val_loss"][1] < history["val_loss"][0]
+    assert isinstance(fitted.getModel(), pl.LightningModule) and not fitted.getModel().training
+    assert fitted.getOptimizer() is None
+    state = json.loads(store.read(store.get_state_path("lightning")))
+    assert state["epoch"] == 2
+    assert store.exists(store.get_run_path("lightning") + "/checkpoint.ckpt")
+    out = fitted.transform(df)
+    assert dict(out.dtypes)["label__output"] == "double"
+    rows = out.select("label", "label__output").collect()
+    truth, guess = np.array([(r[0], r[1]) for r in rows]).T
+    assert np.corrcoef(truth, guess)[0, 1] > 0.8
+
+
+# -- bad input: each fails before any rank starts --------------------------------------------
+
+
+class Wide(torch.nn.Module):
+    """Wants 4 values per row."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def _bad(store, case):
+    model = _mlp()
+    if case == "input_shapes":
+        return _torch_estimator(store, input_shapes=[[-1, 4]])
+    if case == "model_input":
+        wide = Wide()
+        return _torch_estimator(store, model=wide, optimizer=torch.optim.SGD(wide.parameters()))
+    if case == "missing_column":
+        return _torch_estimator(store, feature_cols=["nope"])
+    if case == "foreign_optimizer":
+        return _torch_estimator(store, optimizer=torch.optim.SGD(_mlp().parameters(), lr=0.1))
+    if case == "no_loss":
+        return _torch_estimator(store, loss=None)
+    if case == "not_a_module":
+        return _torch_estimator(store, model="model", optimizer=torch.optim.SGD(
+            model.parameters(), lr=0.1))  # fmt: skip
+    if case == "two_labels":
+        return _torch_estimator(store, label_cols=["label", "is_val"])
+    if case == "lightning_optimizer":
+        return LightningEstimator(num_proc=2, store=store, model=Regressor(),
+                                  optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                  feature_cols=["features"], label_cols=["label"])  # fmt: skip
+    if case == "lightning_trainer_args":
+        return LightningEstimator(num_proc=2, store=store, model=Regressor(),
+                                  trainer_args={"max_epochs": 3}, feature_cols=["features"],
+                                  label_cols=["label"])  # fmt: skip
+    if case == "lightning_not_a_module":
+        return LightningEstimator(num_proc=2, store=store, model=model,
+                                  feature_cols=["features"], label_cols=["label"])  # fmt: skip
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("input_shapes", r"`input_shapes`\[0\]=\[-1, 4\] does not fit column `features`, "
+                         r"which holds 3 value"),
+        ("model_input", r"the model cannot run on inputs shaped by `input_shapes`=\[\[-1, 3\]\]"),
+        ("missing_column", r"column\(s\) \['nope'\] are not in the DataFrame"),
+        ("foreign_optimizer", "holds parameters that are not the model's"),
+        ("no_loss", r"`loss` \(or `loss_constructors`\) is required"),
+        ("not_a_module", "must be a torch.nn.Module"),
+        ("two_labels", r"returns 1 output\(s\) but `label_cols` names 2"),
+        ("lightning_optimizer", "leave `optimizer` and `loss` unset"),
+        ("lightning_trainer_args", r"`max_epochs`: set `epochs`"),
+        ("lightning_not_a_module", "must be a lightning.pytorch.LightningModule"),
+    ],
+)  # fmt: skip
+def test_bad_input_fails_before_ranks_start(spark_local2, store, case, match, monkeypatch):
+    import flyte_hvd.spark.estimator as estimator_module
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(estimator_module, "launch", no_ranks)
+    df = _regression_df(spark_local2, rows=20)
+    with pytest.raises(ValueError, match=match):
+        _bad(store, case).fit(df)

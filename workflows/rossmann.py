@@ -1,0 +1,427 @@
+"""Rossmann store sales: prepare with Spark, train on many ranks, predict, as a Flyte workflow.
+
+    pyflyte run workflows/rossmann.py horovod_spark_wf                        # synthetic data
+    pyflyte run workflows/rossmann.py horovod_spark_wf --dataset /data/rossmann \\
+        --hp '{"epochs": 20, "num_proc": 4}' --work_dir s3://bucket/rossmann
+
+Tasks: ``download_data`` (cached) -> ``prepare`` (Spark) -> ``train`` (Spark, ``KerasEstimator``
+on ``hp.num_proc`` ranks) -> ``predict`` (Spark, ``transform``) -> ``summarize``. ``work_dir`` is
+the Store prefix: prepared data, checkpoints, TensorBoard logs, the model and the submission
+land under it (``<work_dir>/runs/<run_id>/``). The launch plan ``rossmann_weekly_retrain``
+retrains every Monday, warm-starting from the newest run's checkpoint under ``work_dir``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import html
+import os
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import fsspec
+from dataclasses_json import dataclass_json
+from flytekit import CronSchedule, Deck, LaunchPlan, current_context, task, workflow
+from flytekit.types.directory import FlyteDirectory
+from flytekit.types.file import FlyteFile
+from flytekit.types.structured import StructuredDataset
+from flytekitplugins.spark import Spark
+
+DEFAULT_WORK_DIR = os.path.join(tempfile.gettempdir(), "flyte-hvd", "rossmann")
+SYNTHETIC = "synthetic"
+LATEST = "latest"
+
+# Settings for the Spark tasks. Locally flytekit starts local[*] with these; on Kubernetes the
+# SparkApplication gets them. `train` needs a task slot per rank (hp.num_proc); the launcher
+# checks that before any rank starts.
+SPARK_CONF = {
+    "spark.sql.shuffle.partitions": "8",
+    "spark.driver.memory": "4g",
+    "spark.executor.instances": "2",
+    "spark.executor.cores": "1",
+    "spark.executor.memory": "4g",
+    "spark.dynamicAllocation.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+}
+
+if "FLYTE_INTERNAL_EXECUTION_ID" not in os.environ:
+    # A local run: flytekit binds Spark's driver to 127.0.0.1 but lets it advertise the host's
+    # address, where nothing listens, so fetching a broadcast or shuffle block would fail.
+    # Spark (and its JVM, started by the first Spark task) advertises SPARK_LOCAL_IP instead.
+    # Spark's Python workers, and so the ranks, must be this interpreter (with flyte_hvd and
+    # TensorFlow), not whichever `python3` comes first on PATH.
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+
+@dataclass_json
+@dataclass
+class Hyperparameters:
+    """Training settings. The learning rate is the single-rank one; ranks scale it."""
+
+    batch_size: int = 256
+    sample_rate: float = 1.0
+    learning_rate: float = 2e-3
+    num_proc: int = 2
+    epochs: int = 5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "num_proc", "epochs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Hyperparameters.{name} must be an int >= 1; found {value!r}.")
+        if not 0 < self.sample_rate <= 1:
+            raise ValueError(
+                f"Hyperparameters.sample_rate must be in (0, 1] (the fraction of training rows "
+                f"kept); found {self.sample_rate}."
+            )
+        if not self.learning_rate > 0:
+            raise ValueError(
+                f"Hyperparameters.learning_rate must be > 0; found {self.learning_rate}."
+            )
+
+
+DEFAULT_HP = Hyperparameters()
+
+
+@dataclass
+class TrainResult:
+    """What ``train`` produces: the best model, its history and where its run lives."""
+
+    model: FlyteFile
+    history: dict[str, list[float]]
+    best_epoch: int
+    best_val_rmspe: float  # the exp_rmspe metric at the best epoch (Keras' batch average)
+    val_rmspe: float  # RMSPE of the best model over all validation rows
+    validation_rows: int
+    run_id: str
+    checkpoint_uri: str
+
+
+@dataclass
+class Report:
+    val_rmspe: float
+    baseline_rmspe: float
+    validation_rows: int
+    run_id: str
+    checkpoint_uri: str
+    submission_uri: str
+    model: FlyteFile
+    submission: FlyteFile
+    history: dict[str, list[float]] = field(default_factory=dict)
+
+
+class Prepared(NamedTuple):
+    train: StructuredDataset
+    test: StructuredDataset
+    vocab: dict[str, list[str]]
+    max_sales: float
+    mean_sales: float
+    baseline_rmspe: float
+
+
+@task(cache=True, cache_version="1")
+def download_data(dataset: str = SYNTHETIC) -> FlyteDirectory:
+    """The seven CSV files: ``synthetic`` generates them; otherwise an archive URL
+    (``http(s)://``, ``s3://``, ``file://``; ``.tgz``/``.tar.gz``/``.zip``) or a directory."""
+    from workflows.rossmann_data import fetch_dataset, write_synthetic
+
+    dest = os.path.join(current_context().working_directory, "rossmann")
+    if dataset == SYNTHETIC:
+        write_synthetic(dest)
+    else:
+        fetch_dataset(dataset, dest)
+    return FlyteDirectory(dest)
+
+
+@task
+def check_work_dir(work_dir: str) -> str:
+    """Fail before any Spark work when the Store prefix cannot be written."""
+    from flyte_hvd.spark.store import Store
+
+    return Store.create(work_dir).prefix_path
+
+
+@task(task_config=Spark(spark_conf=SPARK_CONF))
+def prepare(data: FlyteDirectory, hp: Hyperparameters) -> Prepared:
+    """Feature preparation in Spark, and the naive baseline's validation RMSPE."""
+    from workflows.rossmann_data import check_dataset
+    from workflows.rossmann_features import baseline_rmspe, prepare_frames
+
+    spark = current_context().spark_session
+    directory = data.download()
+    check_dataset(directory)
+    train_df, test_df, vocab, max_sales, mean_sales = prepare_frames(
+        spark, directory, sample_rate=hp.sample_rate, seed=hp.seed
+    )
+    train_df, test_df = train_df.cache(), test_df.cache()
+    baseline = baseline_rmspe(train_df)
+    return Prepared(
+        StructuredDataset(dataframe=train_df),
+        StructuredDataset(dataframe=test_df),
+        vocab,
+        max_sales,
+        mean_sales,
+        baseline,
+    )
+
+
+@task(task_config=Spark(spark_conf=SPARK_CONF), enable_deck=True)
+def train(
+    train: StructuredDataset,
+    vocab: dict[str, list[str]],
+    max_sales: float,
+    mean_sales: float,
+    hp: Hyperparameters,
+    work_dir: str,
+    warm_start: str = "",
+) -> TrainResult:
+    """``KerasEstimator`` on ``hp.num_proc`` ranks; returns the best epoch's model.
+
+    ``warm_start``: empty to start from fresh weights, ``latest`` for the newest run's
+    checkpoint under ``work_dir`` (fresh weights if there is none), or a checkpoint's URI."""
+    import keras
+    import pyspark
+    from pyspark.sql import functions as F
+
+    from flyte_hvd.keras.callbacks import BestModelCheckpoint
+    from flyte_hvd.spark.keras_estimator import KerasEstimator
+    from flyte_hvd.spark.store import Store
+    from workflows.rossmann_features import FEATURE_COLS, rmspe
+    from workflows.rossmann_model import CUSTOM_OBJECTS, build_model, exp_rmspe
+
+    df = train.open(pyspark.sql.DataFrame).all()
+    store = Store.create(work_dir)
+    model = _initial_model(store, warm_start) or build_model(
+        vocab, max_sales, mean_sales, seed=hp.seed
+    )
+    run_id = f"rossmann-{datetime.datetime.now(datetime.UTC):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+    estimator = KerasEstimator(
+        num_proc=hp.num_proc,
+        store=store,
+        model=model,
+        optimizer=keras.optimizers.Adam(hp.learning_rate, epsilon=1e-3),
+        loss="mae",
+        metrics=[exp_rmspe],
+        custom_objects=CUSTOM_OBJECTS,
+        feature_cols=FEATURE_COLS,
+        label_cols=["Sales"],
+        validation="Validation",
+        batch_size=hp.batch_size,
+        epochs=hp.epochs,
+        random_seed=hp.seed,
+        verbose=2,
+        run_id=run_id,
+        checkpoint_callback=BestModelCheckpoint(monitor="val_loss"),
+    )
+    fitted = estimator.fit(df).setOutputCols(["Predicted"])
+    history = {k: [float(v) for v in values] for k, values in fitted.getHistory().items()}
+    best = min(range(len(history["val_loss"])), key=history["val_loss"].__getitem__)
+
+    # Score the best model on every validation row, as the baseline is scored.
+    validation = fitted.transform(df.filter(F.col("Validation")))
+    scored = validation.select(F.exp("Sales").alias("Actual"), F.exp("Predicted").alias("Forecast"))
+    val_rows = scored.count()
+    val_rmspe = rmspe(scored, "Actual", "Forecast")
+
+    local_model = os.path.join(current_context().working_directory, "rossmann.keras")
+    fitted.getModel().save(local_model)
+    Deck("Training curves", training_curves_html(history, best))
+    return TrainResult(
+        model=FlyteFile(local_model),
+        history=history,
+        best_epoch=best + 1,
+        best_val_rmspe=history["val_exp_rmspe"][best],
+        val_rmspe=val_rmspe,
+        validation_rows=val_rows,
+        run_id=run_id,
+        checkpoint_uri=store.get_checkpoint_path(run_id),
+    )
+
+
+def _initial_model(store, warm_start: str):
+    """The model to continue from, or None for fresh weights."""
+    import keras
+
+    from workflows.rossmann_model import CUSTOM_OBJECTS
+
+    if not warm_start:
+        return None
+    uri = warm_start
+    if warm_start == LATEST:
+        runs = [r for r in _run_ids(store) if store.exists(store.get_checkpoint_path(r))]
+        if not runs:
+            print(f"warm start: no checkpoint under {store.get_runs_path()}; fresh weights")
+            return None
+        uri = store.get_checkpoint_path(max(runs))  # run ids start with their UTC time
+    fs, path = fsspec.core.url_to_fs(uri)
+    if not fs.exists(path):
+        raise FileNotFoundError(
+            f"warm_start checkpoint {uri!r} does not exist. Pass the checkpoint_uri of an "
+            f"earlier run, '{LATEST}', or '' for fresh weights."
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        local = os.path.join(tmp, "checkpoint.keras")
+        fs.get(path, local)
+        print(f"warm start from {uri}")
+        return keras.models.load_model(local, custom_objects=CUSTOM_OBJECTS)
+
+
+def _run_ids(store) -> list[str]:
+    runs = store.get_runs_path()
+    if not store.exists(runs):
+        return []
+    return [os.path.basename(p.rstrip("/")) for p in store.fs.ls(store.fs_path(runs), detail=False)]
+
+
+@task(task_config=Spark(spark_conf=SPARK_CONF))
+def predict(test: StructuredDataset, result: TrainResult, work_dir: str) -> FlyteFile:
+    """Sales for the test rows (0 where the store is closed), as ``submission.csv``
+    (``Id,Sales`` sorted by ``Id``), also written to the run's folder in the Store."""
+    import pyspark
+    from pyspark.sql import functions as F
+
+    from flyte_hvd.spark.keras_estimator import KerasModel
+    from flyte_hvd.spark.store import Store
+    from workflows.rossmann_features import FEATURE_COLS
+    from workflows.rossmann_model import CUSTOM_OBJECTS
+
+    df = test.open(pyspark.sql.DataFrame).all()
+    with open(result.model.download(), "rb") as f:
+        model = KerasModel(
+            model_bytes=f.read(),
+            feature_columns=FEATURE_COLS,
+            label_columns=["Sales"],
+            custom_objects=CUSTOM_OBJECTS,
+            run_id=result.run_id,
+        ).setOutputCols(["Predicted"])
+    sales = F.when(F.col("Open") == F.lit(False), F.lit(0.0)).otherwise(F.exp("Predicted"))
+    submission = model.transform(df).select("Id", sales.alias("Sales")).orderBy("Id").toPandas()
+    path = os.path.join(current_context().working_directory, "submission.csv")
+    submission.to_csv(path, index=False, float_format="%.1f")
+    store = Store.create(work_dir)
+    store.upload_file(path, _submission_uri(store, result.run_id))
+    return FlyteFile(path)
+
+
+def _submission_uri(store, run_id: str) -> str:
+    return store.join(store.get_run_path(run_id), "submission.csv")
+
+
+@task
+def summarize(
+    result: TrainResult, baseline_rmspe: float, submission: FlyteFile, work_dir: str
+) -> Report:
+    """One line to compare with the baseline, and where the outputs are."""
+    from flyte_hvd.spark.store import Store
+
+    store = Store.create(work_dir)
+    submission_uri = _submission_uri(store, result.run_id)
+    verdict = "beats" if result.val_rmspe < baseline_rmspe else "does NOT beat"
+    print(
+        f"validation RMSPE {result.val_rmspe:.4f} (best epoch {result.best_epoch}) {verdict} "
+        f"the per-store, per-weekday median baseline's {baseline_rmspe:.4f} on the same "
+        f"{result.validation_rows} rows\n"
+        f"model:      {result.checkpoint_uri}\n"
+        f"submission: {submission_uri}\n"
+        f"logs:       {store.get_logs_path(result.run_id)}  (tensorboard --logdir ...)"
+    )
+    return Report(
+        val_rmspe=result.val_rmspe,
+        baseline_rmspe=baseline_rmspe,
+        validation_rows=result.validation_rows,
+        run_id=result.run_id,
+        checkpoint_uri=result.checkpoint_uri,
+        submission_uri=submission_uri,
+        model=result.model,
+        submission=submission,
+        history=result.history,
+    )
+
+
+@workflow
+def horovod_spark_wf(
+    dataset: str = SYNTHETIC,
+    hp: Hyperparameters = DEFAULT_HP,
+    work_dir: str = DEFAULT_WORK_DIR,
+    warm_start: str = "",
+) -> Report:
+    """Rossmann end to end; see the module's docstring."""
+    store_prefix = check_work_dir(work_dir=work_dir)
+    data = download_data(dataset=dataset)
+    prepared = prepare(data=data, hp=hp)
+    result = train(
+        train=prepared.train,
+        vocab=prepared.vocab,
+        max_sales=prepared.max_sales,
+        mean_sales=prepared.mean_sales,
+        hp=hp,
+        work_dir=store_prefix,
+        warm_start=warm_start,
+    )
+    submission = predict(test=prepared.test, result=result, work_dir=store_prefix)
+    return summarize(
+        result=result,
+        baseline_rmspe=prepared.baseline_rmspe,
+        submission=submission,
+        work_dir=store_prefix,
+    )
+
+
+rossmann_weekly_retrain = LaunchPlan.get_or_create(
+    workflow=horovod_spark_wf,
+    name="rossmann_weekly_retrain",
+    schedule=CronSchedule(schedule="0 3 * * 1"),  # Mondays 03:00 UTC
+    default_inputs={"warm_start": LATEST},
+)
+
+
+def training_curves_html(history: dict[str, list[float]], best: int) -> str:
+    """Loss and RMSPE per epoch, training and validation, as inline SVG charts."""
+    charts = []
+    for metric, title in (("loss", "loss (MAE of log sales)"), ("exp_rmspe", "RMSPE")):
+        series = {
+            name: history[key]
+            for name, key in (("train", metric), ("validation", f"val_{metric}"))
+            if key in history
+        }
+        charts.append(_line_chart(title, series, best))
+    return "<div style='display:flex;gap:24px'>" + "".join(charts) + "</div>"
+
+
+def _line_chart(title: str, series: dict[str, list[float]], best: int) -> str:
+    width, height, pad = 420, 260, 40
+    values = [v for vs in series.values() for v in vs]
+    if not values:
+        return f"<p>{html.escape(title)}: no values</p>"
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    epochs = max(len(vs) for vs in series.values())
+
+    def xy(i: int, v: float) -> str:
+        x = pad + (width - 2 * pad) * (i / max(epochs - 1, 1))
+        y = height - pad - (height - 2 * pad) * ((v - low) / span)
+        return f"{x:.1f},{y:.1f}"
+
+    colors = {"train": "#1f77b4", "validation": "#d62728"}
+    parts = [
+        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}'>",
+        f"<text x='{width / 2}' y='18' text-anchor='middle'>{html.escape(title)}</text>",
+        f"<text x='4' y='{pad}'>{high:.4g}</text><text x='4' y='{height - pad}'>{low:.4g}</text>",
+        f"<text x='{width / 2}' y='{height - 8}' text-anchor='middle'>epoch 1..{epochs} "
+        f"(best {best + 1})</text>",
+    ]
+    for k, (name, vs) in enumerate(series.items()):
+        color = colors.get(name, "#333")
+        points = " ".join(xy(i, v) for i, v in enumerate(vs))
+        parts.append(f"<polyline fill='none' stroke='{color}' stroke-width='2' points='{points}'/>")
+        parts.append(
+            f"<text x='{width - pad}' y='{34 + 14 * k}' fill='{color}' "
+            f"text-anchor='end'>{name}</text>"
+        )
+    parts.append("</svg>")
+    return "".join(parts)

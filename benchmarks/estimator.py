@@ -4,11 +4,13 @@
 
 Same data (rows x 20 float features), same MLP, same global batch and epochs, in one run:
 (a) single-process ``model.fit`` on in-memory numpy arrays; (b) ``KerasEstimator`` with
-``num_proc=1``; (c) with ``num_proc=2``. Reports epoch seconds (excluding the first epoch) and
-the time from ``fit()`` to the first training step. Then ``transform`` rows/s on
-``--predict-rows`` rows against (d) plain ``model.predict`` on the same rows held as a pandas
-DataFrame in one process and (e) a row-at-a-time prediction UDF (Horovod's way; measured on a
-sample and reported as rows/s). Ends with one JSON line.
+``num_proc=1``; (c) with ``num_proc=2``. Reports the steady epoch seconds (the fastest epoch
+after the first, which builds the graph: on these shared machines a neighbour's load lands on
+single epochs, and the minimum is the figure that repeats) and the time from ``fit()`` to the
+first training step (data preparation, rank start, model load and graph tracing included).
+Then ``transform`` rows/s on ``--predict-rows`` rows against (d) plain ``model.predict`` on the
+same rows held as a pandas DataFrame in one process and (e) a row-at-a-time prediction UDF
+(Horovod's way; measured on a sample and reported as rows/s). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -25,7 +26,13 @@ import numpy as np
 
 FEATURES = 20
 GLOBAL_BATCH = 256
-EPOCHS = 3
+EPOCHS = 4
+TARGETS = {  # from the issue: the estimator's overhead and transform against its peers
+    "estimator_1_vs_plain_max": 1.25,
+    "to_first_step_s_max": 15.0,
+    "transform_vs_plain_min": 0.5,
+    "transform_vs_row_udf_min": 10.0,
+}
 
 
 def _model():
@@ -122,7 +129,7 @@ def main() -> None:
     two = estimator_fit(spark, df, 2, store)
 
     def steady(seconds: list[float]) -> float:
-        return statistics.mean(seconds[1:])
+        return min(seconds[1:])
 
     # Prediction: our transform vs plain predict vs a row-at-a-time UDF.
     model = two["model"]
@@ -191,6 +198,14 @@ def main() -> None:
         "row_udf_rows_per_s": round(row_rps, 1),
         "transform_vs_plain": round(transform_rps / plain_rps, 3),
         "transform_vs_row_udf": round(transform_rps / row_rps, 1),
+        "targets": TARGETS,
+        "meets_targets": {
+            "estimator_1_vs_plain": b / a <= TARGETS["estimator_1_vs_plain_max"],
+            "to_first_step": max(one["to_first_step_s"], two["to_first_step_s"])
+            <= TARGETS["to_first_step_s_max"],
+            "transform_vs_plain": transform_rps / plain_rps >= TARGETS["transform_vs_plain_min"],
+            "transform_vs_row_udf": transform_rps / row_rps >= TARGETS["transform_vs_row_udf_min"],
+        },
     }))  # fmt: skip
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ import sys  # noqa: E402
 import cloudpickle  # noqa: E402
 
 from flyte_hvd.spark.keras_estimator import KerasEstimator, KerasModel  # noqa: E402
+from flyte_hvd.spark.loader import ArrowDataLoader  # noqa: E402
 from flyte_hvd.spark.store import Store  # noqa: E402
 
 # Functions and callbacks of this module travel to the ranks by value (tests/ is not a package
@@ -149,18 +151,20 @@ def test_multiclass_vector_output_validation_column_and_weights(spark_local2, st
 
 def test_best_checkpoint_custom_objects_and_resume(spark_local2, store):
     """The returned model is the best epoch's; a second fit with the same run_id continues
-    at the next epoch without scaling the learning rate twice."""
+    at the next epoch, keeps the first attempt's best model when the new epochs are worse,
+    and scales the learning rate once on the ranks."""
     df = _regression_df(spark_local2, rows=200)
 
     class MarkEpoch(keras.callbacks.Callback):
-        """Stamps each epoch's weights with its number and reports a val_loss that is best
-        at epoch index 1 and worse afterwards."""
+        """Stamps each epoch's weights with its number, reports a val_loss that is best at
+        epoch index 1 and worse afterwards, and the learning rate the rank trained with."""
 
         def on_epoch_end(self, epoch, logs=None):
             self.model.set_weights(
                 [np.full(w.shape, epoch + 1.0) for w in self.model.get_weights()]
             )
-            logs["val_loss"] = [3.0, 1.0, 2.0, 5.0][epoch]
+            logs["val_loss"] = [3.0, 1.0, 2.0, 5.0, 4.0, 6.0][epoch]
+            logs["rank_lr"] = float(np.asarray(self.model.optimizer.learning_rate))
 
     from flyte_hvd.keras.callbacks import BestModelCheckpoint
 
@@ -168,19 +172,19 @@ def test_best_checkpoint_custom_objects_and_resume(spark_local2, store):
         num_proc=2, store=store, loss="mae", metrics=[exp_rmspe],
         custom_objects={"exp_rmspe": exp_rmspe, "scaled_tanh": scaled_tanh},
         feature_cols=["features"], label_cols=["label"], validation=0.25, batch_size=32,
-        verbose=0, run_id="best-run",
+        verbose=0, run_id="best-run", callbacks=[MarkEpoch()],
+        checkpoint_callback=BestModelCheckpoint(monitor="val_loss"),
     )  # fmt: skip
     first = KerasEstimator(
         model=_mlp(activation=scaled_tanh),
         optimizer=keras.optimizers.SGD(0.01),
         epochs=4,
-        callbacks=[MarkEpoch()],
-        checkpoint_callback=BestModelCheckpoint(monitor="val_loss"),
         **common,
     ).fit(df)
     for weights in first.getModel().get_weights():
         np.testing.assert_array_equal(weights, 2.0)  # epoch index 1 was the best
     assert "exp_rmspe" in first.getHistory()
+    assert json.loads(store.read(store.get_state_path("best-run")))["best"] == 1.0
 
     resumed = KerasEstimator(
         model=_mlp(activation=scaled_tanh),
@@ -190,15 +194,40 @@ def test_best_checkpoint_custom_objects_and_resume(spark_local2, store):
     ).fit(df)
     history = resumed.getHistory()
     assert len(history["loss"]) == 6  # 4 from the first fit, 2 more
-    assert history["val_loss"][:4] == [3.0, 1.0, 2.0, 5.0]
+    assert history["val_loss"] == [3.0, 1.0, 2.0, 5.0, 4.0, 6.0]
+    assert history["rank_lr"] == pytest.approx([0.02] * 6)  # 0.01 x 2 ranks, also resumed
     state = json.loads(store.read(store.get_state_path("best-run")))
-    assert state["epoch"] == 6
+    assert state["epoch"] == 6 and state["best"] == 1.0
+    # Epochs 5 and 6 were worse than epoch 2: the returned model and the run's checkpoint
+    # are still epoch 2's.
+    for weights in resumed.getModel().get_weights():
+        np.testing.assert_array_equal(weights, 2.0)
+    with tempfile.TemporaryDirectory() as folder:
+        local = os.path.join(folder, "checkpoint.keras")
+        store.download_file(store.get_checkpoint_path("best-run"), local)
+        saved = keras.models.load_model(local, custom_objects=common["custom_objects"])
+        for weights in saved.get_weights():
+            np.testing.assert_array_equal(weights, 2.0)
     assert float(np.asarray(resumed.getModel().optimizer.learning_rate)) == pytest.approx(0.01)
 
 
-def test_inside_a_pipeline_with_vector_assembler(spark_local2, store):
+class MarkingLoader(ArrowDataLoader):
+    """A user's loader: an ArrowDataLoader that leaves a file per rank and split it serves."""
+
+    marks = ""
+
+    def __init__(self, path, batch_size, **kwargs):
+        super().__init__(path, batch_size, **kwargs)
+        split = "val" if "val_data" in path else "train"
+        open(os.path.join(self.marks, f"{split}-{kwargs['rank']}-{batch_size}"), "w").close()
+
+
+def test_inside_a_pipeline_with_vector_assembler_and_a_custom_loader(spark_local2, store, tmp_path):
     from pyspark.ml import Pipeline
     from pyspark.ml.feature import VectorAssembler
+
+    MarkingLoader.marks = str(tmp_path / "marks")
+    os.mkdir(MarkingLoader.marks)
 
     rng = np.random.default_rng(5)
     rows = [(float(a), float(b), float(2 * a - b)) for a, b in rng.normal(size=(200, 2))]
@@ -209,12 +238,18 @@ def test_inside_a_pipeline_with_vector_assembler(spark_local2, store):
             KerasEstimator(
                 num_proc=2, store=store, model=_mlp(inputs=2),
                 optimizer=keras.optimizers.Adam(0.02), loss="mse", feature_cols=["features"],
-                label_cols=["y"], batch_size=16, epochs=2, verbose=0,
+                label_cols=["y"], batch_size=16, epochs=2, verbose=0, validation=0.2,
+                val_batch_size=8, data_loader=MarkingLoader,
             ),
         ]
     )  # fmt: skip
     out = pipeline.fit(df).transform(df)
     assert "y__output" in out.columns and out.count() == 200
+    marks = sorted(os.listdir(MarkingLoader.marks))
+    assert marks == ["train-0-16", "train-1-16", "val-0-8", "val-1-8"]
+    # y = 2a - b is linear: the assembled features reach the model in the right order.
+    truth, guess = np.array(out.select("y", "y__output").collect()).T
+    assert np.corrcoef(truth, guess)[0, 1] > 0.9
 
 
 def test_a_killed_rank_resumes_and_finishes(spark_cluster, tmp_path):
@@ -267,6 +302,7 @@ def _estimator(store, **overrides):
         ({"batch_size": 0}, "`batch_size` must be an int >= 1"),
         ({"epochs": 0}, "`epochs` must be an int >= 1"),
         ({"model": "not a model"}, "must be a Keras 3 model"),
+        ({"data_loader": object.__new__(ArrowDataLoader)}, "must be a BaseDataLoader subclass"),
     ],
 )  # fmt: skip
 def test_bad_input_fails_before_ranks_start(spark_local2, store, overrides, match):

@@ -298,6 +298,33 @@ def test_tf_dataset_feeds_keras_one_epoch_per_pass(dataset):
         _Counting().to_tf_dataset("a", "nope")
 
 
+class _Ragged(BaseDataLoader):
+    """A user's loader of 20 batches of 4 rows whose last batch has 1 row."""
+
+    def __len__(self):
+        return 20
+
+    def _iterate(self, epoch):
+        for i in range(20):
+            rows = 1 if i == 19 else 4
+            yield {"a": np.full((rows, 2), i, np.float32), "b": np.arange(rows)}
+
+    @property
+    def output_specs(self):
+        return {"a": (np.dtype("float32"), (None, 2)), "b": (np.dtype("int64"), (None,))}
+
+
+def test_tf_dataset_keeps_batch_order_and_sizes_across_groups():
+    """Batches cross into tf.data in stacked groups; the dataset still yields each batch as
+    the loader made it, in order, including a short last batch."""
+    from flyte_hvd.spark.loader import TF_GROUP_BATCHES
+
+    assert len(_Ragged()) > TF_GROUP_BATCHES
+    got = [(float(a[0, 0]), a.shape[0], b.numpy().tolist()) for a, b in
+           _Ragged().to_tf_dataset("a", "b")]  # fmt: skip
+    assert got == [(float(i), 4, [0, 1, 2, 3]) for i in range(19)] + [(19.0, 1, [0])]
+
+
 def test_rank_side_modules_import_neither_spark_nor_tensorflow():
     import subprocess
     import sys

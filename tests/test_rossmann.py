@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tarfile
 import zipfile
 
 import pandas as pd
 import pytest
+from flytekit.types.structured import StructuredDataset
 
 pytest.importorskip("keras")
 
@@ -17,6 +20,7 @@ from workflows import rossmann
 from workflows.rossmann_data import SCHEMA, DatasetError, fetch_dataset, write_synthetic
 
 SMALL = dict(stores=6, seed=1)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +110,37 @@ def test_hyperparameters_refuse_bad_values():
 def test_unwritable_work_dir_fails_first(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("a file, not a directory")
-    with pytest.raises(Exception, match="cannot write to the store"):
+    with pytest.raises(Exception, match="cannot write to the store") as raised:
         rossmann.check_work_dir(work_dir=str(blocker / "rossmann"))
+    assert str(blocker) in str(raised.value)
+
+
+def test_remote_execution_refuses_a_pod_local_work_dir(tmp_path, monkeypatch):
+    """On a cluster a local work_dir would vanish with the pod (and `latest` would never find
+    a checkpoint): the first task says so and what to pass instead."""
+    monkeypatch.setenv("FLYTE_INTERNAL_EXECUTION_ID", "f3a9c2")
+    with pytest.raises(Exception, match=r"is a local path, .* --work_dir s3://"):
+        rossmann.check_work_dir(work_dir=str(tmp_path / "work"))
+    monkeypatch.delenv("FLYTE_INTERNAL_EXECUTION_ID")
+    assert rossmann.check_work_dir(work_dir=str(tmp_path / "work")) == str(tmp_path / "work")
+
+
+def test_registration_time_work_dir_becomes_the_default(tmp_path):
+    """FLYTE_HVD_WORK_DIR at import (what `pyflyte register` sees) is the workflow's and the
+    scheduled launch plan's default work_dir."""
+    code = (
+        "from workflows import rossmann as r\n"
+        "plan = r.rossmann_weekly_retrain.parameters.parameters['work_dir']\n"
+        "wf = r.horovod_spark_wf.python_interface.default_inputs_as_kwargs['work_dir']\n"
+        "print(plan.default.scalar.primitive.string_value, wf)\n"
+    )
+    env = {**os.environ, "FLYTE_HVD_WORK_DIR": "s3://bucket/rossmann"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["s3://bucket/rossmann", "s3://bucket/rossmann"]
 
 
 # -- Spark features and the tasks on their own ---------------------------------------------
@@ -226,6 +259,33 @@ def test_workflow_with_work_dir_on_s3(spark_local2, small_dataset, s3_server, mo
     }
     run = f"rossmann/runs/{report.run_id}"
     assert {f"{run}/checkpoint.keras", f"{run}/state.json", f"{run}/submission.csv"} <= objects
+
+
+def test_train_gets_an_executor_per_rank_from_the_hyperparameters(monkeypatch):
+    """train_on_ranks compiles (as it does on a cluster, at run time) into a train node whose
+    SparkApplication has hp.num_proc executors, each a task slot."""
+    from flytekit.configuration import Image, ImageConfig, SerializationSettings
+    from flytekit.core.context_manager import FlyteContextManager
+
+    # with_overrides replaces the task's config in place: give it back afterwards.
+    monkeypatch.setattr(rossmann.train, "_task_config", rossmann.train.task_config)
+    settings = SerializationSettings(
+        image_config=ImageConfig(default_image=Image(name="d", fqn="flyte-hvd", tag="t"))
+    )
+    ctx = FlyteContextManager.current_context().with_serialization_settings(settings)
+    with FlyteContextManager.with_context(ctx) as ctx:
+        spec = rossmann.train_on_ranks.compile_into_workflow(
+            ctx, rossmann.train_on_ranks.task_function,
+            train_data=StructuredDataset(uri="s3://bucket/train"), vocab={"Store": ["1"]},
+            max_sales=1.0, mean_sales=1.0, hp=rossmann.Hyperparameters(num_proc=4),
+            work_dir="s3://bucket/rossmann", warm_start="",
+        )  # fmt: skip
+    (template,) = spec.tasks
+    assert template.id.name.endswith("train")
+    conf = template.custom["sparkConf"]
+    assert conf["spark.executor.instances"] == "4" and conf["spark.task.cpus"] == "1"
+    assert conf["spark.dynamicAllocation.enabled"] == "false"
+    assert rossmann.train_spark_conf(4)["spark.executor.memory"] == "4g"  # SPARK_CONF kept
 
 
 def test_launch_plan_and_serialization():

@@ -189,6 +189,31 @@ def test_lightning_fit_transform_with_early_stopping(spark_local2, store, no_lef
     truth, guess = np.array([(r[0], r[1]) for r in rows]).T
     assert np.corrcoef(truth, guess)[0, 1] > 0.8
 
+    # Resumed with worse validation epochs: Lightning's own restore continues at epoch 3, and
+    # the best model of the first attempt stays the run's checkpoint and the returned model.
+    resumed = LightningEstimator(
+        num_proc=2, store=store, model=WorseOnValidation(), feature_cols=["features"],
+        label_cols=["label"], validation="is_val", batch_size=16, epochs=4, verbose=0,
+        random_seed=2, run_id="lightning", partitions_per_process=2,
+        checkpoint_callback=ModelCheckpoint(monitor="val_loss"),
+    ).fit(df)  # fmt: skip
+    again = resumed.getHistory()
+    assert len(again["val_loss"]) == 4 and again["val_loss"][:2] == history["val_loss"]
+    assert min(again["val_loss"][2:]) > 1000
+    state = json.loads(store.read(store.get_state_path("lightning")))
+    assert state["epoch"] == 4 and state["best"] == pytest.approx(history["val_loss"][1])
+    best = fitted.getModel().state_dict()
+    for name, value in resumed.getModel().state_dict().items():
+        torch.testing.assert_close(value, best[name])
+
+
+class WorseOnValidation(Regressor):
+    """The same network, with a validation loss no later epoch can improve on."""
+
+    def validation_step(self, batch, batch_idx):
+        loss = F.mse_loss(self(batch["features"]), batch["label"].view(-1, 1))
+        self.log("val_loss", loss + 1000.0, sync_dist=True)
+
 
 # -- bad input: each fails before any rank starts --------------------------------------------
 

@@ -5,10 +5,11 @@
         --hp '{"epochs": 20, "num_proc": 4}' --work_dir s3://bucket/rossmann
 
 Tasks: ``download_data`` (cached) -> ``prepare`` (Spark) -> ``train`` (Spark, ``KerasEstimator``
-on ``hp.num_proc`` ranks) -> ``predict`` (Spark, ``transform``) -> ``summarize``. ``work_dir`` is
-the Store prefix: prepared data, checkpoints, TensorBoard logs, the model and the submission
-land under it (``<work_dir>/runs/<run_id>/``). The launch plan ``rossmann_weekly_retrain``
-retrains every Monday, warm-starting from the newest run's checkpoint under ``work_dir``.
+on ``hp.num_proc`` ranks, an executor per rank through ``train_on_ranks``) -> ``predict`` (Spark,
+``transform``) -> ``summarize``. ``work_dir`` is the Store prefix: prepared data, checkpoints,
+TensorBoard logs, the model and the submission land under it (``<work_dir>/runs/<run_id>/``).
+The launch plan ``rossmann_weekly_retrain`` retrains every Monday, warm-starting from the newest
+run's checkpoint under ``work_dir``.
 """
 
 from __future__ import annotations
@@ -24,19 +25,23 @@ from typing import NamedTuple
 
 import fsspec
 from dataclasses_json import dataclass_json
-from flytekit import CronSchedule, Deck, LaunchPlan, current_context, task, workflow
+from flytekit import CronSchedule, Deck, LaunchPlan, current_context, dynamic, task, workflow
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 from flytekit.types.structured import StructuredDataset
 from flytekitplugins.spark import Spark
 
-DEFAULT_WORK_DIR = os.path.join(tempfile.gettempdir(), "flyte-hvd", "rossmann")
+# The Store prefix when none is given. Registering with FLYTE_HVD_WORK_DIR=s3://bucket/prefix
+# makes that the default of the workflow and of its scheduled launch plan.
+DEFAULT_WORK_DIR = os.environ.get("FLYTE_HVD_WORK_DIR") or os.path.join(
+    tempfile.gettempdir(), "flyte-hvd", "rossmann"
+)
 SYNTHETIC = "synthetic"
 LATEST = "latest"
 
 # Settings for the Spark tasks. Locally flytekit starts local[*] with these; on Kubernetes the
-# SparkApplication gets them. `train` needs a task slot per rank (hp.num_proc); the launcher
-# checks that before any rank starts.
+# SparkApplication gets them. `train` needs a task slot per rank (hp.num_proc): train_on_ranks
+# sets its executors from hp, and the launcher checks the slots before any rank starts.
 SPARK_CONF = {
     "spark.sql.shuffle.partitions": "8",
     "spark.driver.memory": "4g",
@@ -47,7 +52,13 @@ SPARK_CONF = {
     "spark.ui.showConsoleProgress": "false",
 }
 
-if "FLYTE_INTERNAL_EXECUTION_ID" not in os.environ:
+
+def _remote_execution() -> bool:
+    """Whether this task runs in a Flyte execution on a cluster (not ``pyflyte run``)."""
+    return "FLYTE_INTERNAL_EXECUTION_ID" in os.environ
+
+
+if not _remote_execution():
     # A local run: flytekit binds Spark's driver to 127.0.0.1 but lets it advertise the host's
     # address, where nothing listens, so fetching a broadcast or shuffle block would fail.
     # Spark (and its JVM, started by the first Spark task) advertises SPARK_LOCAL_IP instead.
@@ -140,10 +151,20 @@ def download_data(dataset: str = SYNTHETIC) -> FlyteDirectory:
 
 @task
 def check_work_dir(work_dir: str) -> str:
-    """Fail before any Spark work when the Store prefix cannot be written."""
-    from flyte_hvd.spark.store import Store
+    """Fail before any Spark work when the Store prefix cannot be written, or when a remote
+    execution was given a local path (it would vanish with the pod, and a warm start would
+    never find it)."""
+    from flyte_hvd.spark.store import DBFSLocalStore, LocalStore, Store
 
-    return Store.create(work_dir).prefix_path
+    store = Store.create(work_dir)
+    pod_local = isinstance(store, LocalStore) and not isinstance(store, DBFSLocalStore)
+    if _remote_execution() and pod_local:
+        raise ValueError(
+            f"work_dir {work_dir!r} is a local path, but this execution runs on a cluster: what "
+            f"it writes is lost with the pod. Pass --work_dir s3://bucket/prefix, or register "
+            f"with FLYTE_HVD_WORK_DIR=s3://bucket/prefix to make that the default."
+        )
+    return store.prefix_path
 
 
 @task(task_config=Spark(spark_conf=SPARK_CONF))
@@ -241,6 +262,37 @@ def train(
         run_id=run_id,
         checkpoint_uri=store.get_checkpoint_path(run_id),
     )
+
+
+def train_spark_conf(num_proc: int) -> dict[str, str]:
+    """``train``'s Spark settings for ``num_proc`` ranks: ``SPARK_CONF`` with a task slot per
+    rank, as ``HorovodSpark`` derives them for a barrier stage."""
+    from flyte_hvd.flyte import HorovodSpark
+
+    return {**SPARK_CONF, **HorovodSpark(num_proc=num_proc).derived_spark_conf(gpus=False)}
+
+
+@dynamic
+def train_on_ranks(
+    train_data: StructuredDataset,
+    vocab: dict[str, list[str]],
+    max_sales: float,
+    mean_sales: float,
+    hp: Hyperparameters,
+    work_dir: str,
+    warm_start: str = "",
+) -> TrainResult:
+    """``train`` with Spark settings that follow ``hp.num_proc``: on a cluster its
+    SparkApplication gets an executor per rank, so the launcher finds a slot for each."""
+    return train(
+        train=train_data,
+        vocab=vocab,
+        max_sales=max_sales,
+        mean_sales=mean_sales,
+        hp=hp,
+        work_dir=work_dir,
+        warm_start=warm_start,
+    ).with_overrides(task_config=Spark(spark_conf=train_spark_conf(hp.num_proc)))
 
 
 def _initial_model(store, warm_start: str):
@@ -354,8 +406,8 @@ def horovod_spark_wf(
     store_prefix = check_work_dir(work_dir=work_dir)
     data = download_data(dataset=dataset)
     prepared = prepare(data=data, hp=hp)
-    result = train(
-        train=prepared.train,
+    result = train_on_ranks(
+        train_data=prepared.train,
         vocab=prepared.vocab,
         max_sales=prepared.max_sales,
         mean_sales=prepared.mean_sales,

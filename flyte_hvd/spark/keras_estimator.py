@@ -20,7 +20,7 @@ import numpy as np
 
 from flyte_hvd.spark import training
 from flyte_hvd.spark.estimator import HorovodEstimator, HorovodModel
-from flyte_hvd.spark.training import TrainingSpec, TransformedLoader, read_run_state
+from flyte_hvd.spark.training import TrainingSpec, TransformedLoader
 
 LAST_MODEL_FILENAME = "last.keras"  # the latest epoch, for resuming
 BEST_MODEL_FILENAME = "best.keras"  # where a checkpoint callback writes, on rank 0
@@ -163,82 +163,81 @@ def train_on_rank(spec: KerasTrainingSpec) -> dict:
 
     import flyte_hvd.keras as hvd
 
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    if not spec.use_gpu:
-        tf.config.set_visible_devices([], "GPU")
-    if spec.random_seed is not None:
-        keras.utils.set_random_seed(spec.random_seed + rank)
-    store = spec.store
-    state = hvd.broadcast_object(read_run_state(store) if rank == 0 else None, root_rank=0)
-    with tempfile.TemporaryDirectory(prefix="flyte-hvd-train-") as work:
-        model = _initial_model(spec, store, state, work, rank)
+    with training.rank_run(spec, hvd, _EXTENSION, seed=keras.utils.set_random_seed) as run:
+        if not spec.use_gpu:
+            tf.config.set_visible_devices([], "GPU")
+        else:
+            _pin_gpu(tf, hvd.local_rank())
+        # Rank 0 starts from the run's last model when resuming; the broadcast callback gives
+        # its weights to the others.
+        model = model_from_bytes(
+            _read(run.resume_file) if run.resume_file else spec.model_bytes, spec.custom_objects
+        )
         if spec.learning_rate is not None:
-            model.optimizer.learning_rate = spec.learning_rate * size  # scaled once, even on resume
+            model.optimizer.learning_rate = spec.learning_rate * run.size  # once, even on resume
         hvd.DistributedOptimizer(
             model.optimizer, compression=spec.compression or hvd.Compression.none
         )
-        train, val = _datasets(spec, rank, size)
-        initial_epoch = state["epoch"] if state else 0
+        train, val = _datasets(spec, run.rank, run.size)
         callbacks = [
             hvd.callbacks.BroadcastGlobalVariablesCallback(0),
             hvd.callbacks.MetricAverageCallback(),
             *spec.callbacks,
         ]
-        if rank == 0:
-            if spec.checkpoint_callback is not None:
-                spec.checkpoint_callback.filepath = os.path.join(work, BEST_MODEL_FILENAME)
-                callbacks.append(spec.checkpoint_callback)
-            logs = os.path.join(work, "logs")
-            record = training.RunRecord(store, state, spec.epochs, _EXTENSION)
+        best_path = os.path.join(run.work, BEST_MODEL_FILENAME)
+        checkpoint = spec.checkpoint_callback
+        if run.rank == 0:
+            if checkpoint is not None:
+                checkpoint.filepath = best_path
+                if run.best_file is not None:  # keep the best of earlier attempts
+                    os.replace(run.best_file, best_path)
+                    checkpoint.best = run.best_value
+                callbacks.append(checkpoint)
+            record = training.RunRecord(spec.store, run.state, spec.epochs, _EXTENSION)
             callbacks += [
-                keras.callbacks.TensorBoard(logs, write_graph=False, profile_batch=0),
-                RunRecorder(record, work),
+                keras.callbacks.TensorBoard(
+                    os.path.join(run.work, "logs"), write_graph=False, profile_batch=0
+                ),
+                RunRecorder(record, run.work, checkpoint),
             ]
         history = model.fit(
             train.dataset,
             validation_data=val.dataset if val else None,
             epochs=spec.epochs,
-            initial_epoch=initial_epoch,
+            initial_epoch=run.initial_epoch,
             steps_per_epoch=train.steps_per_epoch,
             validation_steps=val.steps_per_epoch if val else None,
             callbacks=callbacks,
-            verbose=spec.verbose if rank == 0 else 0,
+            verbose=spec.verbose if run.rank == 0 else 0,
             shuffle=False,  # the loader shuffles
         )
-        if rank != 0:
-            return {"rank": rank}
-        merged = training.merge_history(state, history.history)
-        best_path = os.path.join(work, BEST_MODEL_FILENAME)
-        if spec.checkpoint_callback is not None and os.path.exists(best_path):
+        if run.rank == 0 and checkpoint is not None and os.path.exists(best_path):
             model = keras.models.load_model(best_path, custom_objects=spec.custom_objects)
         if spec.learning_rate is not None:
             model.optimizer.learning_rate = spec.learning_rate  # hand back the rate given
-        return {"model": model_to_bytes(model), "history": merged}
+        return run.result(lambda: model_to_bytes(model), history.history)
 
 
-def _initial_model(spec: KerasTrainingSpec, store: Any, state: dict | None, work: str,
-                   rank: int) -> Any:  # fmt: skip
-    """The model to start from: the run's last saved model when resuming (rank 0 loads it;
-    the broadcast callback gives it to the others), else the model the driver sent."""
-    if state and rank == 0:
-        local = os.path.join(work, "resume.keras")
-        store.download_file(_last_model_path(store), local)
-        return keras.models.load_model(local, custom_objects=spec.custom_objects)
-    return model_from_bytes(spec.model_bytes, spec.custom_objects)
+def _pin_gpu(tf: Any, local_rank: int) -> None:
+    """One GPU per rank, as Horovod's scripts do: when a rank sees several (Spark assigned
+    none, or more than one), it keeps the one at its local rank."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if len(gpus) > 1:
+        tf.config.set_visible_devices(gpus[local_rank % len(gpus)], "GPU")
 
 
-def _last_model_path(store: Any) -> str:
-    return training.run_file(store, LAST_MODEL_FILENAME)
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 class RunRecorder(keras.callbacks.Callback):
     """Rank 0, after each epoch: save the last model and hand it (and the best one, with a
     checkpoint callback) to the run's ``training.RunRecord``."""
 
-    def __init__(self, record: training.RunRecord, work: str):
+    def __init__(self, record: training.RunRecord, work: str, checkpoint: Any = None):
         super().__init__()
-        self.record, self.work = record, work
+        self.record, self.work, self.checkpoint = record, work, checkpoint
 
     def on_epoch_begin(self, epoch, logs=None):
         self.record.epoch_begin()
@@ -249,9 +248,11 @@ class RunRecorder(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         last = os.path.join(self.work, LAST_MODEL_FILENAME)
         self.model.save(last)
+        best = getattr(self.checkpoint, "best", None)
         self.record.epoch_end(
             epoch, logs or {}, last, os.path.join(self.work, BEST_MODEL_FILENAME),
             os.path.join(self.work, "logs"),
+            best_value=None if best is None else float(np.asarray(best)),
         )  # fmt: skip
 
 

@@ -16,7 +16,6 @@ Lightning's own restore (loops, optimizers, callbacks).
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,6 +169,7 @@ class _TensorBatches:
 
 
 def _recorder_class() -> type:
+    import torch
     from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
     class RunRecorder(Checkpoint):
@@ -177,9 +177,25 @@ def _recorder_class() -> type:
         ``Checkpoint``): average the epoch's metrics over ranks and save ``last.ckpt``
         (rank 0 writes); rank 0 then hands both to the run's ``training.RunRecord``."""
 
-        def __init__(self, record: training.RunRecord | None, work: str, logs_dir: str | None):
-            self.record, self.work, self.logs_dir = record, work, logs_dir
+        def __init__(self, record: training.RunRecord | None, run: training.RankRun,
+                     logs_dir: str | None):  # fmt: skip
+            self.record, self.run, self.logs_dir = record, run, logs_dir
             self.history: dict[str, list[float]] = {}
+
+        def on_train_start(self, trainer, pl_module):
+            # Lightning restored the checkpoint callback's state from last.ckpt, but not its
+            # best score (the folder changed) nor the best file (it was on another attempt's
+            # disk): take both from the run, so the best of earlier attempts is kept.
+            run = self.run
+            if run.best_value is None:
+                return
+            for callback in trainer.checkpoint_callbacks:
+                if isinstance(callback, ModelCheckpoint) and callback.monitor is not None:
+                    score = torch.tensor(run.best_value)
+                    path = run.best_file or callback.best_model_path
+                    callback.best_model_score, callback.best_model_path = score, path
+                    callback.best_k_models = {path: score}
+                    callback.kth_best_model_path, callback.kth_value = path, score
 
         def on_train_epoch_start(self, trainer, pl_module):
             if self.record is not None:
@@ -197,15 +213,19 @@ def _recorder_class() -> type:
             logs = {k: float(np.mean([m[k] for m in everyone if k in m])) for k in mine}
             for key, value in logs.items():
                 self.history.setdefault(key, []).append(value)
-            last = os.path.join(self.work, LAST_MODEL_FILENAME)
+            last = os.path.join(self.run.work, LAST_MODEL_FILENAME)
             trainer.save_checkpoint(last)  # collective; rank 0 writes
             if self.record is not None:
-                best = next(
-                    (c.best_model_path for c in trainer.checkpoint_callbacks
+                saving = next(
+                    (c for c in trainer.checkpoint_callbacks
                      if isinstance(c, ModelCheckpoint) and c.best_model_path),
                     None,
                 )  # fmt: skip
-                self.record.epoch_end(trainer.current_epoch, logs, last, best, self.logs_dir)
+                score = saving.best_model_score if saving else None
+                self.record.epoch_end(
+                    trainer.current_epoch, logs, last, saving.best_model_path if saving else None,
+                    self.logs_dir, best_value=None if score is None else float(score),
+                )  # fmt: skip
 
     return RunRecorder
 
@@ -228,34 +248,26 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
     import flyte_hvd.torch as hvd
     from flyte_hvd.torch.strategy import HorovodStrategy
 
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
     strategy = HorovodStrategy(compression=spec.compression or hvd.Compression.none)
-    if spec.random_seed is not None:
-        pl.seed_everything(spec.random_seed + rank, verbose=False)
-    module = cloudpickle.loads(spec.model_bytes)
-    store = spec.store
-    state = hvd.broadcast_object(training.read_run_state(store) if rank == 0 else None)
-    with tempfile.TemporaryDirectory(prefix="flyte-hvd-train-") as work:
-        resume_from = None
-        if state:  # every rank restores from the same file, with Lightning's own restore
-            resume_from = os.path.join(work, "resume.ckpt")
-            store.download_file(training.run_file(store, LAST_MODEL_FILENAME), resume_from)
-        train, val = training.make_loaders(spec, rank, size)
+    seed = lambda value: pl.seed_everything(value, verbose=False)  # noqa: E731
+    # Every rank restores from the same last.ckpt, with Lightning's own restore.
+    with training.rank_run(spec, hvd, _EXTENSION, seed, resume_on_every_rank=True) as run:
+        module = cloudpickle.loads(spec.model_bytes)
+        train, val = training.make_loaders(spec, run.rank, run.size)
         callbacks = list(spec.callbacks)
         checkpoint = spec.checkpoint_callback
         if checkpoint is not None:
             if getattr(checkpoint, "dirpath", None) is None:
-                checkpoint.dirpath = os.path.join(work, "checkpoints")
+                checkpoint.dirpath = os.path.join(run.work, "checkpoints")
             callbacks.append(checkpoint)
-        logger = spec.logger if spec.logger is not None else _default_logger(work)
-        logs_dir = os.path.join(work, "logs") if spec.logger is None else None
+        logger = spec.logger if spec.logger is not None else _default_logger(run.work)
+        logs_dir = os.path.join(run.work, "logs") if spec.logger is None else None
         record = (
-            training.RunRecord(store, state, spec.epochs, _EXTENSION, spec.verbose)
-            if rank == 0
+            training.RunRecord(spec.store, run.state, spec.epochs, _EXTENSION, spec.verbose)
+            if run.rank == 0
             else None
         )
-        recorder = _recorder_class()(record, work, logs_dir)
+        recorder = _recorder_class()(record, run, logs_dir)
         callbacks.append(recorder)
         use_gpu = spec.use_gpu and torch.cuda.is_available()
         args: dict[str, Any] = dict(
@@ -266,10 +278,10 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
             num_nodes=1,
             logger=logger,
             callbacks=callbacks,
-            default_root_dir=work,
+            default_root_dir=run.work,
             use_distributed_sampler=False,
             enable_progress_bar=False,
-            enable_model_summary=rank == 0 and spec.verbose > 1,
+            enable_model_summary=run.rank == 0 and spec.verbose > 1,
             num_sanity_val_steps=0,
             log_every_n_steps=max(1, min(50, len(train))),
         )
@@ -279,21 +291,26 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
             module,
             train_dataloaders=_TensorBatches(train, spec),
             val_dataloaders=_TensorBatches(val, spec) if val is not None else None,
-            ckpt_path=resume_from,
+            ckpt_path=run.resume_file,
             weights_only=False,  # written by this run's rank 0 (it holds non-tensor state)
         )
-        if rank != 0:
-            return {"rank": rank}
-        best = next(
-            (c.best_model_path for c in trainer.checkpoint_callbacks
-             if getattr(c, "best_model_path", None) and os.path.exists(c.best_model_path)),
-            None,
-        )  # fmt: skip
-        if best:
+        best = _best_path(trainer)
+        if run.rank == 0 and best:
             saved = torch.load(best, map_location="cpu", weights_only=False)
             module.load_state_dict(saved["state_dict"])
         module = module.cpu()
-        return {
-            "model": cloudpickle.dumps({"model": module, "optimizer": None}),
-            "history": training.merge_history(state, recorder.history),
-        }
+        return run.result(
+            lambda: cloudpickle.dumps({"model": module, "optimizer": None}), recorder.history
+        )
+
+
+def _best_path(trainer: Any) -> str | None:
+    """The best checkpoint a monitoring ``ModelCheckpoint`` holds on this rank, if any."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return next(
+        (c.best_model_path for c in trainer.checkpoint_callbacks
+         if isinstance(c, ModelCheckpoint) and c.best_model_path
+         and os.path.exists(c.best_model_path)),
+        None,
+    )  # fmt: skip

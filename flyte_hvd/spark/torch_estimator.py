@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -381,24 +380,17 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
     import flyte_hvd.torch as hvd
     from flyte_hvd.torch.optimizer import unwrap
 
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    if spec.random_seed is not None:
-        torch.manual_seed(spec.random_seed + rank)
-    device = torch.device(
-        "cuda", hvd.local_rank()
-    ) if spec.use_gpu and torch.cuda.is_available() else torch.device("cpu")  # fmt: skip
-    packed = cloudpickle.loads(spec.model_bytes)
-    model, optimizer = packed["model"].to(device), packed["optimizer"]
-    losses = spec.losses or [build() for build in spec.loss_constructors or []]
-    loss_fn = _loss_function(spec, losses)
-    store = spec.store
-    state = hvd.broadcast_object(training.read_run_state(store) if rank == 0 else None)
-    with tempfile.TemporaryDirectory(prefix="flyte-hvd-train-") as work:
-        last_local = os.path.join(work, LAST_MODEL_FILENAME)
-        if state and rank == 0:  # the others get rank 0's state by broadcast below
-            store.download_file(training.run_file(store, LAST_MODEL_FILENAME), last_local)
-            saved = torch.load(last_local, map_location=device, weights_only=True)
+    with training.rank_run(spec, hvd, _EXTENSION, seed=torch.manual_seed) as run:
+        rank, size = run.rank, run.size
+        device = torch.device(
+            "cuda", hvd.local_rank()
+        ) if spec.use_gpu and torch.cuda.is_available() else torch.device("cpu")  # fmt: skip
+        packed = cloudpickle.loads(spec.model_bytes)
+        model, optimizer = packed["model"].to(device), packed["optimizer"]
+        losses = spec.losses or [build() for build in spec.loss_constructors or []]
+        loss_fn = _loss_function(spec, losses)
+        if run.resume_file:  # rank 0; the others get its state by the broadcasts below
+            saved = torch.load(run.resume_file, map_location=device, weights_only=True)
             model.load_state_dict(saved["model"])
             optimizer.load_state_dict(saved["optimizer"])
         _scale_lr(optimizer, size)  # scaled once, also on resume (checkpoints hold the rate given)
@@ -414,12 +406,12 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
         minibatch = spec.train_minibatch_fn or _default_train_minibatch(
             spec.backward_passes_per_step
         )
-        record = training.RunRecord(store, state, spec.epochs, _EXTENSION, spec.verbose)
-        logs_dir = os.path.join(work, "logs")
+        record = training.RunRecord(spec.store, run.state, spec.epochs, _EXTENSION, spec.verbose)
+        last_local = os.path.join(run.work, LAST_MODEL_FILENAME)
+        logs_dir = os.path.join(run.work, "logs")
         writer = _summary_writer(logs_dir) if rank == 0 else None
         history: dict[str, list[float]] = {}
-        initial_epoch = state["epoch"] if state else 0
-        for epoch in range(initial_epoch, spec.epochs):
+        for epoch in range(run.initial_epoch, spec.epochs):
             record.epoch_begin()
             model.train()
             sums: dict[str, float] = {}
@@ -454,16 +446,13 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
                 record.epoch_end(epoch, logs, last_local, None, logs_dir)
         if writer is not None:
             writer.close()
-        if rank != 0:
-            return {"rank": rank}
         unwrap(optimizer)
         optimizer.zero_grad(set_to_none=True)
         _scale_lr(optimizer, 1.0 / size)  # hand back the rate given
         model = model.cpu()
-        return {
-            "model": cloudpickle.dumps({"model": model, "optimizer": optimizer}),
-            "history": training.merge_history(state, history),
-        }
+        return run.result(
+            lambda: cloudpickle.dumps({"model": model, "optimizer": optimizer}), history
+        )
 
 
 def _add_metrics(sums: dict[str, float], prefix: str, loss: Any, outputs: list, labels: list,

@@ -50,3 +50,7 @@ format: setup
 bench: setup
 	$(PY) -m benchmarks.allreduce
 	$(PY) -m benchmarks.startup
+	$(PY) -m benchmarks.keras_step
+	$(PY) -m benchmarks.data_path
+	$(PY) -m benchmarks.estimator
+	$(PY) -m benchmarks.torch_step

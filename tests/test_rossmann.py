@@ -4,10 +4,12 @@ end to end (local and S3 work_dir), serialization and the retraining launch plan
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
+import time
 import zipfile
 
 import pandas as pd
@@ -286,6 +288,30 @@ def test_train_gets_an_executor_per_rank_from_the_hyperparameters(monkeypatch):
     assert conf["spark.executor.instances"] == "4" and conf["spark.task.cpus"] == "1"
     assert conf["spark.dynamicAllocation.enabled"] == "false"
     assert rossmann.train_spark_conf(4)["spark.executor.memory"] == "4g"  # SPARK_CONF kept
+
+
+@pytest.mark.flyte
+@pytest.mark.e2e
+@pytest.mark.timeout(720)
+def test_the_main_job_beats_the_baseline_within_ten_minutes(tmp_path):
+    """What `make run` runs (pyflyte run, the synthetic default, 2 ranks): the trained model
+    beats the naive baseline on the same validation rows, in at most 10 minutes."""
+    pyflyte = os.path.join(os.path.dirname(sys.executable), "pyflyte")
+    command = [pyflyte, "run", "workflows/rossmann.py", "horovod_spark_wf",
+               "--work_dir", str(tmp_path / "work")]  # fmt: skip
+    started = time.monotonic()
+    out = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=660,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("validation RMSPE"))
+    model, baseline = (float(v) for v in re.findall(r"RMSPE (\S+) .* baseline's (\S+) ", line)[0])
+    assert model < baseline and " beats " in line, line
+    assert elapsed <= 600, f"the main job took {elapsed:.0f} s"
+    submission = re.search(r"^submission: (\S+)", out.stdout, re.M).group(1)
+    assert submission.startswith(str(tmp_path / "work")) and os.path.exists(submission)
 
 
 def test_launch_plan_and_serialization():

@@ -118,6 +118,27 @@ def _fingerprint(fields: tuple) -> int:
     return hash(fields) & 0x7FFFFFFFFFFFFFFF
 
 
+def check_optimizer_args(backward_passes_per_step: Any, op: Any,
+                         gradient_predivide_factor: float) -> None:  # fmt: skip
+    """The checks every framework's ``DistributedOptimizer`` makes of its reduction args."""
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
+        raise ValueError(
+            f"`backward_passes_per_step` must be an int >= 1; found {backward_passes_per_step!r}."
+        )
+    if backward_passes_per_step < 1:
+        raise ValueError(
+            f"`backward_passes_per_step` must be >= 1; found {backward_passes_per_step}."
+        )
+    if op not in (Average, Sum):
+        raise ValueError(f"DistributedOptimizer `op` must be hvd.Average or hvd.Sum; found {op!r}.")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(
+            f"`gradient_predivide_factor` must be > 0; found {gradient_predivide_factor}."
+        )
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("`gradient_predivide_factor` applies only with op=hvd.Average.")
+
+
 def _check_same(comm: Any, fields: tuple, describe: Callable[[], str]) -> None:
     """Raise on every rank if any rank's ``fields`` differ: one 16-byte MAX reduction.
 

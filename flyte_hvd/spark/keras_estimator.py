@@ -97,6 +97,10 @@ class KerasEstimator(HorovodEstimator):
     def _training_spec(self, remote_store: Any, features: list[str], metadata: Any,
                        num_proc: int) -> KerasTrainingSpec:  # fmt: skip
         model = self._compiled_model()
+        if not model.optimizer.built:
+            # Saved with its slots, the model loads on the ranks without Keras warning that it
+            # skipped the optimizer's variables (which would read as a lost optimizer state).
+            model.optimizer.build(model.trainable_variables)
         return KerasTrainingSpec(
             **self._spec_fields(remote_store, features, metadata),
             model_bytes=model_to_bytes(model),

@@ -27,19 +27,17 @@ from flyte_hvd.spark import training
 from flyte_hvd.spark.estimator import HorovodEstimator
 from flyte_hvd.spark.params import ESTIMATOR_PARAMS, with_params
 from flyte_hvd.spark.torch_estimator import (
+    INPUT_SHAPES_PARAM,
+    ShapedInputs,
     TorchModel,
     batch_tensors,
-    probe_outputs,
     resolve_input_shapes,
     tensorboard_without_tensorflow,
 )
 from flyte_hvd.spark.training import TrainingSpec
 
 LIGHTNING_PARAMS: dict[str, tuple[Any, str]] = {
-    "input_shapes": (
-        None,
-        "each feature's model input shape, batch dimension -1 (default: the column's shape)",
-    ),
+    **INPUT_SHAPES_PARAM,
     "trainer_args": ({}, "more keyword arguments for lightning.pytorch.Trainer"),
     "logger": (None, "a Lightning logger (default: TensorBoard, else CSV, in the run's logs/)"),
 }
@@ -82,7 +80,7 @@ class LightningTrainingSpec(TrainingSpec):
 
 
 @with_params({**ESTIMATOR_PARAMS, **LIGHTNING_PARAMS})
-class LightningEstimator(HorovodEstimator):
+class LightningEstimator(ShapedInputs, HorovodEstimator):
     """Train a ``LightningModule`` with Horovod's estimator API; returns a ``TorchModel``.
 
     The module's ``configure_optimizers`` defines the optimizers (``optimizer`` and ``loss``
@@ -114,19 +112,7 @@ class LightningEstimator(HorovodEstimator):
         if reserved:
             hints = "; ".join(f"`{k}`: {_RESERVED_TRAINER_ARGS[k]}" for k in reserved)
             raise ValueError(f"`trainer_args` sets {reserved}, which the estimator sets: {hints}.")
-        shapes = self.getInputShapes()
-        if shapes is not None and (
-            not isinstance(shapes, list | tuple) or len(shapes) != len(features)
-        ):
-            raise ValueError(
-                f"`input_shapes` must list one shape per feature column ({len(features)}: "
-                f"{features}); found {shapes!r}."
-            )
-
-    def _check_data(self, features: list[str], metadata: Any) -> dict[str, Any]:
-        shapes = resolve_input_shapes(self.getInputShapes(), features, metadata[0])
-        outputs = probe_outputs(self.getModel(), shapes, list(self.getLabelCols()))
-        return {"input_shapes": shapes, "output_shapes": outputs}
+        self._check_input_shapes(features)
 
     def _training_spec(self, remote_store: Any, features: list[str], metadata: Any,
                        num_proc: int) -> LightningTrainingSpec:  # fmt: skip

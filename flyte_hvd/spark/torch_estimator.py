@@ -27,11 +27,15 @@ from flyte_hvd.spark.estimator import HorovodEstimator, HorovodModel, _check_int
 from flyte_hvd.spark.params import ESTIMATOR_PARAMS, MODEL_PARAMS, with_params
 from flyte_hvd.spark.training import TrainingSpec
 
-TORCH_PARAMS: dict[str, tuple[Any, str]] = {
+INPUT_SHAPES_PARAM: dict[str, tuple[Any, str]] = {
     "input_shapes": (
         None,
         "each feature's model input shape, batch dimension -1 (default: the column's shape)",
     ),
+}
+
+TORCH_PARAMS: dict[str, tuple[Any, str]] = {
+    **INPUT_SHAPES_PARAM,
     "loss_constructors": (
         None,
         "functions that build the loss functions on the ranks (for losses that do not pickle)",
@@ -137,8 +141,28 @@ def _check_callables(name: str, value: Any) -> list[Any]:
 # -- the estimator -------------------------------------------------------------------------
 
 
+class ShapedInputs:
+    """What the PyTorch estimators share: ``input_shapes`` checked against the feature
+    columns, and the model run once on zeros of those shapes before any rank starts."""
+
+    def _check_input_shapes(self, features: list[str]) -> None:
+        shapes = self.getInputShapes()
+        if shapes is not None and (
+            not isinstance(shapes, list | tuple) or len(shapes) != len(features)
+        ):
+            raise ValueError(
+                f"`input_shapes` must list one shape per feature column ({len(features)}: "
+                f"{features}); found {shapes!r}."
+            )
+
+    def _check_data(self, features: list[str], metadata: Any) -> dict[str, Any]:
+        shapes = resolve_input_shapes(self.getInputShapes(), features, metadata[0])
+        outputs = probe_outputs(self.getModel(), shapes, list(self.getLabelCols()))
+        return {"input_shapes": shapes, "output_shapes": outputs}
+
+
 @with_params({**ESTIMATOR_PARAMS, **TORCH_PARAMS})
-class TorchEstimator(HorovodEstimator):
+class TorchEstimator(ShapedInputs, HorovodEstimator):
     """Train a ``torch.nn.Module`` on a Spark DataFrame with Horovod's estimator API.
 
     ``model`` and ``optimizer`` (built on ``model.parameters()``) are required, and ``loss``
@@ -178,14 +202,7 @@ class TorchEstimator(HorovodEstimator):
         if self.getLossConstructors():
             _check_callables("loss_constructors", self.getLossConstructors())
         _check_callables("metrics", self.getMetrics() or [])
-        shapes = self.getInputShapes()
-        if shapes is not None and (
-            not isinstance(shapes, list | tuple) or len(shapes) != len(features)
-        ):
-            raise ValueError(
-                f"`input_shapes` must list one shape per feature column ({len(features)}: "
-                f"{features}); found {shapes!r}."
-            )
+        self._check_input_shapes(features)
         _check_int("backward_passes_per_step", self.getBackwardPassesPerStep(), minimum=1)
         if self.getCallbacks() or self.getCheckpointCallback() is not None:
             raise ValueError(
@@ -193,11 +210,6 @@ class TorchEstimator(HorovodEstimator):
                 "LightningEstimator; TorchEstimator saves the last epoch each epoch. Customize "
                 "the step with `train_minibatch_fn`, or use LightningEstimator."
             )
-
-    def _check_data(self, features: list[str], metadata: Any) -> dict[str, Any]:
-        shapes = resolve_input_shapes(self.getInputShapes(), features, metadata[0])
-        outputs = probe_outputs(self.getModel(), shapes, list(self.getLabelCols()))
-        return {"input_shapes": shapes, "output_shapes": outputs}
 
     def _training_spec(self, remote_store: Any, features: list[str], metadata: Any,
                        num_proc: int) -> TorchTrainingSpec:  # fmt: skip

@@ -27,7 +27,7 @@ import torch
 
 from flyte_hvd.core import collectives, state
 from flyte_hvd.core.buffers import ALIGNMENT
-from flyte_hvd.core.collectives import Average, ReduceOp, Sum
+from flyte_hvd.core.collectives import Average, ReduceOp
 from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.torch import background
 
@@ -332,22 +332,7 @@ def DistributedOptimizer(
             f"model.parameters(), lr=0.01)); found {type(optimizer).__module__}."
             f"{type(optimizer).__name__}."
         )
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
-        raise ValueError(
-            f"`backward_passes_per_step` must be an int >= 1; found {backward_passes_per_step!r}."
-        )
-    if backward_passes_per_step < 1:
-        raise ValueError(
-            f"`backward_passes_per_step` must be >= 1; found {backward_passes_per_step}."
-        )
-    if op not in (Average, Sum):
-        raise ValueError(f"DistributedOptimizer `op` must be hvd.Average or hvd.Sum; found {op!r}.")
-    if gradient_predivide_factor <= 0:
-        raise ValueError(
-            f"`gradient_predivide_factor` must be > 0; found {gradient_predivide_factor}."
-        )
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("`gradient_predivide_factor` applies only with op=hvd.Average.")
+    collectives.check_optimizer_args(backward_passes_per_step, op, gradient_predivide_factor)
     state.comm()  # fail now with the init() message
     if isinstance(optimizer, _DistributedOptimizer):
         unwrap(optimizer)

@@ -321,6 +321,33 @@ def test_unwritable_store_fails_before_ranks_start(spark_local2, store):
         estimator.fit(df)
 
 
+def test_save_and_load_through_s3(s3_server, monkeypatch):
+    """save/load to an S3 URL (the endpoint and keys from AWS_* as on a cluster): one object,
+    the same predictions and params after the round trip, and no silent overwrite."""
+    from flyte_hvd.spark.keras_estimator import model_to_bytes
+
+    for name, value in (("AWS_ACCESS_KEY_ID", s3_server.key), ("AWS_DEFAULT_REGION", "us-east-1"),
+                        ("AWS_SECRET_ACCESS_KEY", s3_server.secret),
+                        ("AWS_ENDPOINT_URL", s3_server.endpoint_url)):  # fmt: skip
+        monkeypatch.setenv(name, value)
+    network = _mlp(activation=scaled_tanh)
+    model = KerasModel(
+        model_bytes=model_to_bytes(network), feature_columns=["features"],
+        label_columns=["label"], run_id="s3-run", custom_objects={"scaled_tanh": scaled_tanh},
+    ).setOutputCols(["p"])  # fmt: skip
+    url = f"s3://{s3_server.bucket}/models/keras-1"
+    model.save(url)
+    listed = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix="models/")
+    assert [o["Key"] for o in listed["Contents"]] == ["models/keras-1/keras_model.zip"]
+    loaded = KerasModel.load(url)
+    assert loaded.getOutputCols() == ["p"] and loaded.getRunId() == "s3-run"
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)
+    expected = network.predict(x, verbose=0)
+    np.testing.assert_allclose(loaded.getModel().predict(x, verbose=0), expected)
+    with pytest.raises(ValueError, match="already exists"):
+        model.save(url)
+
+
 def test_unknown_parameter_and_output_name_clash(spark_local2, store):
     with pytest.raises(ValueError, match="unknown parameter"):
         KerasEstimator(num_procs=2)

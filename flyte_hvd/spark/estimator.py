@@ -334,7 +334,12 @@ class ModelWriter:
         return self
 
     def save(self, path: str) -> None:
+        """Writes ``path/<archive>`` in one atomic step (local: write, then rename; object
+        stores: one PUT), through the Store for ``path``'s scheme (S3 credentials and
+        endpoint from the usual AWS environment variables)."""
         import fsspec
+
+        from flyte_hvd.spark.store import Store
 
         instance = self.instance
         fs, root = fsspec.core.url_to_fs(path)
@@ -347,9 +352,8 @@ class ModelWriter:
         with zipfile.ZipFile(buffer, "w") as archive:
             archive.writestr(_PARAMS_FILE, cloudpickle.dumps(params))
             archive.writestr(instance._model_file, instance._model_bytes)
-        fs.makedirs(root, exist_ok=True)
-        with fs.open(f"{root.rstrip('/')}/{instance._archive_name}", "wb") as f:
-            f.write(buffer.getvalue())
+        store = Store.create(path)  # fails here, naming the path, if it cannot be written
+        store.write_bytes(store.join(store.prefix_path, instance._archive_name), buffer.getvalue())
 
 
 class ModelReader:

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup lock test run demo lint format bench
+.PHONY: setup lock test check run demo lint format bench
 
 # lock/dev.txt pins every package of this install (`make lock` regenerates it from
 # pyproject.toml). Its torch is the CPU build (2.13.0+cpu), which PyPI does not carry: pip
@@ -24,10 +24,17 @@ lock:
 	@test -x $(VENV)/bin/uv || { test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV); $(PY) -m pip install -q -c lock/dev.txt uv; }
 	UV=$(VENV)/bin/uv scripts/lock.sh
 
-test: setup
+test: setup check
+	$(PY) -m pytest
+
+# Static checks: lint, format, the layers (import-linter contracts in pyproject.toml: each
+# layer imports only those below it, no import cycles) and the types the package promises
+# (it ships py.typed).
+check: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 # The main job: the Rossmann workflow on the synthetic dataset, locally (Flyte local execution,
 # a local SparkSession, 2 ranks). Prints the validation RMSPE against the naive baseline and

@@ -52,7 +52,7 @@ def _serve(conn, kind: str, path: str, rank: int, batch_size: int, features: lis
     files = sorted(glob.glob(os.path.join(path, "*.parquet")))
     columns = [*features, "label"]
     if kind == "loader":
-        from flyte_hvd.spark.loader import ArrowDataLoader
+        from flyte_hvd.data.loader import ArrowDataLoader
 
         loader = ArrowDataLoader(path, batch_size, rank=rank, size=SIZE)
         in_order = ArrowDataLoader(path, batch_size, rank=rank, size=SIZE, shuffle=False)
@@ -119,8 +119,8 @@ def main() -> None:
     from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
-    from flyte_hvd.spark.prepare import get_dataset_metadata, prepare_data
-    from flyte_hvd.spark.store import Store
+    from flyte_hvd.data.prepare import get_dataset_metadata, prepare_data
+    from flyte_hvd.data.store import Store
 
     spark = (
         SparkSession.builder.master("local[2]")

@@ -75,7 +75,7 @@ def plain_fit(x, y) -> list[float]:
 
 
 def estimator_fit(spark, df, num_proc: int, store) -> dict:
-    from flyte_hvd.spark.keras_estimator import KerasEstimator
+    from flyte_hvd.estimators.keras import KerasEstimator
 
     run_id = f"bench_{num_proc}_{time.time_ns()}"
     started = time.time()
@@ -106,7 +106,7 @@ def main() -> None:
     from pyspark.sql import functions as F
     from pyspark.sql.types import DoubleType
 
-    from flyte_hvd.spark.store import Store
+    from flyte_hvd.data.store import Store
 
     spark = (
         SparkSession.builder.master("local[2]")
@@ -154,7 +154,7 @@ def main() -> None:
     model_bytes = spark.sparkContext.broadcast(model._model_bytes)
 
     def predict_row(features):
-        from flyte_hvd.spark.keras_estimator import _worker_model
+        from flyte_hvd.estimators.keras import _worker_model
 
         m = _worker_model(model_bytes.value, {})
         return float(m.predict_on_batch(np.asarray([features.toArray()], np.float32))[0, 0])

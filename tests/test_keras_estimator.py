@@ -18,9 +18,9 @@ import sys  # noqa: E402
 
 import cloudpickle  # noqa: E402
 
-from flyte_hvd.spark.keras_estimator import KerasEstimator, KerasModel  # noqa: E402
-from flyte_hvd.spark.loader import ArrowDataLoader  # noqa: E402
-from flyte_hvd.spark.store import Store  # noqa: E402
+from flyte_hvd.data.loader import ArrowDataLoader  # noqa: E402
+from flyte_hvd.data.store import Store  # noqa: E402
+from flyte_hvd.estimators.keras import KerasEstimator, KerasModel  # noqa: E402
 
 # Functions and callbacks of this module travel to the ranks by value (tests/ is not a package
 # the rank processes can import).
@@ -93,7 +93,7 @@ def test_regression_fit_transform_save_load(spark_local2, store, tmp_path, no_le
 
     # Only rank 0 wrote the run: checkpoint, state and TensorBoard logs.
     run = model.getRunId()
-    assert store.exists(store.get_checkpoint_path(run))
+    assert store.exists(store.get_checkpoint_path(run, ".keras"))
     state = json.loads(store.read(store.get_state_path(run)))
     assert state["epoch"] == 5 and len(state["history"]["loss"]) == 5
     assert store.fs.ls(store.fs_path(store.get_logs_path(run)))
@@ -204,7 +204,7 @@ def test_best_checkpoint_custom_objects_and_resume(spark_local2, store):
         np.testing.assert_array_equal(weights, 2.0)
     with tempfile.TemporaryDirectory() as folder:
         local = os.path.join(folder, "checkpoint.keras")
-        store.download_file(store.get_checkpoint_path("best-run"), local)
+        store.download_file(store.get_checkpoint_path("best-run", ".keras"), local)
         saved = keras.models.load_model(local, custom_objects=common["custom_objects"])
         for weights in saved.get_weights():
             np.testing.assert_array_equal(weights, 2.0)
@@ -324,7 +324,7 @@ def test_unwritable_store_fails_before_ranks_start(spark_local2, store):
 def test_save_and_load_through_s3(s3_server, monkeypatch):
     """save/load to an S3 URL (the endpoint and keys from AWS_* as on a cluster): one object,
     the same predictions and params after the round trip, and no silent overwrite."""
-    from flyte_hvd.spark.keras_estimator import model_to_bytes
+    from flyte_hvd.estimators.keras import model_to_bytes
 
     for name, value in (("AWS_ACCESS_KEY_ID", s3_server.key), ("AWS_DEFAULT_REGION", "us-east-1"),
                         ("AWS_SECRET_ACCESS_KEY", s3_server.secret),
@@ -360,3 +360,16 @@ def test_unknown_parameter_and_output_name_clash(spark_local2, store):
         model.transform(df)
     with pytest.raises(ValueError, match="one column per label"):
         model.setOutputCols(["a", "b"])
+
+
+def test_save_runs_false_removes_the_run_folder_after_fit(spark_local2, tmp_path):
+    store = Store.create(str(tmp_path / "no-runs"), save_runs=False)
+    estimator = KerasEstimator(
+        num_proc=1, store=store, model=_mlp(), optimizer=keras.optimizers.Adam(0.02), loss="mse",
+        feature_cols=["features"], label_cols=["label"], batch_size=32, epochs=1, verbose=0,
+        run_id="transient",
+    )  # fmt: skip
+    model = estimator.fit(_regression_df(spark_local2))
+    assert model.getModel().predict(np.ones((2, 3)), verbose=0).shape == (2, 1)
+    assert not store.exists(store.get_run_path("transient"))
+    assert store.fs.ls(store.fs_path(store.prefix_path))  # prepared data stays for reuse

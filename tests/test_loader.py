@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flyte_hvd.spark.dataset import read_metadata_fs
-from flyte_hvd.spark.loader import (
+from flyte_hvd.data.dataset import read_metadata_fs
+from flyte_hvd.data.loader import (
     ArrowDataLoader,
     AsyncArrowDataLoader,
     AsyncDataLoaderMixin,
@@ -317,7 +317,7 @@ class _Ragged(BaseDataLoader):
 def test_tf_dataset_keeps_batch_order_and_sizes_across_groups():
     """Batches cross into tf.data in stacked groups; the dataset still yields each batch as
     the loader made it, in order, including a short last batch."""
-    from flyte_hvd.spark.loader import TF_GROUP_BATCHES
+    from flyte_hvd.data.loader import TF_GROUP_BATCHES
 
     assert len(_Ragged()) > TF_GROUP_BATCHES
     got = [(float(a[0, 0]), a.shape[0], b.numpy().tolist()) for a, b in
@@ -331,8 +331,8 @@ def test_rank_side_modules_import_neither_spark_nor_tensorflow():
 
     code = (
         "import sys\n"
-        "import flyte_hvd.spark.loader, flyte_hvd.spark.store, flyte_hvd.spark.dataset\n"
-        "import flyte_hvd.spark.prepare\n"
+        "import flyte_hvd.data.loader, flyte_hvd.data.store, flyte_hvd.data.dataset\n"
+        "import flyte_hvd.data.prepare\n"
         "print(sorted(m for m in ('pyspark', 'tensorflow', 'keras') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -11,10 +11,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from flyte_hvd.spark.dataset import METADATA_FILENAME, get_dataset_metadata, read_metadata
-from flyte_hvd.spark.loader import ArrowDataLoader
-from flyte_hvd.spark.prepare import prepare_data
-from flyte_hvd.spark.store import Store
+from flyte_hvd.data.dataset import METADATA_FILENAME, get_dataset_metadata, read_metadata
+from flyte_hvd.data.loader import ArrowDataLoader
+from flyte_hvd.data.prepare import prepare_data
+from flyte_hvd.data.store import Store
 
 pytestmark = pytest.mark.spark
 

@@ -234,7 +234,7 @@ def test_workflow_end_to_end_with_warm_start(spark_local2, small_dataset, tmp_pa
     # The scheduled launch plan's warm start: 'latest' resolves to this run's checkpoint.
     import keras
 
-    from flyte_hvd.spark.store import Store
+    from flyte_hvd.data.store import Store
 
     warm = rossmann._initial_model(Store.create(work_dir), rossmann.LATEST)
     best = keras.models.load_model(report.checkpoint_uri, compile=False)

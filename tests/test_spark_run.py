@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -73,7 +74,7 @@ def test_num_proc_defaults_to_default_parallelism(spark_local2):
     assert run(fn) == [spark_local2.sparkContext.defaultParallelism] * 2
 
 
-def test_rank_output_reaches_driver_with_prefix(spark_local2):
+def test_rank_output_reaches_driver_with_prefix(spark_local2, caplog):
     out, err = io.StringIO(), io.StringIO()
 
     def fn():
@@ -83,15 +84,20 @@ def test_rank_output_reaches_driver_with_prefix(spark_local2):
         print(f"epoch done on {hvd.rank()}")
         print("careful", file=sys.stderr)
 
+    caplog.set_level(logging.INFO, logger="flyte_hvd")
     run(fn, num_proc=2, stdout=out, stderr=err, verbose=0)
     assert "[0]<stdout>:epoch done on 0" in out.getvalue()
     assert "[1]<stdout>:epoch done on 1" in out.getvalue()
     assert "[1]<stderr>:careful" in err.getvalue()
-    assert "flyte-hvd:" not in err.getvalue()  # verbose=0: no launcher chatter
+    assert "flyte-hvd:" not in err.getvalue()
+    # verbose=0: the launcher's own messages drop to DEBUG, below the logger's level
+    assert not [r for r in caplog.records if r.name.startswith("flyte_hvd.spark")]
 
     out, err = io.StringIO(), io.StringIO()
     run(fn, num_proc=1, stdout=out, stderr=err, verbose=1, prefix_output_with_timestamp=True)
-    assert "flyte-hvd: running 1 ranks" in err.getvalue()
+    launcher = [r for r in caplog.records if r.name == "flyte_hvd.spark.runner"]
+    assert [r.levelno for r in launcher] == [logging.INFO, logging.INFO]
+    assert launcher[0].getMessage() == "running 1 ranks in a Spark barrier stage"
     line = out.getvalue().splitlines()[0]
     assert line.endswith("[0]<stdout>:epoch done on 0") and line[:4].isdigit()
 

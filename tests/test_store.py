@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from flyte_hvd.spark.store import (
+from flyte_hvd.data.store import (
     DBFSLocalStore,
     HDFSStore,
     LocalStore,
@@ -58,7 +58,8 @@ def test_local_layout_matches_the_design(tmp_path):
     assert store.get_test_data_path(3) == f"{p}/intermediate_test_data.3"
     assert store.get_runs_path() == f"{p}/runs"
     assert store.get_run_path("r1") == f"{p}/runs/r1"
-    assert store.get_checkpoint_path("r1") == f"{p}/runs/r1/checkpoint.keras"
+    assert store.get_checkpoint_path("r1", ".keras") == f"{p}/runs/r1/checkpoint.keras"
+    assert store.get_checkpoint_path("r1", ".pt") == f"{p}/runs/r1/checkpoint.pt"
     assert store.get_state_path("r1") == f"{p}/runs/r1/state.json"
     assert store.get_logs_path("r1") == f"{p}/runs/r1/logs"
     assert store.saving_runs
@@ -77,8 +78,16 @@ def test_overrides_and_file_urls(tmp_path):
     assert store.prefix_path == f"{tmp_path}/s"
     assert store.get_train_data_path(1) == f"{tmp_path}/train.1"
     assert store.get_val_data_path(1) == f"{tmp_path}/s/intermediate_val_data.1"
+    assert store.get_checkpoint_path("r", ".keras") == f"{tmp_path}/elsewhere/r/model.h5"
     assert store.get_checkpoint_path("r") == f"{tmp_path}/elsewhere/r/model.h5"
     assert not store.saving_runs
+
+
+def test_checkpoint_path_needs_an_extension_without_a_chosen_file_name(tmp_path):
+    store = Store.create(str(tmp_path / "store"))
+    for bad in ("", "keras", "./x"):
+        with pytest.raises(ValueError, match=r"`extension` must be .* found"):
+            store.get_checkpoint_path("r", bad)
 
 
 @pytest.mark.parametrize("name", ["a/b.keras", ".hidden", ""])
@@ -97,7 +106,7 @@ def test_dbfs_paths():
     for path in ("dbfs:/ml/exp", "/dbfs/ml/exp/", "file:///dbfs/ml/exp"):
         store = DBFSLocalStore(path)
         assert store.prefix_path == "/dbfs/ml/exp"
-        assert store.get_checkpoint_path("r") == "/dbfs/ml/exp/runs/r/checkpoint.keras"
+        assert store.get_checkpoint_path("r", ".keras") == "/dbfs/ml/exp/runs/r/checkpoint.keras"
         assert store.spark_url(store.get_train_data_path(7)) == (
             "dbfs:/ml/exp/intermediate_train_data.7"
         )
@@ -106,7 +115,7 @@ def test_dbfs_paths():
 def test_hdfs_paths():
     store = HDFSStore("hdfs://namenode:8020/user/me/exp/")
     assert (store.host, store.port) == ("namenode", 8020)
-    assert store.get_checkpoint_path("r") == (
+    assert store.get_checkpoint_path("r", ".keras") == (
         "hdfs://namenode:8020/user/me/exp/runs/r/checkpoint.keras"
     )
     assert store.fs_path(store.get_logs_path("r")) == "/user/me/exp/runs/r/logs"
@@ -142,11 +151,11 @@ def test_local_round_trip(tmp_path):
 
     local = tmp_path / "model.keras"
     local.write_bytes(b"weights-v1")
-    store.upload_file(str(local), store.get_checkpoint_path("r1"))
+    store.upload_file(str(local), store.get_checkpoint_path("r1", ".keras"))
     back = tmp_path / "back" / "model.keras"
-    store.download_file(store.get_checkpoint_path("r1"), str(back))
+    store.download_file(store.get_checkpoint_path("r1", ".keras"), str(back))
     assert back.read_bytes() == b"weights-v1"
-    assert store.get_checkpoints("r1") == [store.get_checkpoint_path("r1")]
+    assert store.get_checkpoints("r1") == [store.get_checkpoint_path("r1", ".keras")]
     assert store.get_checkpoints("never-ran") == []
 
     logs = tmp_path / "tb"
@@ -186,10 +195,10 @@ def test_parquet_datasets(tmp_path, s3_server):
 
 _DIE_WHILE_PUBLISHING = """
 import os, sys
-from flyte_hvd.spark.store import Store
+from flyte_hvd.data.store import Store
 store = Store.create(sys.argv[1], storage_options={options})
 {patch}
-store.write_bytes(store.get_checkpoint_path("r1"), b"v2-" + b"x" * 1_000_000)
+store.write_bytes(store.get_checkpoint_path("r1", ".keras"), b"v2-" + b"x" * 1_000_000)
 print("survived")
 """
 
@@ -203,12 +212,12 @@ def _die_while_publishing(prefix: str, patch: str, options: dict | None = None):
 
 def test_local_checkpoint_survives_a_death_mid_write(tmp_path):
     store = Store.create(str(tmp_path))
-    store.write_bytes(store.get_checkpoint_path("r1"), b"v1")
+    store.write_bytes(store.get_checkpoint_path("r1", ".keras"), b"v1")
     # The writer dies after writing the new file but before publishing it.
     proc = _die_while_publishing(str(tmp_path), "os.replace = lambda *a: os._exit(3)")
     assert proc.returncode == 3, proc.stderr
-    assert store.read(store.get_checkpoint_path("r1")) == b"v1"
-    assert store.get_checkpoints("r1") == [store.get_checkpoint_path("r1")]
+    assert store.read(store.get_checkpoint_path("r1", ".keras")) == b"v1"
+    assert store.get_checkpoints("r1") == [store.get_checkpoint_path("r1", ".keras")]
 
 
 def test_remote_view_pickles_without_a_connection(s3_server):
@@ -221,11 +230,11 @@ def test_remote_view_pickles_without_a_connection(s3_server):
     remote = pickle.loads(pickle.dumps(store.to_remote("r1", "idx1")))
     assert isinstance(remote, RemoteStore)
     assert remote.store._fs is None
-    assert remote.checkpoint_path == store.get_checkpoint_path("r1")
+    assert remote.checkpoint_path(".keras") == store.get_checkpoint_path("r1", ".keras")
     assert remote.train_data_path == store.get_train_data_path("idx1")
     assert remote.read(remote.state_path) == b"{}"  # reconnects on first use
     with pytest.raises(ValueError, match="run_id"):
-        _ = store.to_remote().checkpoint_path
+        _ = store.to_remote().checkpoint_path(".keras")
 
 
 # -- S3 ------------------------------------------------------------------------------------
@@ -239,16 +248,16 @@ def s3_prefix(s3_server):
 def test_s3_round_trip(s3_server, s3_prefix, tmp_path):
     store = Store.create(s3_prefix, storage_options=s3_server.storage_options())
     assert isinstance(store, S3Store)
-    assert store.get_checkpoint_path("r1") == f"{s3_prefix}/runs/r1/checkpoint.keras"
+    assert store.get_checkpoint_path("r1", ".keras") == f"{s3_prefix}/runs/r1/checkpoint.keras"
     assert store.spark_url(store.get_run_path("r1")) == "s3a://" + s3_prefix[5:] + "/runs/r1"
     store.write_text(store.get_state_path("r1"), '{"epoch": 3}')
     assert store.read_text(store.get_state_path("r1")) == '{"epoch": 3}'
     local = tmp_path / "m.keras"
     local.write_bytes(b"w" * 100_000)
-    store.upload_file(str(local), store.get_checkpoint_path("r1"))
-    store.download_file(store.get_checkpoint_path("r1"), str(tmp_path / "d.keras"))
+    store.upload_file(str(local), store.get_checkpoint_path("r1", ".keras"))
+    store.download_file(store.get_checkpoint_path("r1", ".keras"), str(tmp_path / "d.keras"))
     assert (tmp_path / "d.keras").read_bytes() == b"w" * 100_000
-    assert store.get_checkpoints("r1") == [store.get_checkpoint_path("r1")]
+    assert store.get_checkpoints("r1") == [store.get_checkpoint_path("r1", ".keras")]
     # The objects are really on the endpoint, under the layout's keys.
     key_prefix = s3_prefix.split("/", 3)[3]
     listed = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=key_prefix)
@@ -259,7 +268,7 @@ def test_s3_round_trip(s3_server, s3_prefix, tmp_path):
 def test_s3_checkpoint_survives_a_death_mid_upload(s3_server, s3_prefix):
     options = s3_server.storage_options()
     store = Store.create(s3_prefix, storage_options=options)
-    store.write_bytes(store.get_checkpoint_path("r1"), b"v1")
+    store.write_bytes(store.get_checkpoint_path("r1", ".keras"), b"v1")
     # The writer dies while its PUT of the new checkpoint is in flight.
     patch = """
         import s3fs.core
@@ -272,8 +281,8 @@ def test_s3_checkpoint_survives_a_death_mid_upload(s3_server, s3_prefix):
     """
     proc = _die_while_publishing(s3_prefix, patch, options)
     assert proc.returncode == 3, proc.stderr
-    assert store.read(store.get_checkpoint_path("r1")) == b"v1"
-    assert store.get_checkpoints("r1") == [store.get_checkpoint_path("r1")]
+    assert store.read(store.get_checkpoint_path("r1", ".keras")) == b"v1"
+    assert store.get_checkpoints("r1") == [store.get_checkpoint_path("r1", ".keras")]
 
 
 def test_s3_credentials_from_the_environment(s3_server, s3_prefix, monkeypatch):

@@ -16,9 +16,9 @@ pl = pytest.importorskip("lightning.pytorch")
 
 import cloudpickle  # noqa: E402
 
-from flyte_hvd.spark.lightning_estimator import LightningEstimator  # noqa: E402
-from flyte_hvd.spark.store import Store  # noqa: E402
-from flyte_hvd.spark.torch_estimator import TorchEstimator, TorchModel  # noqa: E402
+from flyte_hvd.data.store import Store  # noqa: E402
+from flyte_hvd.estimators.lightning import LightningEstimator  # noqa: E402
+from flyte_hvd.estimators.torch import TorchEstimator, TorchModel  # noqa: E402
 
 # Models and functions of this module travel to the ranks by value (tests/ is not a package
 # the rank processes can import).
@@ -278,7 +278,7 @@ def _bad(store, case):
     ],
 )  # fmt: skip
 def test_bad_input_fails_before_ranks_start(spark_local2, store, case, match, monkeypatch):
-    import flyte_hvd.spark.estimator as estimator_module
+    import flyte_hvd.estimators.base as estimator_module
 
     def no_ranks(*args, **kwargs):
         raise AssertionError("a rank was started")

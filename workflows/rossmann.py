@@ -154,7 +154,7 @@ def check_work_dir(work_dir: str) -> str:
     """Fail before any Spark work when the Store prefix cannot be written, or when a remote
     execution was given a local path (it would vanish with the pod, and a warm start would
     never find it)."""
-    from flyte_hvd.spark.store import DBFSLocalStore, LocalStore, Store
+    from flyte_hvd.data.store import DBFSLocalStore, LocalStore, Store
 
     store = Store.create(work_dir)
     pod_local = isinstance(store, LocalStore) and not isinstance(store, DBFSLocalStore)
@@ -209,9 +209,9 @@ def train(
     import pyspark
     from pyspark.sql import functions as F
 
+    from flyte_hvd.data.store import Store
+    from flyte_hvd.estimators.keras import KerasEstimator
     from flyte_hvd.keras.callbacks import BestModelCheckpoint
-    from flyte_hvd.spark.keras_estimator import KerasEstimator
-    from flyte_hvd.spark.store import Store
     from workflows.rossmann_features import FEATURE_COLS, rmspe
     from workflows.rossmann_model import CUSTOM_OBJECTS, build_model, exp_rmspe
 
@@ -260,7 +260,7 @@ def train(
         val_rmspe=val_rmspe,
         validation_rows=val_rows,
         run_id=run_id,
-        checkpoint_uri=store.get_checkpoint_path(run_id),
+        checkpoint_uri=store.get_checkpoint_path(run_id, ".keras"),
     )
 
 
@@ -305,11 +305,11 @@ def _initial_model(store, warm_start: str):
         return None
     uri = warm_start
     if warm_start == LATEST:
-        runs = [r for r in _run_ids(store) if store.exists(store.get_checkpoint_path(r))]
+        runs = [r for r in _run_ids(store) if store.exists(store.get_checkpoint_path(r, ".keras"))]
         if not runs:
             print(f"warm start: no checkpoint under {store.get_runs_path()}; fresh weights")
             return None
-        uri = store.get_checkpoint_path(max(runs))  # run ids start with their UTC time
+        uri = store.get_checkpoint_path(max(runs), ".keras")  # run ids start with their UTC time
     fs, path = fsspec.core.url_to_fs(uri)
     if not fs.exists(path):
         raise FileNotFoundError(
@@ -337,8 +337,8 @@ def predict(test: StructuredDataset, result: TrainResult, work_dir: str) -> Flyt
     import pyspark
     from pyspark.sql import functions as F
 
-    from flyte_hvd.spark.keras_estimator import KerasModel
-    from flyte_hvd.spark.store import Store
+    from flyte_hvd.data.store import Store
+    from flyte_hvd.estimators.keras import KerasModel
     from workflows.rossmann_features import FEATURE_COLS
     from workflows.rossmann_model import CUSTOM_OBJECTS
 
@@ -369,7 +369,7 @@ def summarize(
     result: TrainResult, baseline_rmspe: float, submission: FlyteFile, work_dir: str
 ) -> Report:
     """One line to compare with the baseline, and where the outputs are."""
-    from flyte_hvd.spark.store import Store
+    from flyte_hvd.data.store import Store
 
     store = Store.create(work_dir)
     submission_uri = _submission_uri(store, result.run_id)

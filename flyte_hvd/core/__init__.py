@@ -34,8 +34,9 @@ from flyte_hvd.core.state import (
     rank,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
-from flyte_hvd.core.timeline import start_timeline, stop_timeline
 
 __all__ = [
     "Adasum",

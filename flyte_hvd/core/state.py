@@ -12,6 +12,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from flyte_hvd.core import timeline
+
 HOSTNAME_ENV = "FLYTE_HVD_HOSTNAME"
 # "0" skips the argument check before each collective (one 16-byte reduction, about 5 us on
 # two local ranks); mismatched calls then behave as in raw MPI: they hang or corrupt memory.
@@ -95,8 +97,6 @@ def init(comm: Any = None) -> None:
     _state.topology = Topology.from_hosts(hosts, own.Get_rank())
     # Read once here: an environment lookup per call costs a tenth of a small reduction.
     _state.check_collectives = os.environ.get(CHECK_ENV, "1") != "0"
-    from flyte_hvd.core import timeline
-
     timeline.start_from_env(own.Get_rank())
 
 
@@ -104,9 +104,7 @@ def shutdown() -> None:
     """Release the communicator; ``init()`` may be called again afterwards."""
     if _state.comm is None:
         return
-    from flyte_hvd.core import timeline
-
-    timeline.stop_timeline()
+    timeline.stop(_state.comm)
     if _state.owns_comm:
         _state.comm.Free()
     _state.comm = None
@@ -172,3 +170,15 @@ def cross_size() -> int:
 
 def is_homogeneous() -> bool:
     return _topology().homogeneous
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Begin recording collectives into a Chrome-tracing file; call on every rank.
+    ``mark_cycles`` is accepted for Horovod compatibility (there is no background cycle to
+    mark here)."""
+    timeline.start(file_path, rank())
+
+
+def stop_timeline() -> None:
+    """Stop recording and write the file on rank 0 (collective: call on every rank)."""
+    timeline.stop(comm())

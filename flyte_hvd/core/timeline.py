@@ -1,8 +1,10 @@
 """Chrome-tracing timeline of collectives (``HOROVOD_TIMELINE=path`` or ``start_timeline``).
 
-Each rank records its own events in memory; ``stop_timeline()`` (collective, also run by
-``shutdown()``) gathers them on rank 0, which writes one JSON file that ``chrome://tracing``
-and Perfetto open: one complete ("X") event per collective per rank, ``pid`` = rank.
+Each rank records its own events in memory; ``stop`` (collective, run by ``stop_timeline()``
+and ``shutdown()``) gathers them on rank 0, which writes one JSON file that ``chrome://tracing``
+and Perfetto open: one complete ("X") event per collective per rank, ``pid`` = rank. This module
+depends on nothing else in core: the public ``start_timeline``/``stop_timeline`` in ``state``
+pass it the rank and the communicator.
 """
 
 from __future__ import annotations
@@ -44,12 +46,9 @@ def current() -> Timeline | None:
     return _active
 
 
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Begin recording collectives; call on every rank. ``mark_cycles`` is accepted for
-    Horovod compatibility (there is no background cycle to mark here)."""
+def start(file_path: str, rank: int) -> None:
+    """Begin recording this rank's collectives into ``file_path`` (written by rank 0)."""
     global _active
-    from flyte_hvd.core.state import rank
-
     if not file_path:
         raise ValueError("`start_timeline` needs a file path; found an empty string.")
     parent = os.path.dirname(os.path.abspath(file_path))
@@ -57,7 +56,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
         raise ValueError(
             f"timeline path {file_path!r}: directory {parent!r} does not exist; create it first."
         )
-    _active = Timeline(file_path, rank())
+    _active = Timeline(file_path, rank)
 
 
 def start_from_env(rank: int) -> None:
@@ -67,15 +66,13 @@ def start_from_env(rank: int) -> None:
         _active = Timeline(path, rank)
 
 
-def stop_timeline() -> None:
-    """Stop recording and write the file on rank 0 (collective: call on every rank)."""
+def stop(comm: Any) -> None:
+    """Stop recording and write the file on rank 0 (collective over ``comm``)."""
     global _active
     timeline, _active = _active, None
     if timeline is None:
         return
-    from flyte_hvd.core.state import comm
-
-    all_events = comm().gather(timeline.events, root=0)
+    all_events = comm.gather(timeline.events, root=0)
     if all_events is None:
         return
     trace: list[dict[str, Any]] = [

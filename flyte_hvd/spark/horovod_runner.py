@@ -19,6 +19,15 @@ class HorovodRunner:
             the same bootstrap as ``flyte-hvd-run``). ``0``: one rank per free task slot.
         driver_log_verbosity: accepted for compatibility; ``"all"`` (default) shows every
             rank's output, ``"log_callback_only"`` only the launcher's messages.
+
+    Example:
+        >>> from flyte_hvd.spark import HorovodRunner
+        >>> def main(lr):
+        ...     import flyte_hvd.core as hvd
+        ...     hvd.init()
+        ...     return hvd.size() * lr
+        >>> HorovodRunner(np=2).run(main, lr=0.1)  # doctest: +SKIP
+        0.2
     """
 
     def __init__(self, np: int, driver_log_verbosity: str = "all", start_timeout: float = 600):

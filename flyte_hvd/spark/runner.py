@@ -20,9 +20,13 @@ from typing import IO, Any
 
 import cloudpickle
 
+from flyte_hvd.core.environment import local_driver_env
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.job import FunctionJob
 from flyte_hvd.core.launcher import new_secret
+from flyte_hvd.core.log import get_logger, verbosity_level
+
+logger = get_logger(__name__)
 
 START_TIMEOUT_ENV = "HOROVOD_SPARK_START_TIMEOUT"
 DEFAULT_START_TIMEOUT = 600.0
@@ -61,7 +65,8 @@ def run(
             ``HOROVOD_SPARK_START_TIMEOUT``, then 600.
         env: extra environment variables for the ranks.
         stdout, stderr: where rank output goes on the driver (default: sys's).
-        verbose: 0 silences the launcher's own messages.
+        verbose: the level of the launcher's own messages on the `flyte_hvd` logger: INFO
+            when >= 1 (shown by default), DEBUG when 0.
         prefix_output_with_timestamp: prefix every rank line with the time it arrived.
 
     Returns:
@@ -70,6 +75,15 @@ def run(
     Raises:
         RanksFailedError: a rank raised or died; the message names it and carries its
             traceback.
+
+    Example:
+        >>> from flyte_hvd.spark import run
+        >>> def train(lr):
+        ...     import flyte_hvd.core as hvd
+        ...     hvd.init()
+        ...     return hvd.rank(), lr * hvd.size()
+        >>> run(train, args=(0.1,), num_proc=2)  # doctest: +SKIP
+        [(0, 0.2), (1, 0.2)]
     """
     return launch(
         fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
@@ -96,7 +110,7 @@ def launch(
     num_proc = _check_num_proc(sc.defaultParallelism if num_proc is None else num_proc)
     timeout = _resolve_start_timeout(start_timeout)
     job = _pickle_job(fn, args, kwargs)
-    rank_env = {**local_driver_env(sc), **_check_env(env)}
+    rank_env = {**local_driver_env(sc.master), **_check_env(env)}
     submitted_at = time.time()
     deadline = time.monotonic() + timeout
     wait_for_slots(sc, num_proc, deadline, timeout)
@@ -112,8 +126,8 @@ def launch(
         _driver_host(sc), secret, stdout, stderr, prefix_output_with_timestamp,
         on_failure=stop_after_last_attempt,
     )  # fmt: skip
-    log = _launcher_log(verbose, stderr)
-    log(f"flyte-hvd: running {num_proc} ranks in a Spark barrier stage")
+    level = verbosity_level(verbose)
+    logger.log(level, "running %d ranks in a Spark barrier stage", num_proc)
     task = _barrier_task(
         job, num_proc, secret, server.address, rank_env, deadline - time.monotonic()
     )
@@ -140,7 +154,7 @@ def launch(
         sc.removeJobTag(tag)
         server.close()
     results = [cloudpickle.loads(payload) for _, payload in sorted(collected)]
-    log(f"flyte-hvd: {num_proc} ranks finished")
+    logger.log(level, "%d ranks finished", num_proc)
     return RunReport(results=results, submitted_at=submitted_at, events=dict(server.events))
 
 
@@ -197,21 +211,6 @@ def _pickle_job(fn: Any, args: tuple, kwargs: dict[str, Any] | None) -> bytes:
             f"travel to the ranks with cloudpickle. Create objects such as locks, sockets, "
             f"sessions or open files inside `fn` instead of capturing them."
         ) from error
-
-
-# Storage settings a local master's ranks take from the driver as it is now (see below).
-FORWARDED_ENV_PREFIXES = ("AWS_", "FSSPEC_")
-
-
-def local_driver_env(sc: Any) -> dict[str, str]:
-    """On a ``local``/``local-cluster`` master the ranks are the driver's own descendants on
-    this host, but their environment is the one Spark started with: S3 credentials or an
-    endpoint the driver set since (``AWS_*``) would be missing. Pass the driver's current
-    ones, as an executor pod on a cluster gets them from its own secret. (Used for the ranks
-    and for the Python workers that upload prepared data.)"""
-    if not sc.master.startswith("local"):
-        return {}
-    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
 
 
 def _check_env(env: dict[str, str] | None) -> dict[str, str]:
@@ -312,16 +311,6 @@ def stage_attempts(sc: Any) -> int:
 
 def _driver_host(sc: Any) -> str:
     return sc.getConf().get("spark.driver.host") or "127.0.0.1"
-
-
-def _launcher_log(verbose: int, stderr: IO[str] | None) -> Callable[[str], None]:
-    def log(message: str) -> None:
-        if verbose >= 1:
-            target = stderr or sys.stderr
-            target.write(message + "\n")
-            target.flush()
-
-    return log
 
 
 def _first_line(error: BaseException) -> str:

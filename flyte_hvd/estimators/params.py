@@ -1,7 +1,7 @@
 """``pyspark.ml`` Params of the estimators and models, with Horovod's names and defaults.
 
 Each param gets ``setX``/``getX`` accessors generated from one table, so the names, defaults
-and docs live in one place for the Keras and (later) Torch estimators.
+and docs live in one place for the Keras, Torch and Lightning estimators.
 """
 
 from __future__ import annotations

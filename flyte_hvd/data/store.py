@@ -4,7 +4,7 @@ One class per kind of storage, all on fsspec, with Horovod's method names. Layou
 
     <prefix>/intermediate_train_data.<idx>/   Parquet written by prepare_data
     <prefix>/intermediate_val_data.<idx>/
-    <prefix>/runs/<run_id>/checkpoint.keras   best or last model (atomic replace)
+    <prefix>/runs/<run_id>/checkpoint.<ext>   best or last model (atomic replace; .keras, .pt...)
     <prefix>/runs/<run_id>/state.json         epoch reached, metrics history
     <prefix>/runs/<run_id>/logs/              TensorBoard event files
 
@@ -29,7 +29,9 @@ from urllib.parse import urlparse
 
 import fsspec
 
-DEFAULT_CHECKPOINT_FILENAME = "checkpoint.keras"
+from flyte_hvd.data.parquet import open_parquet_dataset
+
+CHECKPOINT_STEM = "checkpoint"  # + the framework's extension, unless a file name is chosen
 STATE_FILENAME = "state.json"
 LOGS_DIRNAME = "logs"
 TRAIN_DATA_NAME = "intermediate_train_data"
@@ -47,11 +49,13 @@ class Store:
         train_path, val_path, test_path: override where prepared data goes (a dataset's
             index is appended as ``.<idx>``).
         runs_path: override ``<prefix>/runs``.
-        save_runs: whether the estimator keeps checkpoints and logs after training.
+        save_runs: whether a run's folder (checkpoints, state, logs) is kept after a
+            successful fit; False removes it once the trained model is back on the driver.
         storage_options: passed to the fsspec filesystem (for S3: ``key``, ``secret``,
             ``endpoint_url``, ``client_kwargs``...). They travel with ``to_remote`` to the
             ranks; prefer environment variables or instance roles for secrets.
-        checkpoint_filename: name of the model file in a run (default ``checkpoint.keras``).
+        checkpoint_filename: name of the model file in a run (default: ``checkpoint`` plus
+            the framework's extension: ``.keras``, ``.pt``, ``.ckpt``).
     """
 
     schemes: ClassVar[tuple[str, ...]] = ()
@@ -81,8 +85,10 @@ class Store:
             )
         self.storage_options = dict(storage_options or {})
         self._save_runs = bool(save_runs)
-        name = DEFAULT_CHECKPOINT_FILENAME if checkpoint_filename is None else checkpoint_filename
-        if not isinstance(name, str) or "/" in name or name.startswith(".") or name in ("", ".."):
+        name = checkpoint_filename
+        if name is not None and (
+            not isinstance(name, str) or "/" in name or name.startswith(".") or name in ("", "..")
+        ):
             raise ValueError(
                 f"`checkpoint_filename` must be a plain file name such as 'model.keras'; "
                 f"found {checkpoint_filename!r}."
@@ -149,8 +155,17 @@ class Store:
     def get_run_path(self, run_id: str) -> str:
         return self.join(self._runs_path, _check_run_id(run_id))
 
-    def get_checkpoint_path(self, run_id: str) -> str:
-        return self.join(self.get_run_path(run_id), self.checkpoint_filename)
+    def get_checkpoint_path(self, run_id: str, extension: str = "") -> str:
+        """The run's model file: ``checkpoint_filename`` when one was chosen, else
+        ``checkpoint<extension>`` (the framework's: ``.keras``, ``.pt``, ``.ckpt``)."""
+        if self.checkpoint_filename is not None:
+            return self.join(self.get_run_path(run_id), self.checkpoint_filename)
+        if not extension.startswith(".") or "/" in extension:
+            raise ValueError(
+                f"`extension` must be the model format's file extension such as '.keras' or "
+                f"'.pt' (this Store has no `checkpoint_filename`); found {extension!r}."
+            )
+        return self.join(self.get_run_path(run_id), CHECKPOINT_STEM + extension)
 
     def get_state_path(self, run_id: str) -> str:
         return self.join(self.get_run_path(run_id), STATE_FILENAME)
@@ -159,9 +174,10 @@ class Store:
         return self.join(self.get_run_path(run_id), LOGS_DIRNAME)
 
     def get_checkpoints(self, run_id: str, suffix: str | None = None) -> list[str]:
-        """Finished checkpoint files of a run (default: those with the checkpoint's suffix),
-        sorted; in-flight temporaries are never listed."""
-        suffix = suffix if suffix is not None else posixpath.splitext(self.checkpoint_filename)[1]
+        """Finished checkpoint files of a run (default: those with the chosen checkpoint file's
+        suffix, else ``checkpoint.*``), sorted; in-flight temporaries are never listed."""
+        if suffix is None and self.checkpoint_filename is not None:
+            suffix = posixpath.splitext(self.checkpoint_filename)[1]
         run_path = self.get_run_path(run_id)
         if not self.exists(run_path):
             return []
@@ -169,7 +185,9 @@ class Store:
         return sorted(
             self.join(run_path, n)
             for n in names
-            if n.endswith(suffix) and not n.startswith(".") and not n.endswith(_TMP_SUFFIX)
+            if (n.endswith(suffix) if suffix is not None else n.startswith(CHECKPOINT_STEM + "."))
+            and not n.startswith(".")
+            and not n.endswith(_TMP_SUFFIX)
         )
 
     @property
@@ -302,8 +320,6 @@ class Store:
         """A ``pyarrow.dataset.Dataset`` over the Parquet files under ``path`` (files sorted
         by path; hidden, ``_``-prefixed and, if there are ``.parquet`` files, other files
         skipped)."""
-        from flyte_hvd.spark.dataset import open_parquet_dataset
-
         return open_parquet_dataset(self.arrow_filesystem, self.fs_path(path))
 
     # -- checks ------------------------------------------------------------------------------
@@ -357,7 +373,7 @@ class LocalStore(Store):
     host, since executors write the prepared data and ranks read it.
     """
 
-    schemes = ("", "file")
+    schemes: ClassVar[tuple[str, ...]] = ("", "file")
 
     def normalize(self, path: str) -> str:
         path = str(path)
@@ -417,7 +433,7 @@ class DBFSLocalStore(LocalStore):
     """Databricks File System through its local FUSE mount (``/dbfs/...``); accepts
     ``dbfs:/...`` and ``file:///dbfs/...`` and hands Spark ``dbfs:/`` URLs."""
 
-    schemes = ("dbfs",)
+    schemes: ClassVar[tuple[str, ...]] = ("dbfs",)
 
     def normalize(self, path: str) -> str:
         path = str(path)
@@ -441,7 +457,7 @@ class S3Store(Store):
     connector (``s3a://``); otherwise ``prepare_data`` uploads it through s3fs.
     """
 
-    schemes = ("s3", "s3a")
+    schemes: ClassVar[tuple[str, ...]] = ("s3", "s3a")
     publish_by_rename = False  # an S3 object appears only when its upload completes
 
     def normalize(self, path: str) -> str:
@@ -490,7 +506,7 @@ class HDFSStore(Store):
     the rename: a crash in that instant leaves the finished temporary beside the target.
     """
 
-    schemes = ("hdfs",)
+    schemes: ClassVar[tuple[str, ...]] = ("hdfs",)
 
     def normalize(self, path: str) -> str:
         return str(path).rstrip("/")
@@ -567,9 +583,8 @@ class RemoteStore:
     def run_path(self) -> str:
         return self.store.get_run_path(self._run())
 
-    @property
-    def checkpoint_path(self) -> str:
-        return self.store.get_checkpoint_path(self._run())
+    def checkpoint_path(self, extension: str) -> str:
+        return self.store.get_checkpoint_path(self._run(), extension)
 
     @property
     def state_path(self) -> str:

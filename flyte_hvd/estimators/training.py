@@ -16,7 +16,6 @@ model is not saved.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import tempfile
@@ -26,10 +25,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
+from flyte_hvd.core.log import get_logger
 
-from flyte_hvd.spark.store import DEFAULT_CHECKPOINT_FILENAME
+logger = get_logger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -69,10 +67,7 @@ def run_file(store: Any, name: str) -> str:
 def checkpoint_path(store: Any, extension: str) -> str:
     """Where the run's model goes: the store's ``checkpoint_filename`` when one was chosen,
     else ``checkpoint<extension>`` (``.keras``, ``.pt``, ``.ckpt``)."""
-    name = getattr(getattr(store, "store", store), "checkpoint_filename", None)
-    if name and name != DEFAULT_CHECKPOINT_FILENAME:
-        return store.checkpoint_path
-    return run_file(store, f"checkpoint{extension}")
+    return store.checkpoint_path(extension)
 
 
 def read_run_state(store: Any) -> dict | None:
@@ -197,7 +192,7 @@ class RunRecord:
         store.write_text(store.state_path, json.dumps(state))
         if self.verbose:
             metrics = "  ".join(f"{k}={float(v):.4g}" for k, v in sorted(logs.items()))
-            print(f"epoch {epoch + 1}/{self.epochs}  {metrics}  ({seconds:.1f}s)", flush=True)
+            logger.info("epoch %d/%d  %s  (%.1fs)", epoch + 1, self.epochs, metrics, seconds)
 
 
 # -- data --------------------------------------------------------------------------------------
@@ -206,7 +201,7 @@ class RunRecord:
 def make_loaders(spec: TrainingSpec, rank: int, size: int) -> tuple[Any, Any | None]:
     """This rank's train loader and validation loader (None without validation data), with
     ``transformation_fn`` applied to each batch."""
-    from flyte_hvd.spark.loader import ArrowDataLoader
+    from flyte_hvd.data.loader import ArrowDataLoader, TransformedLoader
 
     loader_cls = spec.data_loader or ArrowDataLoader
     train_meta, val_meta = spec.metadata
@@ -240,77 +235,3 @@ def make_loaders(spec: TrainingSpec, rank: int, size: int) -> tuple[Any, Any | N
         val = make(spec.store.val_data_path, val_meta, spec.val_batch_size, False,
                    spec.validation_steps_per_epoch)  # fmt: skip
     return train, val
-
-
-def TransformedLoader(loader: Any, fn: Any) -> Any:
-    """``loader`` with ``fn(batch) -> batch`` applied to every batch (Horovod's
-    ``transformation_fn``); ``fn`` must keep each column's dtype and shape."""
-    from flyte_hvd.spark.loader import BaseDataLoader
-
-    class Transformed(BaseDataLoader):
-        def __len__(self) -> int:
-            return len(loader)
-
-        @property
-        def output_specs(self):
-            return loader.output_specs
-
-        def _iterate(self, epoch: int):
-            for batch in loader.iter_epoch(epoch):
-                yield fn(batch)
-
-    return Transformed()
-
-
-# -- prediction on Spark's Python workers ------------------------------------------------------
-
-_WORKER_MODELS: dict[int, Any] = {}
-
-
-def worker_model(data: bytes, load: Callable[[bytes], Any]) -> Any:
-    """One loaded model per Python worker and model bytes: Spark reuses workers across tasks.
-
-    PySpark's worker runs a full ``gc.collect()`` after every task; with TensorFlow or torch
-    loaded that walks millions of objects (measured: 0.2 s a task, more than predicting 10 k
-    rows). Once the framework and the model are loaded they live as long as the worker, so
-    they are frozen out of the collector's reach."""
-    key = hash(data)
-    if key not in _WORKER_MODELS:
-        gc.unfreeze()  # a replaced model can be collected
-        _WORKER_MODELS.clear()
-        _WORKER_MODELS[key] = load(data)
-        gc.freeze()
-    return _WORKER_MODELS[key]
-
-
-def column_array(values: pa.Array, dims: tuple) -> np.ndarray:
-    """An Arrow column (scalars, or lists of equal length) as an array of ``(rows, *dims)``
-    (``dims`` with a None keeps the column's own width). Lists are read without a copy."""
-    rows = len(values)
-    if pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
-        if values.null_count:
-            raise ValueError("a feature column holds nulls; fill or drop them before transform")
-        flat = values.flatten().to_numpy(zero_copy_only=False)
-        array = flat.reshape(rows, -1) if rows else flat.reshape(0, 0)
-    else:
-        array = values.to_numpy(zero_copy_only=False)
-    dims = tuple(dims)
-    if None not in dims:
-        array = array.reshape((rows, *dims))
-    return array
-
-
-def prediction_columns(outputs: list[Any], rows: int) -> list[pa.Array]:
-    """Model outputs as Arrow result columns: width 1 gives doubles, wider gives lists of
-    float32 (``array<float>``)."""
-    columns = []
-    for out in outputs:
-        flat = np.asarray(out).reshape(rows, -1)
-        width = flat.shape[1]
-        if width == 1:
-            columns.append(pa.array(flat[:, 0].astype(np.float64)))
-        else:
-            offsets = pa.array(np.arange(0, rows * width + 1, width, dtype=np.int32))
-            values = pa.array(np.ascontiguousarray(flat, dtype=np.float32).reshape(-1))
-            columns.append(pa.ListArray.from_arrays(offsets, values))
-    return columns

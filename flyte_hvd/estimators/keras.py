@@ -18,9 +18,10 @@ from typing import Any
 import keras
 import numpy as np
 
-from flyte_hvd.spark import training
-from flyte_hvd.spark.estimator import HorovodEstimator, HorovodModel
-from flyte_hvd.spark.training import TrainingSpec, TransformedLoader
+from flyte_hvd.data.loader import TransformedLoader
+from flyte_hvd.estimators import prediction, training
+from flyte_hvd.estimators.base import HorovodEstimator, HorovodModel
+from flyte_hvd.estimators.training import TrainingSpec
 
 LAST_MODEL_FILENAME = "last.keras"  # the latest epoch, for resuming
 BEST_MODEL_FILENAME = "best.keras"  # where a checkpoint callback writes, on rank 0
@@ -47,6 +48,13 @@ class KerasEstimator(HorovodEstimator):
     before any rank starts, trains on ``num_proc`` ranks and returns a ``KerasModel``.
     The learning rate given is the single-rank rate: ranks scale it by ``size()``, and the
     returned model's optimizer holds the rate given.
+
+    Example:
+        >>> from flyte_hvd.estimators import KerasEstimator
+        >>> est = KerasEstimator(num_proc=2, store=store, model=model, optimizer="adam",
+        ...                      loss="mse", feature_cols=["features"], label_cols=["y"],
+        ...                      batch_size=64, epochs=5)
+        >>> predictions = est.fit(train_df).transform(test_df)  # doctest: +SKIP
     """
 
     _framework = "keras"
@@ -145,13 +153,13 @@ class KerasModel(HorovodModel):
         def predict(columns: list[Any]) -> list[Any]:
             model = _worker_model(model_bytes.value, custom_objects)
             inputs = [
-                training.column_array(column, tensor.shape[1:])
+                prediction.column_array(column, tensor.shape[1:])
                 for column, tensor in zip(columns, model.inputs, strict=True)
             ]
             outputs = model.predict_on_batch(inputs if len(inputs) > 1 else inputs[0])
             if not isinstance(outputs, list | tuple):
                 outputs = [outputs]
-            return training.prediction_columns(list(outputs), len(columns[0]))
+            return prediction.prediction_columns(list(outputs), len(columns[0]))
 
         return predict
 
@@ -312,7 +320,7 @@ def model_from_bytes(data: bytes, custom_objects: dict[str, Any] | None = None) 
 
 def _worker_model(data: bytes, custom_objects: dict[str, Any]) -> Any:
     """One loaded model per Python worker and model: Spark reuses workers across tasks."""
-    return training.worker_model(data, lambda d: model_from_bytes(d, custom_objects))
+    return prediction.worker_model(data, lambda d: model_from_bytes(d, custom_objects))
 
 
 def _learning_rate(optimizer: Any) -> float | None:

@@ -4,7 +4,7 @@ One Spark pass checks the selected columns in Arrow (rows, nulls, NaN labels, ve
 lengths, sparse or dense), so bad data fails before anything is written; then each split is
 repartitioned into ``num_processes * partitions_per_process`` files and written, by Spark
 itself when the cluster can reach the store's URL, otherwise by each task uploading its file
-through the store's fsspec filesystem. The format is in ``flyte_hvd.spark.dataset``.
+through the store's fsspec filesystem. The format is in ``flyte_hvd.data.dataset``.
 
 pyspark is imported only inside the functions that run Spark jobs.
 """
@@ -15,7 +15,6 @@ import contextlib
 import hashlib
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -24,7 +23,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flyte_hvd.spark.dataset import (
+from flyte_hvd.core.environment import local_driver_env
+from flyte_hvd.core.log import get_logger, verbosity_level
+from flyte_hvd.data.dataset import (
     FIELD_METADATA_KEY,
     FORMAT,
     METADATA_FILENAME,
@@ -32,13 +33,15 @@ from flyte_hvd.spark.dataset import (
     ColumnInfo,
     DatasetMetadata,
     arrow_storage_schema,
-    as_arrow_filesystem,
     encode_batch,
     get_dataset_metadata,
     read_metadata,
     scan_parquet,
 )
-from flyte_hvd.spark.store import Store
+from flyte_hvd.data.parquet import as_arrow_filesystem
+from flyte_hvd.data.store import Store
+
+logger = get_logger(__name__)
 
 __all__ = [
     "ColumnInfo",
@@ -84,13 +87,19 @@ def prepare_data(
         sample_weight_col: a numeric column of per-row weights.
         compress_sparse: store vector columns whose rows are all sparse as (indices, values).
         partitions_per_process: Parquet files per process and split.
-        verbose: 1 prints what was written or reused.
+        verbose: 1 logs what was written or reused at INFO (0: at DEBUG).
 
     Raises:
         ValueError: bad arguments or data: a missing column, an unsupported type, no rows,
             an empty split, a null, or NaN in a label or sample weight (a NaN label makes
             the loss NaN and ruins every weight after one step, so it is refused here).
         RuntimeError: the data could not be written (nothing half-written is kept).
+
+    Example:
+        >>> from flyte_hvd.data import Store, get_dataset_metadata, prepare_data
+        >>> store = Store.create("/tmp/exp")  # or s3://bucket/exp, hdfs://..., dbfs:/...
+        >>> with prepare_data(2, store, df, label_columns=["y"], validation=0.2) as idx:
+        ...     train_meta, val_meta = get_dataset_metadata(store, idx)  # doctest: +SKIP
     """
     yield _prepare(
         num_processes,
@@ -187,9 +196,9 @@ def _prepare(
     paths = {"train": store.get_train_data_path(idx)}
     if validation is not None:
         paths["val"] = store.get_val_data_path(idx)
-    log = _log(verbose)
+    level = verbosity_level(verbose)
     if _complete(store, paths, key):
-        log(f"flyte-hvd: reusing prepared dataset {idx} at {paths['train']}")
+        logger.log(level, f"reusing prepared dataset {idx} at {paths['train']}")
         return idx
 
     from pyspark.sql import functions as F
@@ -214,7 +223,7 @@ def _prepare(
                 is_val = F.col(_SPLIT_COL)
                 part = sel.filter(is_val if split == "val" else ~is_val).drop(_SPLIT_COL)
             part = part.repartition(num_processes * partitions_per_process)
-            log(f"flyte-hvd: writing the {split} split to {path}")
+            logger.log(level, f"writing the {split} split to {path}")
             _write_split(part, store, path, infos)
             meta = scan_parquet(
                 as_arrow_filesystem(store.arrow_filesystem), store.fs_path(path), tuple(infos)
@@ -246,7 +255,7 @@ def _prepare(
                 store.delete(path)
         raise
     for split, meta in written.items():
-        log(f"flyte-hvd: {split}: {meta.rows} rows, {meta.files} files, {meta.bytes} bytes")
+        logger.log(level, f"{split}: {meta.rows} rows, {meta.files} files, {meta.bytes} bytes")
     return idx
 
 
@@ -295,7 +304,7 @@ def _spark_kind(name: str, dtype: Any) -> tuple[str, str]:
     """(kind, numpy dtype) of a Spark column type, or a ValueError naming it."""
     from pyspark.sql import types as T
 
-    scalars = {
+    scalars: dict[type, str] = {
         T.BooleanType: "bool",
         T.ByteType: "int8",
         T.ShortType: "int16",
@@ -304,8 +313,9 @@ def _spark_kind(name: str, dtype: Any) -> tuple[str, str]:
         T.FloatType: "float32",
         T.DoubleType: "float64",
     }
-    if type(dtype) in scalars:
-        return "scalar", scalars[type(dtype)]
+    kind = type(dtype)
+    if kind in scalars:
+        return "scalar", scalars[kind]
     if isinstance(dtype, T.ArrayType) and type(dtype.elementType) in scalars:
         return "array", scalars[type(dtype.elementType)]
     if isinstance(dtype, T.UserDefinedType) and type(dtype).__name__ == "VectorUDT":
@@ -350,14 +360,6 @@ def _complete(store: Store, paths: dict[str, str], key: str) -> bool:
         except (FileNotFoundError, ValueError, KeyError):
             return False
     return True
-
-
-def _log(verbose: int):
-    def log(msg: str) -> None:
-        if verbose:
-            print(msg, file=sys.stderr, flush=True)
-
-    return log
 
 
 # -- statistics: one pass over the selected columns, in Arrow --------------------------------
@@ -536,9 +538,9 @@ def _write_split(part: Any, store: Store, path: str, infos: list[ColumnInfo]) ->
         )
         part.write.mode("overwrite").option("compression", "snappy").parquet(url)
         return
-    from flyte_hvd.spark.runner import local_driver_env
-
-    task = _StagedWriteTask(store, path, infos, local_driver_env(part.sparkSession.sparkContext))
+    task = _StagedWriteTask(
+        store, path, infos, local_driver_env(part.sparkSession.sparkContext.master)
+    )
     written = part.mapInArrow(task, "file string, rows long").collect()
     expected = {r["file"] for r in written}
     for stray in set(store.fs.find(store.fs_path(path))) - expected:  # from retried tasks
@@ -604,7 +606,9 @@ class _StagedWriteTask:
         import pyarrow.parquet as pq
         from pyspark import TaskContext
 
-        pid = TaskContext.get().partitionId()
+        ctx = TaskContext.get()
+        assert ctx is not None  # always set inside a Spark task
+        pid = ctx.partitionId()
         schema = arrow_storage_schema(self.infos)
         rows = 0
         with tempfile.TemporaryDirectory(prefix="flyte-hvd-stage-") as tmp:

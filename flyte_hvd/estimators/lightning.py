@@ -23,10 +23,10 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from flyte_hvd.spark import training
-from flyte_hvd.spark.estimator import HorovodEstimator
-from flyte_hvd.spark.params import ESTIMATOR_PARAMS, with_params
-from flyte_hvd.spark.torch_estimator import (
+from flyte_hvd.estimators import training
+from flyte_hvd.estimators.base import HorovodEstimator
+from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, with_params
+from flyte_hvd.estimators.torch_model import (
     INPUT_SHAPES_PARAM,
     ShapedInputs,
     TorchModel,
@@ -34,7 +34,7 @@ from flyte_hvd.spark.torch_estimator import (
     resolve_input_shapes,
     tensorboard_without_tensorflow,
 )
-from flyte_hvd.spark.training import TrainingSpec
+from flyte_hvd.estimators.training import TrainingSpec
 
 LIGHTNING_PARAMS: dict[str, tuple[Any, str]] = {
     **INPUT_SHAPES_PARAM,
@@ -149,7 +149,7 @@ class _TensorBatches:
             inputs, labels, weights = batch_tensors(batch, spec, spec.input_shapes, "cpu")
             out = dict(zip(spec.features, inputs, strict=True))
             out.update(zip(spec.labels, labels, strict=True))
-            if weights is not None:
+            if spec.sample_weight_col is not None:
                 out[spec.sample_weight_col] = weights
             yield out
 

@@ -26,7 +26,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flyte_hvd.spark.store import RemoteStore, Store
+from flyte_hvd.data.parquet import as_arrow_filesystem, open_parquet_dataset
+from flyte_hvd.data.store import RemoteStore, Store
 
 FORMAT = "flyte_hvd.dataset/1"
 METADATA_FILENAME = "_flyte_hvd_metadata.json"
@@ -234,39 +235,6 @@ def read_metadata_fs(filesystem: Any, path: str) -> DatasetMetadata:
     return scan_parquet(fs, path, None)
 
 
-def open_parquet_dataset(filesystem: Any, path: str) -> Any:
-    """A ``pyarrow.dataset.Dataset`` of the Parquet files under ``path``, files sorted by path.
-
-    Hidden and ``_``-prefixed files (``_SUCCESS``, ``.crc``, the sidecar) are skipped; when
-    some files end in ``.parquet``, only those are read, so stray files do not break reading.
-
-    Raises:
-        ValueError: ``path`` is missing or holds no files.
-    """
-    import pyarrow.dataset as ds
-    import pyarrow.fs as pafs
-
-    fs = as_arrow_filesystem(filesystem)
-    try:
-        infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
-    except (FileNotFoundError, OSError) as error:
-        raise ValueError(
-            f"no Parquet dataset at `{path}` ({error}); prepare the data first or fix the path."
-        ) from error
-    files = sorted(
-        i.path
-        for i in infos
-        if i.type == pafs.FileType.File
-        and not any(part.startswith((".", "_")) for part in i.path[len(path) :].split("/"))
-    )
-    parquet = [f for f in files if f.endswith(".parquet")]
-    if not files:
-        raise ValueError(
-            f"no Parquet files under `{path}`; prepare the data first or fix the path."
-        )
-    return ds.dataset(parquet or files, filesystem=fs, format="parquet")
-
-
 def scan_parquet(fs: Any, path: str, infos: tuple[ColumnInfo, ...] | None) -> DatasetMetadata:
     dataset = open_parquet_dataset(fs, path)
     fragments = list(dataset.get_fragments())
@@ -328,10 +296,10 @@ def _guess(f: pa.Field) -> ColumnInfo | None:
     t = f.type
     if (dtype := _numpy_dtype(t)) is not None:
         return ColumnInfo(f.name, "scalar", dtype)
-    if pa.types.is_fixed_size_list(t) and _numpy_dtype(t.value_type):
-        return ColumnInfo(f.name, "array", _numpy_dtype(t.value_type), (t.list_size,), "list")
-    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and _numpy_dtype(t.value_type):
-        return ColumnInfo(f.name, "array", _numpy_dtype(t.value_type), (), "list")
+    if pa.types.is_fixed_size_list(t) and (dtype := _numpy_dtype(t.value_type)):
+        return ColumnInfo(f.name, "array", dtype, (t.list_size,), "list")
+    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and (dtype := _numpy_dtype(t.value_type)):
+        return ColumnInfo(f.name, "array", dtype, (), "list")
     if pa.types.is_struct(t) and sorted(t.field(i).name for i in range(t.num_fields)) == sorted(
         VECTOR_FIELDS
     ):
@@ -350,26 +318,6 @@ def _first_length(arr: pa.Array, encoding: str) -> int | None:
 
 
 # -- decoding: a stored column to numpy ------------------------------------------------------
-
-
-def as_arrow_filesystem(filesystem: Any) -> Any:
-    """A pyarrow filesystem for ``filesystem`` (pyarrow's own, or fsspec's wrapped)."""
-    import fsspec
-    import pyarrow.fs as pafs
-    from fsspec.implementations.arrow import ArrowFSWrapper
-    from fsspec.implementations.local import LocalFileSystem
-
-    if isinstance(filesystem, pafs.FileSystem):
-        return filesystem
-    if isinstance(filesystem, LocalFileSystem):
-        return pafs.LocalFileSystem()
-    if isinstance(filesystem, ArrowFSWrapper):
-        return filesystem.fs
-    if isinstance(filesystem, fsspec.AbstractFileSystem):
-        return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem))
-    raise ValueError(
-        f"`filesystem` must be a pyarrow or fsspec filesystem; found {type(filesystem).__name__}."
-    )
 
 
 def _list_parts(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:

@@ -24,14 +24,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flyte_hvd.spark.dataset import (
+from flyte_hvd.data.dataset import (
     DatasetMetadata,
-    as_arrow_filesystem,
     decode_column,
-    open_parquet_dataset,
     read_metadata_fs,
 )
-from flyte_hvd.spark.store import RemoteStore, Store
+from flyte_hvd.data.parquet import as_arrow_filesystem, open_parquet_dataset
+from flyte_hvd.data.store import RemoteStore, Store
 
 Batch = dict[str, np.ndarray]
 # Pipeline of an epoch: a reader thread decodes pieces (pyarrow, without the GIL) up to
@@ -145,6 +144,26 @@ class BaseDataLoader(abc.ABC):
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         dataset = dataset.with_options(options)
         return dataset.prefetch(prefetch) if prefetch else dataset
+
+
+class TransformedLoader(BaseDataLoader):
+    """``loader`` with ``fn(batch) -> batch`` applied to every batch (Horovod's
+    ``transformation_fn``); ``fn`` must keep each column's dtype and shape."""
+
+    def __init__(self, loader: BaseDataLoader, fn: Any):
+        super().__init__()
+        self.loader, self.fn = loader, fn
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def output_specs(self) -> dict[str, tuple[np.dtype, tuple[int | None, ...]]]:
+        return self.loader.output_specs
+
+    def _iterate(self, epoch: int) -> Iterator[Batch]:
+        for batch in self.loader.iter_epoch(epoch):
+            yield self.fn(batch)
 
 
 class ArrowDataLoader(BaseDataLoader):

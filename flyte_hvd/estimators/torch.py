@@ -13,7 +13,6 @@ a Spark retry, resumes after the last completed epoch.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,17 +21,19 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from flyte_hvd.spark import training
-from flyte_hvd.spark.estimator import HorovodEstimator, HorovodModel, _check_int
-from flyte_hvd.spark.params import ESTIMATOR_PARAMS, MODEL_PARAMS, with_params
-from flyte_hvd.spark.training import TrainingSpec
-
-INPUT_SHAPES_PARAM: dict[str, tuple[Any, str]] = {
-    "input_shapes": (
-        None,
-        "each feature's model input shape, batch dimension -1 (default: the column's shape)",
-    ),
-}
+from flyte_hvd.estimators import training
+from flyte_hvd.estimators.base import HorovodEstimator, _check_int
+from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, with_params
+from flyte_hvd.estimators.torch_model import (
+    INPUT_SHAPES_PARAM,
+    ShapedInputs,
+    TorchModel,
+    _import_torch,
+    batch_tensors,
+    resolve_input_shapes,
+    tensorboard_without_tensorflow,
+)
+from flyte_hvd.estimators.training import TrainingSpec
 
 TORCH_PARAMS: dict[str, tuple[Any, str]] = {
     **INPUT_SHAPES_PARAM,
@@ -48,23 +49,9 @@ TORCH_PARAMS: dict[str, tuple[Any, str]] = {
     "backward_passes_per_step": (1, "backward passes accumulated locally per reduction"),
 }
 
-TORCH_MODEL_PARAMS: dict[str, tuple[Any, str]] = {
-    "input_shapes": (None, "each feature's model input shape, batch dimension -1"),
-    "output_shapes": (None, "each output's shape per row"),
-}
 
 _EXTENSION = ".pt"
 LAST_MODEL_FILENAME = "last.pt"
-
-
-def _import_torch() -> Any:
-    try:
-        import torch
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "TorchEstimator needs PyTorch: install the extra `pip install flyte-hvd[torch]`."
-        ) from error
-    return torch
 
 
 @dataclass(kw_only=True)
@@ -84,52 +71,6 @@ class TorchTrainingSpec(TrainingSpec):
 # -- checks shared with LightningEstimator ---------------------------------------------------
 
 
-def resolve_input_shapes(given: Any, features: list[str], metadata: Any) -> list[list[int]]:
-    """One input shape per feature column (batch dimension -1), checked against the number of
-    values per row the column holds."""
-    if given is None:
-        return [[-1, *(metadata.column(c).shape or (1,))] for c in features]
-    shapes = [list(s) for s in given]
-    for i, (shape, column) in enumerate(zip(shapes, features, strict=True)):
-        info = metadata.column(column)
-        per_row = math.prod(d for d in shape[1:])
-        if not shape or shape[0] != -1 or any(d < 1 for d in shape[1:]) or per_row != info.size:
-            raise ValueError(
-                f"`input_shapes`[{i}]={shape} does not fit column `{column}`, which holds "
-                f"{info.size} value(s) per row (shape {info.shape or '()'}): expected a shape "
-                f"starting with the batch dimension -1 whose other dimensions multiply to "
-                f"{info.size}, e.g. {[-1, *(info.shape or (1,))]}."
-            )
-    return shapes
-
-
-def probe_outputs(model: Any, input_shapes: list[list[int]], labels: list[str]) -> list[list[int]]:
-    """Run the model once on zeros shaped by ``input_shapes`` (on a copy, in eval mode), so a
-    model that cannot take them fails here, before any rank starts. Returns each output's
-    shape per row."""
-    import copy
-
-    torch = _import_torch()
-    probe = copy.deepcopy(model).eval()
-    inputs = [torch.zeros((2, *shape[1:]), dtype=torch.float32) for shape in input_shapes]
-    try:
-        with torch.no_grad():
-            outputs = probe(*inputs)
-    except Exception as error:
-        raise ValueError(
-            f"the model cannot run on inputs shaped by `input_shapes`={input_shapes} "
-            f"(one per feature column, batch dimension -1): {type(error).__name__}: {error}. "
-            f"Make `input_shapes` match the model's forward()."
-        ) from None
-    outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
-    if len(outputs) != len(labels):
-        raise ValueError(
-            f"the model returns {len(outputs)} output(s) but `label_cols` names {len(labels)} "
-            f"column(s) {labels}: label columns map to the outputs in order."
-        )
-    return [list(o.shape[1:]) for o in outputs]
-
-
 def _check_callables(name: str, value: Any) -> list[Any]:
     items = list(value) if isinstance(value, list | tuple) else [value]
     bad = [v for v in items if not callable(v)]
@@ -139,26 +80,6 @@ def _check_callables(name: str, value: Any) -> list[Any]:
 
 
 # -- the estimator -------------------------------------------------------------------------
-
-
-class ShapedInputs:
-    """What the PyTorch estimators share: ``input_shapes`` checked against the feature
-    columns, and the model run once on zeros of those shapes before any rank starts."""
-
-    def _check_input_shapes(self, features: list[str]) -> None:
-        shapes = self.getInputShapes()
-        if shapes is not None and (
-            not isinstance(shapes, list | tuple) or len(shapes) != len(features)
-        ):
-            raise ValueError(
-                f"`input_shapes` must list one shape per feature column ({len(features)}: "
-                f"{features}); found {shapes!r}."
-            )
-
-    def _check_data(self, features: list[str], metadata: Any) -> dict[str, Any]:
-        shapes = resolve_input_shapes(self.getInputShapes(), features, metadata[0])
-        outputs = probe_outputs(self.getModel(), shapes, list(self.getLabelCols()))
-        return {"input_shapes": shapes, "output_shapes": outputs}
 
 
 @with_params({**ESTIMATOR_PARAMS, **TORCH_PARAMS})
@@ -233,92 +154,10 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
         return train_on_rank
 
 
-@with_params({**MODEL_PARAMS, **TORCH_MODEL_PARAMS})
-class TorchModel(HorovodModel):
-    """A trained PyTorch (or Lightning) model as a Transformer. Outputs of one value per row
-    become ``double`` columns; wider outputs become ``array<float>`` columns."""
-
-    _archive_name = "torch_model.zip"
-    _model_file = "model.pkl"
-
-    def getModel(self) -> Any:
-        """The trained ``torch.nn.Module`` (a ``LightningModule`` from LightningEstimator),
-        in eval mode."""
-        return super().getModel()["model"].eval()
-
-    def getOptimizer(self) -> Any:
-        """The optimizer, with the learning rate given (None from LightningEstimator)."""
-        return super().getModel()["optimizer"]
-
-    def _load_model(self, data: bytes) -> dict:
-        _import_torch()
-        return cloudpickle.loads(data)
-
-    def _output_types(self) -> list[Any]:
-        from pyspark.sql.types import ArrayType, DoubleType, FloatType
-
-        return [
-            DoubleType() if math.prod(shape) == 1 else ArrayType(FloatType())
-            for shape in self.getOutputShapes()
-        ]
-
-    def _batch_predictor(self, sc: Any):
-        model_bytes = sc.broadcast(self._model_bytes)
-        shapes = self.getInputShapes()
-
-        def load(data: bytes) -> Any:
-            return cloudpickle.loads(data)["model"].eval()
-
-        def predict(columns: list[Any]) -> list[Any]:
-            import torch
-
-            model = training.worker_model(model_bytes.value, load)
-            inputs = [
-                torch.from_numpy(
-                    np.require(training.column_array(column, shape[1:]), np.float32, ["C", "W"])
-                )
-                for column, shape in zip(columns, shapes, strict=True)
-            ]
-            with torch.no_grad():
-                outputs = model(*inputs)
-            outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
-            return training.prediction_columns(
-                [o.detach().cpu().numpy() for o in outputs], len(columns[0])
-            )
-
-        return predict
-
-
 TorchEstimator._model_class = TorchModel
 
 
 # -- on the ranks --------------------------------------------------------------------------
-
-
-def batch_tensors(
-    batch: dict[str, np.ndarray], spec: TrainingSpec, input_shapes: list[list[int]], device: Any
-) -> tuple[list, list, Any]:
-    """A loader batch as (inputs reshaped by ``input_shapes``, labels, sample weights or
-    None): floats as float32, integer labels as int64."""
-    import torch
-
-    def tensor(values: np.ndarray, dtype: Any = None) -> Any:
-        # Loader batches may be read-only views of Arrow buffers; torch wants writable memory.
-        return torch.from_numpy(np.require(values, dtype=dtype, requirements=["C", "W"]))
-
-    inputs = [
-        tensor(batch[c], np.float32).to(device).reshape(shape)
-        for c, shape in zip(spec.features, input_shapes, strict=True)
-    ]
-    labels = []
-    for c in spec.labels:
-        values = batch[c]
-        dtype = np.float32 if values.dtype.kind in "fc" else np.int64
-        labels.append(tensor(values, dtype).to(device))
-    weights = None
-    if spec.sample_weight_col:
-        weights = tensor(batch[spec.sample_weight_col], np.float32).to(device)
-    return inputs, labels, weights
 
 
 def _transform_outputs(outputs: Any, labels: list) -> tuple[list, list]:
@@ -486,18 +325,6 @@ def _average_over_ranks(hvd: Any, logs: dict[str, float]) -> dict[str, float]:
     keys = sorted(logs)
     values = hvd.allreduce(np.array([logs[k] for k in keys], dtype=np.float64))
     return {k: float(v) for k, v in zip(keys, np.asarray(values), strict=True)}
-
-
-def tensorboard_without_tensorflow() -> None:
-    """Make TensorBoard's writer use its built-in stub instead of importing TensorFlow (about
-    10 s per rank process, for nothing a PyTorch rank needs). TensorBoard skips the import
-    when the marker module ``tensorboard.compat.notf`` exists; a process that already
-    imported TensorFlow is left as it is."""
-    import sys
-    import types
-
-    if "tensorflow" not in sys.modules:
-        sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
 
 
 def _summary_writer(logs_dir: str) -> Any:

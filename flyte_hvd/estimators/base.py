@@ -1,7 +1,7 @@
 """What every framework's estimator shares: params checks, data preparation, the launch on
 ranks, the trained model's creation, prediction on Arrow batches, and save/load.
 ``KerasEstimator``, ``TorchEstimator`` and ``LightningEstimator`` supply only the framework
-parts: how to check the model, train on a rank (with ``flyte_hvd.spark.training``), load the
+parts: how to check the model, train on a rank (with ``flyte_hvd.estimators.training``), load the
 model and predict."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import time
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import cloudpickle
 from pyspark.ml import Estimator, Model
 from pyspark.ml.util import MLReadable, MLWritable
 
-from flyte_hvd.spark.loader import BaseDataLoader
-from flyte_hvd.spark.params import ESTIMATOR_PARAMS, MODEL_PARAMS, with_params
+from flyte_hvd.data.loader import BaseDataLoader
+from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, MODEL_PARAMS, with_params
 from flyte_hvd.spark.runner import launch
 
 
@@ -49,6 +49,11 @@ class SparkBackend:
 @with_params(ESTIMATOR_PARAMS)
 class HorovodEstimator(Estimator):
     """A ``pyspark.ml`` Estimator whose ``fit`` trains on ranks inside a Spark barrier stage."""
+
+    if TYPE_CHECKING:  # ``with_params`` adds a ``getX``/``setX`` pair per param
+        _param_defaults: ClassVar[dict[str, Any]]
+
+        def __getattr__(self, name: str) -> Any: ...
 
     def __init__(self, **kwargs: Any):
         super().__init__()
@@ -116,7 +121,7 @@ class HorovodEstimator(Estimator):
     # -- fit ---------------------------------------------------------------------------------
 
     def _fit(self, df: Any) -> Model:
-        from flyte_hvd.spark.prepare import prepare_data
+        from flyte_hvd.data.prepare import prepare_data
 
         self._check_params(df.columns)
         self._check_model(self._feature_cols(df.columns), self.getLabelCols())
@@ -145,7 +150,7 @@ class HorovodEstimator(Estimator):
         return self._fit_on_prepared(self._backend(), dataset_idx, list(features))
 
     def _fit_on_prepared(self, backend: Any, dataset_idx: Any, features: list[str]) -> Model:
-        from flyte_hvd.spark.prepare import get_dataset_metadata
+        from flyte_hvd.data.prepare import get_dataset_metadata
 
         store = self.getStore()
         metadata = get_dataset_metadata(store, dataset_idx)  # (train, validation or None)
@@ -155,6 +160,8 @@ class HorovodEstimator(Estimator):
                                    backend.num_processes())  # fmt: skip
         results = backend.run(self._remote_trainer(), args=(spec,), env={})
         result = results[0]
+        if not store.saving_runs:  # the trained model is in `result`; the run folder can go
+            store.delete(store.get_run_path(run_id))
         return self._model_class(
             model_bytes=result["model"],
             history=result["history"],
@@ -218,6 +225,11 @@ class HorovodModel(Model, MLWritable, MLReadable):
     column per label, computed on Arrow batches by an iterator Arrow UDF with the model loaded
     once per Python worker (never one row at a time)."""
 
+    if TYPE_CHECKING:  # ``with_params`` adds a ``getX``/``setX`` pair per param
+        _param_defaults: ClassVar[dict[str, Any]]
+
+        def __getattr__(self, name: str) -> Any: ...
+
     _archive_name = "model.zip"  # what save() writes: params and model bytes
     _model_file = "model.bin"
 
@@ -231,8 +243,16 @@ class HorovodModel(Model, MLWritable, MLReadable):
     def getModel(self) -> Any:
         """The trained framework model, usable outside Spark."""
         if self._model is None:
-            self._model = self._load_model(self._model_bytes)
+            self._model = self._load_model(self._trained_bytes())
         return self._model
+
+    def _trained_bytes(self) -> bytes:
+        if self._model_bytes is None:
+            raise ValueError(
+                f"this {type(self).__name__} holds no trained model; get one from an "
+                f"estimator's `fit` or `{type(self).__name__}.load(path)`."
+            )
+        return self._model_bytes
 
     def _output_cols(self) -> list[str]:
         return list(self.getOutputCols() or [f"{c}__output" for c in self.getLabelColumns()])
@@ -290,10 +310,13 @@ class HorovodModel(Model, MLWritable, MLReadable):
         # batches, reading list columns without a copy (no pandas objects per row).
         with warnings.catch_warnings():  # the type is explicit: the arity varies with features
             warnings.filterwarnings("ignore", "It is preferred to specify type hints", UserWarning)
-            predict_batches = F.arrow_udf(predict_batches, result_type, ArrowUDFType.SCALAR_ITER)
+            predict_batches = F.arrow_udf(  # type: ignore[call-overload]
+                predict_batches, result_type, ArrowUDFType.SCALAR_ITER
+            )
 
         predicted = "__flyte_hvd_prediction"
-        return df.withColumn(predicted, predict_batches(*inputs)).select(
+        with_predictions = df.withColumn(predicted, predict_batches(*inputs))  # type: ignore[arg-type]
+        return with_predictions.select(
             *[F.col(f"`{c}`") for c in df.columns],
             *[F.col(f"{predicted}.{n}").alias(c) for n, c in zip(names, outputs, strict=True)],
         )
@@ -311,11 +334,13 @@ class HorovodModel(Model, MLWritable, MLReadable):
 
     # -- persistence --------------------------------------------------------------------------
 
-    def write(self) -> ModelWriter:
+    # pyspark's MLWriter/MLReader go through the JVM; these write one archive through the Store
+    # (any scheme, and Spark Connect too) and keep pyspark's `write().overwrite().save()` shape.
+    def write(self) -> ModelWriter:  # type: ignore[override]
         return ModelWriter(self)
 
     @classmethod
-    def read(cls) -> ModelReader:
+    def read(cls) -> ModelReader:  # type: ignore[override]
         return ModelReader(cls)
 
 
@@ -339,7 +364,7 @@ class ModelWriter:
         endpoint from the usual AWS environment variables)."""
         import fsspec
 
-        from flyte_hvd.spark.store import Store
+        from flyte_hvd.data.store import Store
 
         instance = self.instance
         fs, root = fsspec.core.url_to_fs(path)
@@ -351,7 +376,7 @@ class ModelWriter:
         buffer = io.BytesIO()
         with zipfile.ZipFile(buffer, "w") as archive:
             archive.writestr(_PARAMS_FILE, cloudpickle.dumps(params))
-            archive.writestr(instance._model_file, instance._model_bytes)
+            archive.writestr(instance._model_file, instance._trained_bytes())
         store = Store.create(path)  # fails here, naming the path, if it cannot be written
         store.write_bytes(store.join(store.prefix_path, instance._archive_name), buffer.getvalue())
 

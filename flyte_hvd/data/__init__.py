@@ -1,0 +1,37 @@
+"""Where training data lives and how a DataFrame becomes batches.
+
+``Store`` and its backends (local, S3, HDFS, DBFS) hold everything a run writes;
+``prepare_data`` turns a Spark DataFrame into Parquet in the Store with a metadata sidecar
+(``dataset``); the loaders read that Parquet on each rank as shuffled, sharded batches.
+Nothing here imports an estimator. Modules load on first use (they import pyarrow/fsspec).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "Store": "flyte_hvd.data.store",
+    "LocalStore": "flyte_hvd.data.store",
+    "S3Store": "flyte_hvd.data.store",
+    "HDFSStore": "flyte_hvd.data.store",
+    "DBFSLocalStore": "flyte_hvd.data.store",
+    "RemoteStore": "flyte_hvd.data.store",
+    "prepare_data": "flyte_hvd.data.prepare",
+    "read_metadata": "flyte_hvd.data.dataset",
+    "get_dataset_metadata": "flyte_hvd.data.dataset",
+    "DatasetMetadata": "flyte_hvd.data.dataset",
+    "ColumnInfo": "flyte_hvd.data.dataset",
+    "BaseDataLoader": "flyte_hvd.data.loader",
+    "ArrowDataLoader": "flyte_hvd.data.loader",
+    "AsyncDataLoaderMixin": "flyte_hvd.data.loader",
+    "AsyncArrowDataLoader": "flyte_hvd.data.loader",
+}
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,204 @@
+"""What ``TorchEstimator`` and ``LightningEstimator`` share: ``TorchModel`` (the trained
+model as a Transformer), ``input_shapes`` checked against the feature columns, the model run
+once on zeros before any rank starts, and loader batches turned into tensors on the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+import numpy as np
+
+from flyte_hvd.estimators import prediction
+from flyte_hvd.estimators.base import HorovodModel
+from flyte_hvd.estimators.params import MODEL_PARAMS, with_params
+from flyte_hvd.estimators.training import TrainingSpec
+
+INPUT_SHAPES_PARAM: dict[str, tuple[Any, str]] = {
+    "input_shapes": (
+        None,
+        "each feature's model input shape, batch dimension -1 (default: the column's shape)",
+    ),
+}
+
+
+TORCH_MODEL_PARAMS: dict[str, tuple[Any, str]] = {
+    "input_shapes": (None, "each feature's model input shape, batch dimension -1"),
+    "output_shapes": (None, "each output's shape per row"),
+}
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "TorchEstimator needs PyTorch: install the extra `pip install flyte-hvd[torch]`."
+        ) from error
+    return torch
+
+
+def resolve_input_shapes(given: Any, features: list[str], metadata: Any) -> list[list[int]]:
+    """One input shape per feature column (batch dimension -1), checked against the number of
+    values per row the column holds."""
+    if given is None:
+        return [[-1, *(metadata.column(c).shape or (1,))] for c in features]
+    shapes = [list(s) for s in given]
+    for i, (shape, column) in enumerate(zip(shapes, features, strict=True)):
+        info = metadata.column(column)
+        per_row = math.prod(d for d in shape[1:])
+        if not shape or shape[0] != -1 or any(d < 1 for d in shape[1:]) or per_row != info.size:
+            raise ValueError(
+                f"`input_shapes`[{i}]={shape} does not fit column `{column}`, which holds "
+                f"{info.size} value(s) per row (shape {info.shape or '()'}): expected a shape "
+                f"starting with the batch dimension -1 whose other dimensions multiply to "
+                f"{info.size}, e.g. {[-1, *(info.shape or (1,))]}."
+            )
+    return shapes
+
+
+def probe_outputs(model: Any, input_shapes: list[list[int]], labels: list[str]) -> list[list[int]]:
+    """Run the model once on zeros shaped by ``input_shapes`` (on a copy, in eval mode), so a
+    model that cannot take them fails here, before any rank starts. Returns each output's
+    shape per row."""
+    import copy
+
+    torch = _import_torch()
+    probe = copy.deepcopy(model).eval()
+    inputs = [torch.zeros((2, *shape[1:]), dtype=torch.float32) for shape in input_shapes]
+    try:
+        with torch.no_grad():
+            outputs = probe(*inputs)
+    except Exception as error:
+        raise ValueError(
+            f"the model cannot run on inputs shaped by `input_shapes`={input_shapes} "
+            f"(one per feature column, batch dimension -1): {type(error).__name__}: {error}. "
+            f"Make `input_shapes` match the model's forward()."
+        ) from None
+    outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
+    if len(outputs) != len(labels):
+        raise ValueError(
+            f"the model returns {len(outputs)} output(s) but `label_cols` names {len(labels)} "
+            f"column(s) {labels}: label columns map to the outputs in order."
+        )
+    return [list(o.shape[1:]) for o in outputs]
+
+
+class ShapedInputs:
+    """What the PyTorch estimators share: ``input_shapes`` checked against the feature
+    columns, and the model run once on zeros of those shapes before any rank starts."""
+
+    if TYPE_CHECKING:  # a mixin of estimators whose params ``with_params`` adds
+
+        def __getattr__(self, name: str) -> Any: ...
+
+    def _check_input_shapes(self, features: list[str]) -> None:
+        shapes = self.getInputShapes()
+        if shapes is not None and (
+            not isinstance(shapes, list | tuple) or len(shapes) != len(features)
+        ):
+            raise ValueError(
+                f"`input_shapes` must list one shape per feature column ({len(features)}: "
+                f"{features}); found {shapes!r}."
+            )
+
+    def _check_data(self, features: list[str], metadata: Any) -> dict[str, Any]:
+        shapes = resolve_input_shapes(self.getInputShapes(), features, metadata[0])
+        outputs = probe_outputs(self.getModel(), shapes, list(self.getLabelCols()))
+        return {"input_shapes": shapes, "output_shapes": outputs}
+
+
+@with_params({**MODEL_PARAMS, **TORCH_MODEL_PARAMS})
+class TorchModel(HorovodModel):
+    """A trained PyTorch (or Lightning) model as a Transformer. Outputs of one value per row
+    become ``double`` columns; wider outputs become ``array<float>`` columns."""
+
+    _archive_name = "torch_model.zip"
+    _model_file = "model.pkl"
+
+    def getModel(self) -> Any:
+        """The trained ``torch.nn.Module`` (a ``LightningModule`` from LightningEstimator),
+        in eval mode."""
+        return super().getModel()["model"].eval()
+
+    def getOptimizer(self) -> Any:
+        """The optimizer, with the learning rate given (None from LightningEstimator)."""
+        return super().getModel()["optimizer"]
+
+    def _load_model(self, data: bytes) -> dict:
+        _import_torch()
+        return cloudpickle.loads(data)
+
+    def _output_types(self) -> list[Any]:
+        from pyspark.sql.types import ArrayType, DoubleType, FloatType
+
+        return [
+            DoubleType() if math.prod(shape) == 1 else ArrayType(FloatType())
+            for shape in self.getOutputShapes()
+        ]
+
+    def _batch_predictor(self, sc: Any):
+        model_bytes = sc.broadcast(self._model_bytes)
+        shapes = self.getInputShapes()
+
+        def load(data: bytes) -> Any:
+            return cloudpickle.loads(data)["model"].eval()
+
+        def predict(columns: list[Any]) -> list[Any]:
+            import torch
+
+            model = prediction.worker_model(model_bytes.value, load)
+            inputs = [
+                torch.from_numpy(
+                    np.require(prediction.column_array(column, shape[1:]), np.float32, ["C", "W"])
+                )
+                for column, shape in zip(columns, shapes, strict=True)
+            ]
+            with torch.no_grad():
+                outputs = model(*inputs)
+            outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
+            return prediction.prediction_columns(
+                [o.detach().cpu().numpy() for o in outputs], len(columns[0])
+            )
+
+        return predict
+
+
+def batch_tensors(
+    batch: dict[str, np.ndarray], spec: TrainingSpec, input_shapes: list[list[int]], device: Any
+) -> tuple[list, list, Any]:
+    """A loader batch as (inputs reshaped by ``input_shapes``, labels, sample weights or
+    None): floats as float32, integer labels as int64."""
+    import torch
+
+    def tensor(values: np.ndarray, dtype: Any = None) -> Any:
+        # Loader batches may be read-only views of Arrow buffers; torch wants writable memory.
+        return torch.from_numpy(np.require(values, dtype=dtype, requirements=["C", "W"]))
+
+    inputs = [
+        tensor(batch[c], np.float32).to(device).reshape(shape)
+        for c, shape in zip(spec.features, input_shapes, strict=True)
+    ]
+    labels = []
+    for c in spec.labels:
+        values = batch[c]
+        dtype = np.float32 if values.dtype.kind in "fc" else np.int64
+        labels.append(tensor(values, dtype).to(device))
+    weights = None
+    if spec.sample_weight_col:
+        weights = tensor(batch[spec.sample_weight_col], np.float32).to(device)
+    return inputs, labels, weights
+
+
+def tensorboard_without_tensorflow() -> None:
+    """Make TensorBoard's writer use its built-in stub instead of importing TensorFlow (about
+    10 s per rank process, for nothing a PyTorch rank needs). TensorBoard skips the import
+    when the marker module ``tensorboard.compat.notf`` exists; a process that already
+    imported TensorFlow is left as it is."""
+    import sys
+    import types
+
+    if "tensorflow" not in sys.modules:
+        sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))

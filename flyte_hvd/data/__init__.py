@@ -8,8 +8,7 @@ Nothing here imports an estimator. Modules load on first use (they import pyarro
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from flyte_hvd.core.lazy import lazy_attributes
 
 _LAZY = {
     "Store": "flyte_hvd.data.store",
@@ -30,8 +29,4 @@ _LAZY = {
 }
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -9,8 +9,7 @@ Modules load on first use (each imports its framework).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from flyte_hvd.core.lazy import lazy_attributes
 
 _LAZY = {
     "HorovodEstimator": "flyte_hvd.estimators.base",
@@ -23,8 +22,4 @@ _LAZY = {
 }
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -3,40 +3,23 @@
 pyspark is imported only when a function needs it.
 """
 
+import importlib
+from typing import Any
+
 from flyte_hvd.spark.horovod_runner import HorovodRunner
 from flyte_hvd.spark.runner import RunReport, get_available_devices, launch, run
 
 __all__ = ["HorovodRunner", "RunReport", "get_available_devices", "launch", "run"]
 
-# -- Store, data preparation and loaders: imported on first use (they load pyarrow/fsspec) --
-_LAZY = {
-    "Store": "flyte_hvd.data.store",
-    "LocalStore": "flyte_hvd.data.store",
-    "S3Store": "flyte_hvd.data.store",
-    "HDFSStore": "flyte_hvd.data.store",
-    "DBFSLocalStore": "flyte_hvd.data.store",
-    "RemoteStore": "flyte_hvd.data.store",
-    "prepare_data": "flyte_hvd.data.prepare",
-    "read_metadata": "flyte_hvd.data.dataset",
-    "get_dataset_metadata": "flyte_hvd.data.dataset",
-    "DatasetMetadata": "flyte_hvd.data.dataset",
-    "ColumnInfo": "flyte_hvd.data.dataset",
-    "BaseDataLoader": "flyte_hvd.data.loader",
-    "ArrowDataLoader": "flyte_hvd.data.loader",
-    "AsyncDataLoaderMixin": "flyte_hvd.data.loader",
-    "AsyncArrowDataLoader": "flyte_hvd.data.loader",
-    "KerasEstimator": "flyte_hvd.estimators.keras",
-    "KerasModel": "flyte_hvd.estimators.keras",
-    "TorchEstimator": "flyte_hvd.estimators.torch",
-    "TorchModel": "flyte_hvd.estimators.torch_model",
-    "LightningEstimator": "flyte_hvd.estimators.lightning",
-}
-__all__ += list(_LAZY)
+# Horovod's `horovod.spark` also offers the Store and the estimators: the same names are
+# importable here, loaded on first use from the layers that define them (flyte_hvd.data,
+# flyte_hvd.estimators). The launcher itself imports neither.
+_COMPAT_PACKAGES = ("flyte_hvd.data", "flyte_hvd.estimators")
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
+def __getattr__(name: str) -> Any:
+    for package in _COMPAT_PACKAGES:
+        module = importlib.import_module(package)
+        if name in module.__all__:
+            return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

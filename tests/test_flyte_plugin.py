@@ -21,7 +21,8 @@ from flytekitplugins.spark import Spark
 
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.flyte import HorovodSpark, HorovodSparkFunctionTask
-from flyte_hvd.flyte.task import _pickle_body, _RankSpec, _to_literal_map
+from flyte_hvd.flyte.rank import RankSpec, _to_literal_map
+from flyte_hvd.flyte.task import _pickle_body
 
 pytestmark = pytest.mark.flyte
 
@@ -214,7 +215,7 @@ def test_rank_0_returning_too_few_values_names_the_outputs():
         return 1, "a"
 
     ctx = flytekit.FlyteContextManager.current_context()
-    spec = _RankSpec.of(two_outputs, ctx)
+    spec = RankSpec.of(two_outputs, ctx)
     literals = _to_literal_map(ctx, (7, "b"), spec).literals
     assert literals["o0"].scalar.primitive.integer == 7
     assert literals["o1"].scalar.primitive.string_value == "b"
@@ -229,7 +230,7 @@ def test_unpicklable_inputs_are_refused_before_any_rank_starts():
     with pytest.raises(
         ValueError, match=r"the body of `.*rank_info` or its inputs cannot be pickled"
     ):
-        _pickle_body(rank_info, {"offset": threading.Lock()}, _RankSpec.of(rank_info, ctx))
+        _pickle_body(rank_info, {"offset": threading.Lock()}, RankSpec.of(rank_info, ctx))
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flyte_hvd.core.environment import local_driver_env
+from flyte_hvd.core.environment import local_storage_env
 from flyte_hvd.core.log import get_logger, verbosity_level
 from flyte_hvd.data.dataset import (
     FIELD_METADATA_KEY,
@@ -539,7 +539,7 @@ def _write_split(part: Any, store: Store, path: str, infos: list[ColumnInfo]) ->
         part.write.mode("overwrite").option("compression", "snappy").parquet(url)
         return
     task = _StagedWriteTask(
-        store, path, infos, local_driver_env(part.sparkSession.sparkContext.master)
+        store, path, infos, local_storage_env(part.sparkSession.sparkContext.master)
     )
     written = part.mapInArrow(task, "file string, rows long").collect()
     expected = {r["file"] for r in written}

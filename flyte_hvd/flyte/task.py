@@ -5,40 +5,27 @@ Kubernetes it becomes a SparkApplication (the Spark operator reads ``get_custom`
 ``pyflyte run`` it gets a local SparkSession. Its body does not run on the Spark driver: the
 driver starts ``num_proc`` ranks in one Spark barrier stage (``flyte_hvd.spark.run``), each
 rank calls ``flyte_hvd.core.init()`` and then the body, and the task's outputs are rank 0's
-return values.
-
-How rank 0's return value becomes the task's outputs: rank 0 may run in an executor pod whose
-disk the driver cannot see, so it must not send back a local path. Rank 0 converts its return
-value to Flyte literals itself, with the task's output types and a ``FileAccessProvider`` on the
-execution's raw output prefix: a ``FlyteFile``, ``FlyteDirectory``, DataFrame or pickle it
-returns is uploaded there from the rank, as a non-Spark task's outputs are uploaded from its
-container. Only the serialized ``LiteralMap`` travels back to the driver (through the
-launcher's pickled result), and ``execute`` returns that map, which flytekit's
-``dispatch_execute`` passes through unchanged. The rank's context runs in ``TASK_EXECUTION``
-mode, so files are uploaded in local runs too (to the local raw output prefix) and a file left
-in the rank's working directory, which is removed when the rank ends, is never referenced.
+return values. This module is the driver half; ``rank.py`` is what runs on the ranks.
 """
 
 from __future__ import annotations
 
 import os
-import reprlib
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import cloudpickle
 from flytekit import FlyteContextManager, PodTemplate
 from flytekit.configuration import SerializationSettings
-from flytekit.core.context_manager import ExecutionParameters, ExecutionState, FlyteContext
+from flytekit.core.context_manager import ExecutionParameters, ExecutionState
 from flytekit.extend import TaskPlugins
 from flytekit.models.literals import LiteralMap
 from flytekitplugins.spark.task import PysparkFunctionTask
+
+from flyte_hvd.flyte.rank import RankSpec, literal_map_from_bytes, run_rank
 
 GPU_VENDOR = "nvidia.com"
 
@@ -255,17 +242,17 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
         from flyte_hvd.spark import run
 
         ctx = FlyteContextManager.current_context()
-        payload = _pickle_body(self, kwargs, _RankSpec.of(self, ctx))
+        payload = _pickle_body(self, kwargs, RankSpec.of(self, ctx))
         results = run(
-            _run_rank,
-            args=(payload, _import_paths()),
+            run_rank,
+            args=(payload,),
             num_proc=self.task_config.num_proc,
             start_timeout=self.task_config.start_timeout,
         )
-        return _literal_map_from_bytes(results[0])
+        return literal_map_from_bytes(results[0])
 
 
-def _pickle_body(task: HorovodSparkFunctionTask, kwargs: dict[str, Any], spec: _RankSpec) -> bytes:
+def _pickle_body(task: HorovodSparkFunctionTask, kwargs: dict[str, Any], spec: RankSpec) -> bytes:
     """The body, its inputs and the output spec, pickled apart from the launcher's job so
     that a rank unpickles them only after it can import what the driver imports."""
     try:
@@ -276,19 +263,6 @@ def _pickle_body(task: HorovodSparkFunctionTask, kwargs: dict[str, Any], spec: _
             f"({type(error).__name__}: {error}); they travel to the ranks with cloudpickle. "
             f"Create objects such as locks, sockets, sessions or open files inside the task."
         ) from error
-
-
-def _import_paths() -> list[str]:
-    """The driver's import path beyond the interpreter's own (the project root that pyflyte
-    or pytest added, the script's folder): without it a rank cannot import the module that
-    defines the task's output types or helpers, which cloudpickle sends by reference."""
-    own = tuple(os.path.abspath(p) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})
-    paths = []
-    for entry in sys.path:
-        path = os.path.abspath(entry or os.getcwd())
-        if not path.startswith(own) and path not in paths:
-            paths.append(path)
-    return paths
 
 
 def _start_local_session(app_name: str, config: HorovodSpark) -> None:
@@ -323,143 +297,6 @@ def _pyspark_python(executable: str) -> Iterator[None]:
             os.environ.pop("PYSPARK_PYTHON", None)
         else:
             os.environ["PYSPARK_PYTHON"] = before
-
-
-# -- inside a rank ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _RankSpec:
-    """What a rank needs to turn rank 0's return value into the task's outputs: plain values
-    (types and serialized literal types), not the task object."""
-
-    task_name: str
-    output_names: tuple[str, ...]
-    output_types: dict[str, Any]
-    literal_types: dict[str, bytes]
-    tuple_output: bool
-    raw_output_prefix: str
-    execution_id: Any
-    task_id: Any
-
-    @classmethod
-    def of(cls, task: HorovodSparkFunctionTask, ctx: FlyteContext) -> _RankSpec:
-        params = ctx.user_space_params
-        outputs = task.interface.outputs
-        return cls(
-            task_name=task.name,
-            output_names=tuple(outputs),
-            output_types=dict(task.python_interface.outputs),
-            literal_types={
-                k: v.type.to_flyte_idl().SerializeToString() for k, v in outputs.items()
-            },
-            tuple_output=bool(task.python_interface.output_tuple_name),
-            raw_output_prefix=ctx.file_access.raw_output_prefix,
-            execution_id=params.execution_id if params else None,
-            task_id=params.task_id if params else None,
-        )
-
-
-def _run_rank(payload: bytes, import_paths: list[str]) -> bytes | None:
-    """What every rank runs: init, the body, and on rank 0 its outputs as literals."""
-    import flyte_hvd.core as hvd
-
-    sys.path[:0] = [p for p in import_paths if p not in sys.path and os.path.isdir(p)]
-    fn, kwargs, spec = cloudpickle.loads(payload)
-    hvd.init()
-    with _rank_context(spec) as ctx:
-        value = fn(**kwargs)
-        if hvd.rank() != 0:
-            return None
-        return _to_literal_map(ctx, value, spec).to_flyte_idl().SerializeToString()
-
-
-@contextmanager
-def _rank_context(spec: _RankSpec) -> Iterator[FlyteContext]:
-    """A task-execution context in the rank: its own working directory (removed afterwards)
-    and uploads to the execution's raw output prefix, with this host's data config."""
-    from flytekit.core.data_persistence import FileAccessProvider
-    from flytekit.core.mock_stats import MockStats
-    from flytekit.loggers import user_space_logger
-
-    sandbox = tempfile.mkdtemp(prefix="flyte-hvd-rank-")
-    try:
-        workdir = os.path.join(sandbox, "user_space")
-        os.makedirs(workdir)
-        file_access = FileAccessProvider(
-            local_sandbox_dir=sandbox, raw_output_prefix=spec.raw_output_prefix
-        )
-        params = ExecutionParameters(
-            execution_date=datetime.now(UTC),
-            tmp_dir=workdir,
-            stats=MockStats(),
-            execution_id=spec.execution_id,
-            logging=user_space_logger,
-            raw_output_prefix=spec.raw_output_prefix,
-            task_id=spec.task_id,
-        )
-        state = ExecutionState(
-            working_dir=workdir,
-            mode=ExecutionState.Mode.TASK_EXECUTION,
-            user_space_params=params,
-        )
-        builder = (
-            FlyteContextManager.current_context()
-            .with_file_access(file_access)
-            .with_execution_state(state)
-        )
-        with FlyteContextManager.with_context(builder) as ctx:
-            yield ctx
-    finally:
-        shutil.rmtree(sandbox, ignore_errors=True)
-
-
-def _to_literal_map(ctx: FlyteContext, value: Any, spec: _RankSpec) -> LiteralMap:
-    from flyteidl.core import types_pb2
-    from flytekit.core.type_engine import TypeEngine
-    from flytekit.models.types import LiteralType
-
-    names = spec.output_names
-    if not names:
-        values: dict[str, Any] = {}
-    elif len(names) == 1:
-        single = value[0] if spec.tuple_output and isinstance(value, tuple) else value
-        values = {names[0]: single}
-    else:
-        if not isinstance(value, tuple | list) or len(value) != len(names):
-            raise ValueError(
-                f"`{spec.task_name}` declares {len(names)} outputs ({', '.join(names)}), but "
-                f"rank 0 returned {type(value).__name__} {reprlib.repr(value)}; return a tuple of "
-                f"{len(names)} values."
-            )
-        values = dict(zip(names, value, strict=True))
-    literals = {}
-    for name, item in values.items():
-        python_type = spec.output_types[name]
-        literal_type = LiteralType.from_flyte_idl(
-            types_pb2.LiteralType.FromString(spec.literal_types[name])
-        )
-        try:
-            literals[name] = TypeEngine.to_literal(ctx, item, python_type, literal_type)
-        except Exception as error:
-            raise ValueError(
-                f"output `{name}` of `{spec.task_name}`: rank 0 returned "
-                f"{type(item).__name__} {reprlib.repr(item)}, which does not convert to the "
-                f"declared {python_type!r} ({type(error).__name__}: {error}). Return a value "
-                f"of the declared type."
-            ) from error
-    return LiteralMap(literals=literals)
-
-
-def _literal_map_from_bytes(payload: bytes | None) -> LiteralMap:
-    from flyteidl.core import literals_pb2
-
-    if payload is None:
-        raise RuntimeError(
-            "rank 0 sent back no outputs (found None where a serialized LiteralMap was "
-            "expected); the launcher's results are not in rank order. Report this as a bug."
-        )
-    return LiteralMap.from_flyte_idl(literals_pb2.LiteralMap.FromString(payload))
 
 
 # Inject the plugin into flytekit's dynamic plugin loading, as flytekitplugins-spark does.

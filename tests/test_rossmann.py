@@ -19,7 +19,15 @@ from flytekit.types.structured import StructuredDataset
 pytest.importorskip("keras")
 
 from workflows import rossmann
-from workflows.rossmann_data import SCHEMA, DatasetError, fetch_dataset, write_synthetic
+from workflows.rossmann_data import (
+    SCHEMA,
+    DatasetError,
+    check_dataset,
+    check_values,
+    fetch_dataset,
+    write_synthetic,
+)
+from workflows.rossmann_formats import FORMATS, parse_number, unreadable
 
 SMALL = dict(stores=6, seed=1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,9 +58,112 @@ def test_synthetic_dataset_has_the_real_files_columns_and_formats(small_dataset)
     states = pd.read_csv(os.path.join(small_dataset, "state_names.csv"), dtype=str)
     assert "HB,NI" in set(states.State)
     # Learnable: promotions raise sales.
-    sales = train[train.Open == "1"].assign(Sales=lambda f: f.Sales.astype(float))
+    sales = train[train.Open.map(parse_number) == 1].assign(Sales=lambda f: f.Sales.astype(float))
     by_promo = sales.groupby("Promo").Sales.mean()
     assert by_promo["1"] > 1.15 * by_promo["0"]
+
+
+def _lines(dataset: str, name: str) -> list[str]:
+    with open(os.path.join(dataset, name)) as f:
+        return f.read().splitlines()
+
+
+def test_synthetic_files_are_written_as_the_real_ones(small_dataset):
+    """The default run meets every spelling of the real files: quoted headers and values,
+    test.csv's Open as 1.0, 0.0 or blank (on 11 open days of one store), StateHoliday quoted
+    in train.csv and bare in test.csv, floats and gaps in weather.csv."""
+    train, test, store = (_lines(small_dataset, f) for f in ("train.csv", "test.csv", "store.csv"))
+    assert train[0].startswith('"Store","DayOfWeek"') and test[0].startswith('"Id","Store"')
+    assert {line.split(",")[7] for line in train[1:]} == {'"0"', '"a"', '"b"', '"c"'}
+    cells = [line.split(",") for line in test[1:]]
+    assert {c[4] for c in cells} == {"1.0", "0.0", ""}
+    assert {c[6] for c in cells} >= {"0", "a"}
+    blank = [c for c in cells if c[4] == ""]
+    assert len(blank) == 11 and len({c[1] for c in blank}) == 1
+    assert any(line.endswith(',""') for line in store[1:])  # a blank, quoted PromoInterval
+    assert any(',"Jan,Apr,Jul,Oct"' in line for line in store[1:])
+    weather = pd.read_csv(
+        os.path.join(small_dataset, "weather.csv"), dtype=str, keep_default_na=False
+    )
+    assert weather.CloudCover.str.fullmatch(r"\d\.0|").all() and (weather.CloudCover == "").any()
+    assert weather.Max_Gust_SpeedKm_h.str.fullmatch(r"\d+\.0|").all()
+    assert weather.Mean_TemperatureC.str.fullmatch(r"-?\d+").all()
+    assert 'Niedersachsen,"HB,NI"' in _lines(small_dataset, "state_names.csv")
+
+
+NUMBERS = [
+    ("1", 1.0), ("1.0", 1.0), ("0.0", 0.0), ("0", 0.0), ("", None), ("  ", None), (" 1.0 ", 1.0),
+    ("-3", -3.0), ("5.08", 5.08), ("2008.0", 2008.0), (".5", 0.5), ("7.", 7.0),
+]  # fmt: skip
+NOT_NUMBERS = ["yes", "1,0", "1.0.0", "nan", "NaN", "inf", "1e3", "0x10", "--1", "1 0"]
+
+
+@pytest.mark.parametrize(("text", "value"), NUMBERS)
+def test_parse_number_reads_every_spelling(text, value):
+    assert parse_number(text) == value
+    assert parse_number(None) is None
+
+
+@pytest.mark.parametrize("text", NOT_NUMBERS)
+def test_parse_number_refuses_what_is_not_a_number(text):
+    with pytest.raises(ValueError, match=r"is not a number written like 7, 7\.0 or 5\.08"):
+        parse_number(text)
+
+
+def test_each_format_reads_its_spellings_and_refuses_the_rest():
+    cases = {
+        ("test.csv", "Open"): (["1", "1.0", "0", "0.0", "", " 1.0 "], ["2", "yes", "0.5", "-1"]),
+        ("train.csv", "Open"): (["1", "0.0"], ["", "true"]),  # blank only in test.csv
+        ("train.csv", "StateHoliday"): (["0", "0.0", "a", "b", "c"], ["d", "A", "1", ""]),
+        ("store.csv", "CompetitionOpenSinceYear"): (["2008", "2008.0", ""], ["2008.5", "x"]),
+        ("store.csv", "Store"): (["1", "1.0"], ["1.5", "", "one"]),
+        ("store.csv", "CompetitionDistance"): (["1270", "1270.0", "5.5", ""], ["1,270"]),
+        ("train.csv", "Date"): (["2015-07-31", "2016-02-29"], ["2015-02-30", "31.07.2015", ""]),
+        ("googletrend.csv", "week"): (["2012-12-02 - 2012-12-08"], ["2012-12-02", ""]),
+        ("weather.csv", "Events"): (["", "Rain-Thunderstorm"], []),
+    }
+    for (name, column), (good, bad) in cases.items():
+        fmt = FORMATS[name][column]
+        found = unreadable(pd.Series(good + bad, dtype=str), fmt).tolist()
+        assert found == [False] * len(good) + [True] * len(bad), (name, column, found)
+
+
+@pytest.mark.parametrize(
+    ("name", "column", "row", "value", "expected"),
+    [
+        ("test.csv", "Open", 3, "yes", r"0 or 1 \(also written 0.0 or 1.0\) or blank"),
+        ("train.csv", "StateHoliday", 10, "d", r"0 \(none\), a \(public\)"),
+        ("train.csv", "Sales", 2, "", "a whole number"),
+        ("store.csv", "Store", 4, "4.5", "a whole number written like 7 or 7.0"),
+        ("weather.csv", "Date", 7, "2013-02-30", "a date written YYYY-MM-DD"),
+    ],
+)
+def test_a_value_that_cannot_be_read_names_file_column_row_and_value(
+    small_dataset, tmp_path, name, column, row, value, expected
+):
+    frame = pd.read_csv(os.path.join(small_dataset, name), dtype=str, keep_default_na=False)
+    frame.loc[row - 1, column] = value
+    frame.to_csv(tmp_path / name, index=False)
+    pattern = (
+        rf"{re.escape(name)}, column `{column}`, row {row} .*: "
+        rf"cannot read {re.escape(repr(value))}; expected {expected}"
+    )
+    with pytest.raises(DatasetError, match=pattern):
+        check_values(str(tmp_path), name)
+
+
+def test_download_data_refuses_an_unreadable_value_before_spark(small_dataset, tmp_path):
+    """What a user meets: download_data (no Spark yet) fails naming file, column, row, value."""
+    broken = tmp_path / "broken"
+    shutil.copytree(small_dataset, broken)
+    lines = _lines(str(broken), "test.csv")
+    cells = lines[5].split(",")
+    cells[4] = "open"
+    lines[5] = ",".join(cells)
+    (broken / "test.csv").write_text("\n".join(lines) + "\n")
+    with pytest.raises(Exception, match=r"test\.csv, column `Open`, row 5 .*cannot read 'open'"):
+        rossmann.download_data(dataset=str(broken))
+    check_dataset(small_dataset)  # the untouched files pass
 
 
 @pytest.mark.parametrize("kind", ["tgz", "zip", "dir"])

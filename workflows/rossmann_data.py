@@ -125,10 +125,10 @@ def check_dataset(directory: str) -> None:
                 f"{name} lacks the column(s) {absent}; it has {header}. The file must have "
                 f"the columns {columns}."
             )
-        _check_values(directory, name)
+        check_values(directory, name)
 
 
-def _check_values(directory: str, name: str) -> None:
+def check_values(directory: str, name: str) -> None:
     """Fail on the first value of ``name`` that its column's format cannot read, naming the
     file, the column, the row and the value."""
     formats = FORMATS[name]
@@ -182,7 +182,8 @@ def write_synthetic(dest: str, stores: int = 45, seed: int = 0) -> str:
 
     write("train.csv", train, quoted=("StateHoliday", "SchoolHoliday"))
     write("test.csv", test)
-    write("store.csv", store.astype(dict.fromkeys(years, "Int64")), quoted=("StoreType", "Assortment", "PromoInterval"))  # fmt: skip
+    texts = ("StoreType", "Assortment", "PromoInterval")
+    write("store.csv", store.astype(dict.fromkeys(years, "Int64")), quoted=texts)
     write("store_states.csv", states, kaggle=False)
     names = pd.DataFrame({"StateName": list(STATES), "State": list(STATES.values())})
     write("state_names.csv", names, kaggle=False)
@@ -193,9 +194,9 @@ def write_synthetic(dest: str, stores: int = 45, seed: int = 0) -> str:
 
 
 def _write_csv(path: str, df: pd.DataFrame, quoted: tuple[str, ...], quote_header: bool) -> None:
-    """``df`` as CSV: whole numbers as 7, floats as 7.0 or 5.08, missing values blank; the
-    ``quoted`` columns (and the header when ``quote_header``) in double quotes, any other value
-    only when it holds a comma or a quote."""
+    """``df`` as CSV: whole numbers as 7, floats as 7.0 or 5.08 (never -0.0), missing values
+    blank; the ``quoted`` columns (and the header when ``quote_header``) in double quotes, any
+    other value only when it holds a comma or a quote."""
 
     def quote(text: pd.Series, always: bool) -> pd.Series:
         needs = text.str.contains('[,"\n]') | always
@@ -205,7 +206,7 @@ def _write_csv(path: str, df: pd.DataFrame, quoted: tuple[str, ...], quote_heade
     for name in df.columns:
         values = df[name]
         if pd.api.types.is_float_dtype(values):
-            text = values.map(lambda v: "" if pd.isna(v) else repr(float(v)))
+            text = values.map(lambda v: "" if pd.isna(v) else repr(float(v) + 0.0))
         else:
             text = values.astype(object).where(values.notna(), "").astype(str)
         columns.append(quote(text, name in quoted))
@@ -336,6 +337,8 @@ def _daily(
     grid["Promo"] = ((week % 2 == 0) & (dow <= 5)).astype(int)
     holiday_days = rng.choice(days, size=30, replace=False)
     kinds = rng.choice(["a", "a", "a", "b", "c"], size=len(holiday_days))
+    # One public holiday falls in the test period, as 2015-08-15 does in some states.
+    holiday_days[0], kinds[0] = rng.choice(days[days >= pd.Timestamp(TEST_START)]), "a"
     grid["StateHoliday"] = (
         grid.Date.map(dict(zip(holiday_days, kinds, strict=True))).fillna("0").astype(str)
     )

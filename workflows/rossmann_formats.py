@@ -38,9 +38,9 @@ class Kind:
 WHOLE = Kind("whole", r"[+-]?\d+(?:\.0*)?", "a whole number written like 7 or 7.0")
 REAL = Kind("number", NUMBER, "a number written like 7, 7.0 or 5.08")
 FLAG = Kind("flag", r"[01](?:\.0*)?", "0 or 1 (also written 0.0 or 1.0)")
-HOLIDAY = Kind("holiday", r"0(?:\.0*)?|[abc]", "0 (no holiday), a (public), b (Easter) or c (Christmas)")  # fmt: skip
+HOLIDAY = Kind("holiday", r"0(?:\.0*)?|[abc]", "0 (none), a (public), b (Easter) or c (Christmas)")
 DATE = Kind("date", r"\d{4}-\d\d-\d\d", "a date written YYYY-MM-DD")
-WEEK = Kind("week", r"\d{4}-\d\d-\d\d - \d{4}-\d\d-\d\d", "a week written YYYY-MM-DD - YYYY-MM-DD")  # fmt: skip
+WEEK = Kind("week", r"\d{4}-\d\d-\d\d - \d{4}-\d\d-\d\d", "a week written 2015-08-02 - 2015-08-08")
 TEXT = Kind("text", r"(?s).*", "text")
 
 

@@ -274,6 +274,86 @@ def test_features_keep_every_row_and_flag_validation(spark_local2, small_dataset
     assert vocab["CompetitionMonthsOpen"][-1] == "24" and vocab["Promo2Weeks"][-1] == "25"
     assert limits is not None
     assert 0.02 < baseline_rmspe(train) < 0.5
+    assert vocab["StateHoliday"] == ["false", "true"] and vocab["Store"][:2] == ["1", "2"]
+    assert all(re.fullmatch(r"\d{4}", y) for y in vocab["CompetitionOpenSinceYear"])
+
+    # Open per test row: 0.0 closed, 1.0 and blank open.
+    raw = pd.read_csv(os.path.join(small_dataset, "test.csv"), dtype=str, keep_default_na=False)
+    expected = dict(zip(raw.Id.astype(int), raw.Open.map(parse_number) != 0, strict=True))
+    found = dict(test.select("Id", "Open").collect())
+    assert found == expected and not all(found.values()) and raw.Open.eq("").sum() == 11
+
+
+MIXED_TEST_CSV = """\
+"Id","Store","DayOfWeek","Date","Open","Promo","StateHoliday","SchoolHoliday"
+1,1,4,2015-09-17,1.0,1,"0","0"
+2,"2",4,2015-09-17,0.0,0,0,1
+3,3.0,4,2015-09-17,,1,a,"1"
+4,4,4,"2015-09-17",1,0,"b",0.0
+5,5,4,2015-09-17,0,0,c,1.0
+6,6,4,2015-09-17, 1.0 ,0,0.0,0
+"""
+
+
+@pytest.mark.spark
+def test_spark_reads_every_spelling_by_its_meaning(spark_local2, tmp_path):
+    """Quoted or not, 1 or 1.0 or blank, StateHoliday 0/"0"/0.0/a/b/c: the check accepts the
+    file and Spark reads each column as what it means."""
+    import datetime
+
+    from workflows.rossmann_features import number, read_csv
+
+    (tmp_path / "test.csv").write_text(MIXED_TEST_CSV)
+    check_values(str(tmp_path), "test.csv")
+    rows = read_csv(spark_local2, str(tmp_path), "test.csv").orderBy("Id").collect()
+    assert [r.Store for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r.Open for r in rows] == [True, False, None, True, False, True]  # None: blank
+    assert [r.Promo for r in rows] == [True, False, True, False, False, False]
+    assert [r.StateHoliday for r in rows] == [False, False, True, True, True, False]
+    assert [r.SchoolHoliday for r in rows] == [False, True, True, False, True, False]
+    assert {r.Date for r in rows} == {datetime.date(2015, 9, 17)}
+
+    # number() is parse_number in Spark: the same answer for every spelling.
+    texts = spark_local2.createDataFrame([(t,) for t, _ in NUMBERS] + [(None,)], "t string")
+    found = [r[0] for r in texts.select(number("t")).collect()]
+    assert found == [parse_number(t) for t, _ in NUMBERS] + [None]
+
+
+@pytest.mark.spark
+def test_submission_sales_are_exactly_zero_where_closed(spark_local2):
+    import math
+
+    from workflows.rossmann_features import submission_sales
+
+    df = spark_local2.createDataFrame(
+        [(1, True, 8.5), (2, False, 8.5), (3, None, 8.0)], "Id int, Open boolean, Predicted float"
+    )
+    rows = df.select("Id", submission_sales().alias("Sales")).orderBy("Id").collect()
+    sales = [r.Sales for r in rows]
+    assert sales[1] == 0.0 and math.isclose(sales[0], math.exp(8.5), rel_tol=1e-6)
+    assert math.isclose(sales[2], math.exp(8.0), rel_tol=1e-6)  # blank Open: open
+
+
+def test_summarize_reports_the_closed_test_rows(tmp_path, capsys):
+    from flytekit.types.file import FlyteFile
+
+    model = tmp_path / "model.keras"
+    model.write_bytes(b"model")
+    submission = tmp_path / "submission.csv"
+    submission.write_text("Id,Sales\n1,0.0\n2,5263.2\n3,0.0\n4,0.5\n")
+    result = rossmann.TrainResult(
+        model=FlyteFile(str(model)), history={"val_loss": [1.0]}, best_epoch=1,
+        best_val_rmspe=0.1, val_rmspe=0.1, validation_rows=10, run_id="r1",
+        checkpoint_uri=str(tmp_path / "runs" / "r1" / "checkpoint.keras"),
+    )  # fmt: skip
+    report = rossmann.summarize(
+        result=result, baseline_rmspe=0.2, submission=FlyteFile(str(submission)),
+        work_dir=str(tmp_path),
+    )  # fmt: skip
+    assert (report.test_rows, report.closed_test_rows) == (4, 2)
+    out = capsys.readouterr().out
+    assert "test rows:  4 predicted, 2 of them closed (Sales 0), 2 open" in out
+    assert " beats " in out
 
 
 def test_a_join_that_loses_rows_is_an_error(spark_local2, small_dataset, tmp_path):
@@ -307,9 +387,8 @@ def test_tasks_on_their_own(spark_local2, small_dataset, tmp_path):
     assert os.path.exists(result.checkpoint_uri)
     submission = rossmann.predict(test=prepared.test, result=result, work_dir=work_dir)
     frame = pd.read_csv(submission.download())
-    test_ids = pd.read_csv(os.path.join(small_dataset, "test.csv")).Id
     assert list(frame.columns) == ["Id", "Sales"]
-    assert frame.Id.tolist() == sorted(test_ids.tolist())
+    check_closed_and_open_rows(frame, small_dataset)
 
     # num_proc beyond the session's task slots: the launcher's preflight refuses it.
     with pytest.raises(Exception, match="slots"):
@@ -322,11 +401,26 @@ def test_tasks_on_their_own(spark_local2, small_dataset, tmp_path):
 # -- the workflow --------------------------------------------------------------------------
 
 
+def check_closed_and_open_rows(submission: pd.DataFrame, dataset: str) -> int:
+    """Every test row in the submission: Sales exactly 0 where test.csv says closed (0, 0.0),
+    positive where it says open (1, 1.0) or leaves Open blank. Returns the closed count."""
+    raw = pd.read_csv(os.path.join(dataset, "test.csv"), dtype=str, keep_default_na=False)
+    assert submission.Id.tolist() == sorted(raw.Id.astype(int).tolist())
+    is_open = raw.Open.map(parse_number)
+    sales = submission.set_index("Id").Sales.loc[raw.Id.astype(int)].to_numpy()
+    closed, blank = (is_open == 0).to_numpy(), is_open.isna().to_numpy()
+    assert closed.any() and blank.any(), "the test set lacks closed or blank-Open rows"
+    wrong = raw.Id[closed & (sales != 0)].tolist()
+    assert not wrong, f"closed test rows with Sales other than 0: Ids {wrong[:20]}"
+    wrong = raw.Id[~closed & ~(sales > 0)].tolist()
+    assert not wrong, f"open or blank-Open test rows without a positive Sales: Ids {wrong[:20]}"
+    return int(closed.sum())
+
+
 def _check_report(report, dataset: str) -> pd.DataFrame:
     submission = pd.read_csv(report.submission.download())
-    test_ids = pd.read_csv(os.path.join(dataset, "test.csv")).Id
-    assert submission.Id.tolist() == sorted(test_ids.tolist())
-    assert (submission.Sales >= 0).all()
+    closed = check_closed_and_open_rows(submission, dataset)
+    assert (report.test_rows, report.closed_test_rows) == (len(submission), closed)
     assert report.val_rmspe > 0 and report.baseline_rmspe > 0 and report.validation_rows > 0
     return submission
 
@@ -423,6 +517,11 @@ def test_the_main_job_beats_the_baseline_within_ten_minutes(tmp_path):
     assert elapsed <= 600, f"the main job took {elapsed:.0f} s"
     submission = re.search(r"^submission: (\S+)", out.stdout, re.M).group(1)
     assert submission.startswith(str(tmp_path / "work")) and os.path.exists(submission)
+    # Every closed and every blank-Open test row of the synthetic default (seeded, so written
+    # again here as download_data wrote it), and the count that summarize reports.
+    default = write_synthetic(str(tmp_path / "default"))
+    closed = check_closed_and_open_rows(pd.read_csv(submission), default)
+    assert re.search(rf"^test rows: +\d+ predicted, {closed} of them closed", out.stdout, re.M)
 
 
 def test_launch_plan_and_serialization():

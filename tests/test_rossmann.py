@@ -19,7 +19,15 @@ from flytekit.types.structured import StructuredDataset
 pytest.importorskip("keras")
 
 from workflows import rossmann
-from workflows.rossmann_data import SCHEMA, DatasetError, fetch_dataset, write_synthetic
+from workflows.rossmann_data import (
+    SCHEMA,
+    DatasetError,
+    check_dataset,
+    check_values,
+    fetch_dataset,
+    write_synthetic,
+)
+from workflows.rossmann_formats import FORMATS, parse_number, unreadable
 
 SMALL = dict(stores=6, seed=1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,9 +58,112 @@ def test_synthetic_dataset_has_the_real_files_columns_and_formats(small_dataset)
     states = pd.read_csv(os.path.join(small_dataset, "state_names.csv"), dtype=str)
     assert "HB,NI" in set(states.State)
     # Learnable: promotions raise sales.
-    sales = train[train.Open == "1"].assign(Sales=lambda f: f.Sales.astype(float))
+    sales = train[train.Open.map(parse_number) == 1].assign(Sales=lambda f: f.Sales.astype(float))
     by_promo = sales.groupby("Promo").Sales.mean()
     assert by_promo["1"] > 1.15 * by_promo["0"]
+
+
+def _lines(dataset: str, name: str) -> list[str]:
+    with open(os.path.join(dataset, name)) as f:
+        return f.read().splitlines()
+
+
+def test_synthetic_files_are_written_as_the_real_ones(small_dataset):
+    """The default run meets every spelling of the real files: quoted headers and values,
+    test.csv's Open as 1.0, 0.0 or blank (on 11 open days of one store), StateHoliday quoted
+    in train.csv and bare in test.csv, floats and gaps in weather.csv."""
+    train, test, store = (_lines(small_dataset, f) for f in ("train.csv", "test.csv", "store.csv"))
+    assert train[0].startswith('"Store","DayOfWeek"') and test[0].startswith('"Id","Store"')
+    assert {line.split(",")[7] for line in train[1:]} == {'"0"', '"a"', '"b"', '"c"'}
+    cells = [line.split(",") for line in test[1:]]
+    assert {c[4] for c in cells} == {"1.0", "0.0", ""}
+    assert {c[6] for c in cells} >= {"0", "a"}
+    blank = [c for c in cells if c[4] == ""]
+    assert len(blank) == 11 and len({c[1] for c in blank}) == 1
+    assert any(line.endswith(',""') for line in store[1:])  # a blank, quoted PromoInterval
+    assert any(',"Jan,Apr,Jul,Oct"' in line for line in store[1:])
+    weather = pd.read_csv(
+        os.path.join(small_dataset, "weather.csv"), dtype=str, keep_default_na=False
+    )
+    assert weather.CloudCover.str.fullmatch(r"\d\.0|").all() and (weather.CloudCover == "").any()
+    assert weather.Max_Gust_SpeedKm_h.str.fullmatch(r"\d+\.0|").all()
+    assert weather.Mean_TemperatureC.str.fullmatch(r"-?\d+").all()
+    assert 'Niedersachsen,"HB,NI"' in _lines(small_dataset, "state_names.csv")
+
+
+NUMBERS = [
+    ("1", 1.0), ("1.0", 1.0), ("0.0", 0.0), ("0", 0.0), ("", None), ("  ", None), (" 1.0 ", 1.0),
+    ("-3", -3.0), ("5.08", 5.08), ("2008.0", 2008.0), (".5", 0.5), ("7.", 7.0),
+]  # fmt: skip
+NOT_NUMBERS = ["yes", "1,0", "1.0.0", "nan", "NaN", "inf", "1e3", "0x10", "--1", "1 0"]
+
+
+@pytest.mark.parametrize(("text", "value"), NUMBERS)
+def test_parse_number_reads_every_spelling(text, value):
+    assert parse_number(text) == value
+    assert parse_number(None) is None
+
+
+@pytest.mark.parametrize("text", NOT_NUMBERS)
+def test_parse_number_refuses_what_is_not_a_number(text):
+    with pytest.raises(ValueError, match=r"is not a number written like 7, 7\.0 or 5\.08"):
+        parse_number(text)
+
+
+def test_each_format_reads_its_spellings_and_refuses_the_rest():
+    cases = {
+        ("test.csv", "Open"): (["1", "1.0", "0", "0.0", "", " 1.0 "], ["2", "yes", "0.5", "-1"]),
+        ("train.csv", "Open"): (["1", "0.0"], ["", "true"]),  # blank only in test.csv
+        ("train.csv", "StateHoliday"): (["0", "0.0", "a", "b", "c"], ["d", "A", "1", ""]),
+        ("store.csv", "CompetitionOpenSinceYear"): (["2008", "2008.0", ""], ["2008.5", "x"]),
+        ("store.csv", "Store"): (["1", "1.0"], ["1.5", "", "one"]),
+        ("store.csv", "CompetitionDistance"): (["1270", "1270.0", "5.5", ""], ["1,270"]),
+        ("train.csv", "Date"): (["2015-07-31", "2016-02-29"], ["2015-02-30", "31.07.2015", ""]),
+        ("googletrend.csv", "week"): (["2012-12-02 - 2012-12-08"], ["2012-12-02", ""]),
+        ("weather.csv", "Events"): (["", "Rain-Thunderstorm"], []),
+    }
+    for (name, column), (good, bad) in cases.items():
+        fmt = FORMATS[name][column]
+        found = unreadable(pd.Series(good + bad, dtype=str), fmt).tolist()
+        assert found == [False] * len(good) + [True] * len(bad), (name, column, found)
+
+
+@pytest.mark.parametrize(
+    ("name", "column", "row", "value", "expected"),
+    [
+        ("test.csv", "Open", 3, "yes", r"0 or 1 \(also written 0.0 or 1.0\) or blank"),
+        ("train.csv", "StateHoliday", 10, "d", r"0 \(none\), a \(public\)"),
+        ("train.csv", "Sales", 2, "", "a whole number"),
+        ("store.csv", "Store", 4, "4.5", "a whole number written like 7 or 7.0"),
+        ("weather.csv", "Date", 7, "2013-02-30", "a date written YYYY-MM-DD"),
+    ],
+)
+def test_a_value_that_cannot_be_read_names_file_column_row_and_value(
+    small_dataset, tmp_path, name, column, row, value, expected
+):
+    frame = pd.read_csv(os.path.join(small_dataset, name), dtype=str, keep_default_na=False)
+    frame.loc[row - 1, column] = value
+    frame.to_csv(tmp_path / name, index=False)
+    pattern = (
+        rf"{re.escape(name)}, column `{column}`, row {row} .*: "
+        rf"cannot read {re.escape(repr(value))}; expected {expected}"
+    )
+    with pytest.raises(DatasetError, match=pattern):
+        check_values(str(tmp_path), name)
+
+
+def test_download_data_refuses_an_unreadable_value_before_spark(small_dataset, tmp_path):
+    """What a user meets: download_data (no Spark yet) fails naming file, column, row, value."""
+    broken = tmp_path / "broken"
+    shutil.copytree(small_dataset, broken)
+    lines = _lines(str(broken), "test.csv")
+    cells = lines[5].split(",")
+    cells[4] = "open"
+    lines[5] = ",".join(cells)
+    (broken / "test.csv").write_text("\n".join(lines) + "\n")
+    with pytest.raises(Exception, match=r"test\.csv, column `Open`, row 5 .*cannot read 'open'"):
+        rossmann.download_data(dataset=str(broken))
+    check_dataset(small_dataset)  # the untouched files pass
 
 
 @pytest.mark.parametrize("kind", ["tgz", "zip", "dir"])
@@ -163,6 +274,86 @@ def test_features_keep_every_row_and_flag_validation(spark_local2, small_dataset
     assert vocab["CompetitionMonthsOpen"][-1] == "24" and vocab["Promo2Weeks"][-1] == "25"
     assert limits is not None
     assert 0.02 < baseline_rmspe(train) < 0.5
+    assert vocab["StateHoliday"] == ["false", "true"] and vocab["Store"][:2] == ["1", "2"]
+    assert all(re.fullmatch(r"\d{4}", y) for y in vocab["CompetitionOpenSinceYear"])
+
+    # Open per test row: 0.0 closed, 1.0 and blank open.
+    raw = pd.read_csv(os.path.join(small_dataset, "test.csv"), dtype=str, keep_default_na=False)
+    expected = dict(zip(raw.Id.astype(int), raw.Open.map(parse_number) != 0, strict=True))
+    found = dict(test.select("Id", "Open").collect())
+    assert found == expected and not all(found.values()) and raw.Open.eq("").sum() == 11
+
+
+MIXED_TEST_CSV = """\
+"Id","Store","DayOfWeek","Date","Open","Promo","StateHoliday","SchoolHoliday"
+1,1,4,2015-09-17,1.0,1,"0","0"
+2,"2",4,2015-09-17,0.0,0,0,1
+3,3.0,4,2015-09-17,,1,a,"1"
+4,4,4,"2015-09-17",1,0,"b",0.0
+5,5,4,2015-09-17,0,0,c,1.0
+6,6,4,2015-09-17, 1.0 ,0,0.0,0
+"""
+
+
+@pytest.mark.spark
+def test_spark_reads_every_spelling_by_its_meaning(spark_local2, tmp_path):
+    """Quoted or not, 1 or 1.0 or blank, StateHoliday 0/"0"/0.0/a/b/c: the check accepts the
+    file and Spark reads each column as what it means."""
+    import datetime
+
+    from workflows.rossmann_features import number, read_csv
+
+    (tmp_path / "test.csv").write_text(MIXED_TEST_CSV)
+    check_values(str(tmp_path), "test.csv")
+    rows = read_csv(spark_local2, str(tmp_path), "test.csv").orderBy("Id").collect()
+    assert [r.Store for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r.Open for r in rows] == [True, False, None, True, False, True]  # None: blank
+    assert [r.Promo for r in rows] == [True, False, True, False, False, False]
+    assert [r.StateHoliday for r in rows] == [False, False, True, True, True, False]
+    assert [r.SchoolHoliday for r in rows] == [False, True, True, False, True, False]
+    assert {r.Date for r in rows} == {datetime.date(2015, 9, 17)}
+
+    # number() is parse_number in Spark: the same answer for every spelling.
+    texts = spark_local2.createDataFrame([(t,) for t, _ in NUMBERS] + [(None,)], "t string")
+    found = [r[0] for r in texts.select(number("t")).collect()]
+    assert found == [parse_number(t) for t, _ in NUMBERS] + [None]
+
+
+@pytest.mark.spark
+def test_submission_sales_are_exactly_zero_where_closed(spark_local2):
+    import math
+
+    from workflows.rossmann_features import submission_sales
+
+    df = spark_local2.createDataFrame(
+        [(1, True, 8.5), (2, False, 8.5), (3, None, 8.0)], "Id int, Open boolean, Predicted float"
+    )
+    rows = df.select("Id", submission_sales().alias("Sales")).orderBy("Id").collect()
+    sales = [r.Sales for r in rows]
+    assert sales[1] == 0.0 and math.isclose(sales[0], math.exp(8.5), rel_tol=1e-6)
+    assert math.isclose(sales[2], math.exp(8.0), rel_tol=1e-6)  # blank Open: open
+
+
+def test_summarize_reports_the_closed_test_rows(tmp_path, capsys):
+    from flytekit.types.file import FlyteFile
+
+    model = tmp_path / "model.keras"
+    model.write_bytes(b"model")
+    submission = tmp_path / "submission.csv"
+    submission.write_text("Id,Sales\n1,0.0\n2,5263.2\n3,0.0\n4,0.5\n")
+    result = rossmann.TrainResult(
+        model=FlyteFile(str(model)), history={"val_loss": [1.0]}, best_epoch=1,
+        best_val_rmspe=0.1, val_rmspe=0.1, validation_rows=10, run_id="r1",
+        checkpoint_uri=str(tmp_path / "runs" / "r1" / "checkpoint.keras"),
+    )  # fmt: skip
+    report = rossmann.summarize(
+        result=result, baseline_rmspe=0.2, submission=FlyteFile(str(submission)),
+        work_dir=str(tmp_path),
+    )  # fmt: skip
+    assert (report.test_rows, report.closed_test_rows) == (4, 2)
+    out = capsys.readouterr().out
+    assert "test rows:  4 predicted, 2 of them closed (Sales 0), 2 open" in out
+    assert " beats " in out
 
 
 def test_a_join_that_loses_rows_is_an_error(spark_local2, small_dataset, tmp_path):
@@ -196,9 +387,8 @@ def test_tasks_on_their_own(spark_local2, small_dataset, tmp_path):
     assert os.path.exists(result.checkpoint_uri)
     submission = rossmann.predict(test=prepared.test, result=result, work_dir=work_dir)
     frame = pd.read_csv(submission.download())
-    test_ids = pd.read_csv(os.path.join(small_dataset, "test.csv")).Id
     assert list(frame.columns) == ["Id", "Sales"]
-    assert frame.Id.tolist() == sorted(test_ids.tolist())
+    check_closed_and_open_rows(frame, small_dataset)
 
     # num_proc beyond the session's task slots: the launcher's preflight refuses it.
     with pytest.raises(Exception, match="slots"):
@@ -211,11 +401,26 @@ def test_tasks_on_their_own(spark_local2, small_dataset, tmp_path):
 # -- the workflow --------------------------------------------------------------------------
 
 
+def check_closed_and_open_rows(submission: pd.DataFrame, dataset: str) -> int:
+    """Every test row in the submission: Sales exactly 0 where test.csv says closed (0, 0.0),
+    positive where it says open (1, 1.0) or leaves Open blank. Returns the closed count."""
+    raw = pd.read_csv(os.path.join(dataset, "test.csv"), dtype=str, keep_default_na=False)
+    assert submission.Id.tolist() == sorted(raw.Id.astype(int).tolist())
+    is_open = raw.Open.map(parse_number)
+    sales = submission.set_index("Id").Sales.loc[raw.Id.astype(int)].to_numpy()
+    closed, blank = (is_open == 0).to_numpy(), is_open.isna().to_numpy()
+    assert closed.any() and blank.any(), "the test set lacks closed or blank-Open rows"
+    wrong = raw.Id[closed & (sales != 0)].tolist()
+    assert not wrong, f"closed test rows with Sales other than 0: Ids {wrong[:20]}"
+    wrong = raw.Id[~closed & ~(sales > 0)].tolist()
+    assert not wrong, f"open or blank-Open test rows without a positive Sales: Ids {wrong[:20]}"
+    return int(closed.sum())
+
+
 def _check_report(report, dataset: str) -> pd.DataFrame:
     submission = pd.read_csv(report.submission.download())
-    test_ids = pd.read_csv(os.path.join(dataset, "test.csv")).Id
-    assert submission.Id.tolist() == sorted(test_ids.tolist())
-    assert (submission.Sales >= 0).all()
+    closed = check_closed_and_open_rows(submission, dataset)
+    assert (report.test_rows, report.closed_test_rows) == (len(submission), closed)
     assert report.val_rmspe > 0 and report.baseline_rmspe > 0 and report.validation_rows > 0
     return submission
 
@@ -312,6 +517,11 @@ def test_the_main_job_beats_the_baseline_within_ten_minutes(tmp_path):
     assert elapsed <= 600, f"the main job took {elapsed:.0f} s"
     submission = re.search(r"^submission: (\S+)", out.stdout, re.M).group(1)
     assert submission.startswith(str(tmp_path / "work")) and os.path.exists(submission)
+    # Every closed and every blank-Open test row of the synthetic default (seeded, so written
+    # again here as download_data wrote it), and the count that summarize reports.
+    default = write_synthetic(str(tmp_path / "default"))
+    closed = check_closed_and_open_rows(pd.read_csv(submission), default)
+    assert re.search(rf"^test rows: +\d+ predicted, {closed} of them closed", out.stdout, re.M)
 
 
 def test_launch_plan_and_serialization():

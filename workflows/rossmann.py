@@ -123,6 +123,8 @@ class Report:
     submission_uri: str
     model: FlyteFile
     submission: FlyteFile
+    test_rows: int  # rows of submission.csv, one per test Id
+    closed_test_rows: int  # of which predicted closed (Sales exactly 0)
     history: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -335,11 +337,10 @@ def predict(test: StructuredDataset, result: TrainResult, work_dir: str) -> Flyt
     """Sales for the test rows (0 where the store is closed), as ``submission.csv``
     (``Id,Sales`` sorted by ``Id``), also written to the run's folder in the Store."""
     import pyspark
-    from pyspark.sql import functions as F
 
     from flyte_hvd.data.store import Store
     from flyte_hvd.estimators.keras import KerasModel
-    from workflows.rossmann_features import FEATURE_COLS
+    from workflows.rossmann_features import FEATURE_COLS, submission_sales
     from workflows.rossmann_model import CUSTOM_OBJECTS
 
     df = test.open(pyspark.sql.DataFrame).all()
@@ -351,8 +352,8 @@ def predict(test: StructuredDataset, result: TrainResult, work_dir: str) -> Flyt
             custom_objects=CUSTOM_OBJECTS,
             run_id=result.run_id,
         ).setOutputCols(["Predicted"])
-    sales = F.when(F.col("Open") == F.lit(False), F.lit(0.0)).otherwise(F.exp("Predicted"))
-    submission = model.transform(df).select("Id", sales.alias("Sales")).orderBy("Id").toPandas()
+    predicted = model.transform(df).select("Id", submission_sales().alias("Sales"))
+    submission = predicted.orderBy("Id").toPandas()
     path = os.path.join(current_context().working_directory, "submission.csv")
     submission.to_csv(path, index=False, float_format="%.1f")
     store = Store.create(work_dir)
@@ -368,9 +369,14 @@ def _submission_uri(store, run_id: str) -> str:
 def summarize(
     result: TrainResult, baseline_rmspe: float, submission: FlyteFile, work_dir: str
 ) -> Report:
-    """One line to compare with the baseline, and where the outputs are."""
+    """One line to compare with the baseline, how many test rows were predicted closed (a
+    glance catches a pipeline that reads no store as closed), and where the outputs are."""
+    import pandas as pd
+
     from flyte_hvd.data.store import Store
 
+    sales = pd.read_csv(submission.download()).Sales
+    closed = int((sales == 0).sum())
     store = Store.create(work_dir)
     submission_uri = _submission_uri(store, result.run_id)
     verdict = "beats" if result.val_rmspe < baseline_rmspe else "does NOT beat"
@@ -378,6 +384,8 @@ def summarize(
         f"validation RMSPE {result.val_rmspe:.4f} (best epoch {result.best_epoch}) {verdict} "
         f"the per-store, per-weekday median baseline's {baseline_rmspe:.4f} on the same "
         f"{result.validation_rows} rows\n"
+        f"test rows:  {len(sales)} predicted, {closed} of them closed (Sales 0), "
+        f"{len(sales) - closed} open\n"
         f"model:      {result.checkpoint_uri}\n"
         f"submission: {submission_uri}\n"
         f"logs:       {store.get_logs_path(result.run_id)}  (tensorboard --logdir ...)"
@@ -391,6 +399,8 @@ def summarize(
         submission_uri=submission_uri,
         model=result.model,
         submission=submission,
+        test_rows=len(sales),
+        closed_test_rows=closed,
         history=result.history,
     )
 

@@ -23,26 +23,10 @@ import zipfile
 import numpy as np
 import pandas as pd
 
-SCHEMA: dict[str, list[str]] = {
-    "train.csv": ["Store", "DayOfWeek", "Date", "Sales", "Customers", "Open", "Promo",
-                  "StateHoliday", "SchoolHoliday"],
-    "test.csv": ["Id", "Store", "DayOfWeek", "Date", "Open", "Promo", "StateHoliday",
-                 "SchoolHoliday"],
-    "store.csv": ["Store", "StoreType", "Assortment", "CompetitionDistance",
-                  "CompetitionOpenSinceMonth", "CompetitionOpenSinceYear", "Promo2",
-                  "Promo2SinceWeek", "Promo2SinceYear", "PromoInterval"],
-    "store_states.csv": ["Store", "State"],
-    "state_names.csv": ["StateName", "State"],
-    "googletrend.csv": ["file", "week", "trend"],
-    "weather.csv": ["file", "Date", "Max_TemperatureC", "Mean_TemperatureC",
-                    "Min_TemperatureC", "Dew_PointC", "MeanDew_PointC", "Min_DewpointC",
-                    "Max_Humidity", "Mean_Humidity", "Min_Humidity",
-                    "Max_Sea_Level_PressurehPa", "Mean_Sea_Level_PressurehPa",
-                    "Min_Sea_Level_PressurehPa", "Max_VisibilityKm", "Mean_VisibilityKm",
-                    "Min_VisibilitykM", "Max_Wind_SpeedKm_h", "Mean_Wind_SpeedKm_h",
-                    "Max_Gust_SpeedKm_h", "Precipitationmm", "CloudCover", "Events",
-                    "WindDirDegrees"],
-}  # fmt: skip
+from workflows.rossmann_formats import FORMATS, unreadable
+
+# Each file's columns, in the file's order (their formats: ``rossmann_formats.FORMATS``).
+SCHEMA: dict[str, list[str]] = {name: list(columns) for name, columns in FORMATS.items()}
 
 TRAIN_START, TRAIN_END = "2013-01-01", "2015-07-31"
 TEST_START, TEST_END = "2015-08-01", "2015-09-17"
@@ -124,7 +108,8 @@ def _extract(archive: str, source: str, dest: str) -> None:
 
 
 def check_dataset(directory: str) -> None:
-    """Every file of ``SCHEMA`` exists in ``directory`` with (at least) its columns."""
+    """Every file of ``SCHEMA`` exists in ``directory`` with (at least) its columns, and every
+    value of those columns reads as its ``FORMATS`` entry says (quoted or not)."""
     missing = [name for name in SCHEMA if not os.path.isfile(os.path.join(directory, name))]
     if missing:
         raise DatasetError(
@@ -140,6 +125,29 @@ def check_dataset(directory: str) -> None:
                 f"{name} lacks the column(s) {absent}; it has {header}. The file must have "
                 f"the columns {columns}."
             )
+        check_values(directory, name)
+
+
+def check_values(directory: str, name: str) -> None:
+    """Fail on the first value of ``name`` that its column's format cannot read, naming the
+    file, the column, the row and the value."""
+    formats = FORMATS[name]
+    frame = pd.read_csv(
+        os.path.join(directory, name), dtype=str, keep_default_na=False, usecols=list(formats)
+    )
+    for column, fmt in formats.items():
+        bad = unreadable(frame[column], fmt)
+        if not bad.any():
+            continue
+        index = int(bad.to_numpy().argmax())
+        others = int(bad.sum()) - 1
+        blank = " or blank" if fmt.blank else ""
+        raise DatasetError(
+            f"{name}, column `{column}`, row {index + 1} (the header is row 0): cannot read "
+            f"{frame[column].iloc[index]!r}; expected {fmt.kind.expected}{blank}"
+            + (f" ({others} more value(s) in this column cannot be read either)" if others else "")
+            + f". Correct {name} and run again."
+        )
 
 
 # -- the synthetic dataset ---------------------------------------------------------------------
@@ -158,32 +166,56 @@ def write_synthetic(dest: str, stores: int = 45, seed: int = 0) -> str:
     train = frame[frame.Date <= pd.Timestamp(TRAIN_END)].copy()
     test = frame[frame.Date >= pd.Timestamp(TEST_START)].reset_index(drop=True)
     test = test.assign(Id=np.arange(1, len(test) + 1))
-    test.loc[rng.random(len(test)) < 0.002, "Open"] = np.nan  # the real test set has gaps
-
-    def write(name: str, df: pd.DataFrame) -> None:
-        df.to_csv(os.path.join(dest, name), index=False, columns=SCHEMA[name])
-
+    # The real test.csv leaves Open blank on 11 days of one store (store 622), days it was open.
+    gaps = test[(test.Store == rng.integers(1, stores + 1)) & (test.Open == 1)].index[:11]
+    test["Open"] = test.Open.astype(float).mask(test.index.isin(gaps))
     for df in (train, test):
         df["Date"] = df.Date.dt.strftime("%Y-%m-%d")
-    write(
-        "train.csv",
-        train.sort_values(["Date", "Store"], ascending=[False, True]).astype({"Open": "Int64"}),
-    )
-    write("test.csv", test.astype({"Open": "Int64"}))
-    write(
-        "store.csv",
-        store.astype(
-            {c: "Int64" for c in store.columns if c.endswith(("Month", "Year", "Week", "Distance"))}
-        ),
-    )
-    write("store_states.csv", states)
-    write(
-        "state_names.csv", pd.DataFrame({"StateName": list(STATES), "State": list(STATES.values())})
-    )
-    write("googletrend.csv", trend.assign(week=trend.week_label))
-    write("weather.csv", weather.assign(Date=weather.Date.dt.strftime("%Y-%m-%d")))
+    train = train.sort_values(["Date", "Store"], ascending=[False, True])
+    years = [c for c in store.columns if c.endswith(("Month", "Year", "Week", "Distance"))]
+
+    # Each file as the real one writes it: the Kaggle files quote their header and their text
+    # values (train.csv also its holiday columns: "0", "a"), test.csv writes Open as 1.0, 0.0
+    # or blank and StateHoliday unquoted (0, a), the fast.ai files quote only what holds a comma.
+    def write(name: str, df: pd.DataFrame, quoted: tuple[str, ...] = (), kaggle: bool = True):
+        _write_csv(os.path.join(dest, name), df[SCHEMA[name]], quoted, quote_header=kaggle)
+
+    write("train.csv", train, quoted=("StateHoliday", "SchoolHoliday"))
+    write("test.csv", test)
+    texts = ("StoreType", "Assortment", "PromoInterval")
+    write("store.csv", store.astype(dict.fromkeys(years, "Int64")), quoted=texts)
+    write("store_states.csv", states, kaggle=False)
+    names = pd.DataFrame({"StateName": list(STATES), "State": list(STATES.values())})
+    write("state_names.csv", names, kaggle=False)
+    write("googletrend.csv", trend.assign(week=trend.week_label), kaggle=False)
+    write("weather.csv", weather.assign(Date=weather.Date.dt.strftime("%Y-%m-%d")), kaggle=False)
     check_dataset(dest)
     return dest
+
+
+def _write_csv(path: str, df: pd.DataFrame, quoted: tuple[str, ...], quote_header: bool) -> None:
+    """``df`` as CSV: whole numbers as 7, floats as 7.0 or 5.08 (never -0.0), missing values
+    blank; the ``quoted`` columns (and the header when ``quote_header``) in double quotes, any
+    other value only when it holds a comma or a quote."""
+
+    def quote(text: pd.Series, always: bool) -> pd.Series:
+        needs = text.str.contains('[,"\n]') | always
+        return text.where(~needs, '"' + text.str.replace('"', '""') + '"')
+
+    columns = []
+    for name in df.columns:
+        values = df[name]
+        if pd.api.types.is_float_dtype(values):
+            text = values.map(lambda v: "" if pd.isna(v) else repr(float(v) + 0.0))
+        else:
+            text = values.astype(object).where(values.notna(), "").astype(str)
+        columns.append(quote(text, name in quoted))
+    header = quote(pd.Series(list(df.columns)), quote_header)
+    with open(path, "w", newline="") as f:
+        f.write(",".join(header) + "\n")
+        if len(df):
+            lines = columns[0].str.cat(columns[1:], sep=",")
+            f.write("\n".join(lines) + "\n")
 
 
 def _stores(rng: np.random.Generator, n: int) -> pd.DataFrame:
@@ -214,8 +246,11 @@ def _weather(rng: np.random.Generator) -> pd.DataFrame:
     season = np.cos(2 * np.pi * (days.dayofyear.to_numpy() - 200) / 365.25)
     frames = []
     for name in STATES:
-        mean = np.round(10 + 9 * season + rng.normal(0, 3, len(days)))
+        # Whole degrees, percent and km/h as in the real file; gusts, cloud cover (both with
+        # gaps), visibility and rain are written as floats.
+        mean = np.round(10 + 9 * season + rng.normal(0, 3, len(days))).astype(int)
         humidity = np.clip(np.round(75 - 10 * season + rng.normal(0, 8, len(days))), 20, 100)
+        humidity = humidity.astype(int)
         rain = np.round(np.maximum(0, rng.normal(0, 4, len(days))), 2)
         cloud = np.clip(np.round(4 + rain / 2 + rng.normal(0, 1.5, len(days))), 0, 8)
         events = np.select(
@@ -223,7 +258,7 @@ def _weather(rng: np.random.Generator) -> pd.DataFrame:
             ["Rain-Thunderstorm", "Rain", "Snow"],
             "",
         )
-        wind = np.round(np.abs(rng.normal(12, 5, len(days))))
+        wind = np.round(np.abs(rng.normal(12, 5, len(days)))).astype(int)
         frames.append(
             pd.DataFrame(
                 {
@@ -255,7 +290,7 @@ def _weather(rng: np.random.Generator) -> pd.DataFrame:
             )
         )
     weather = pd.concat(frames, ignore_index=True)
-    weather["CloudCover"] = weather.CloudCover.astype("Int64").mask(rng.random(len(weather)) < 0.05)
+    weather["CloudCover"] = weather.CloudCover.mask(rng.random(len(weather)) < 0.05)
     return weather
 
 
@@ -302,6 +337,8 @@ def _daily(
     grid["Promo"] = ((week % 2 == 0) & (dow <= 5)).astype(int)
     holiday_days = rng.choice(days, size=30, replace=False)
     kinds = rng.choice(["a", "a", "a", "b", "c"], size=len(holiday_days))
+    # One public holiday falls in the test period, as 2015-08-15 does in some states.
+    holiday_days[0], kinds[0] = rng.choice(days[days >= pd.Timestamp(TEST_START)]), "a"
     grid["StateHoliday"] = (
         grid.Date.map(dict(zip(holiday_days, kinds, strict=True))).fillna("0").astype(str)
     )

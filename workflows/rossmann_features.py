@@ -12,9 +12,11 @@ from __future__ import annotations
 import datetime
 import os
 
-from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
+
+from workflows.rossmann_formats import DATE, FLAG, FORMATS, HOLIDAY, REAL, WHOLE
 
 CATEGORICAL_COLS = [
     "Store", "State", "DayOfWeek", "Year", "Month", "Day", "Week", "CompetitionMonthsOpen",
@@ -37,8 +39,37 @@ class LostRowsError(RuntimeError):
 
 
 def read_csv(spark: SparkSession, directory: str, name: str) -> DataFrame:
-    """A CSV file as Spark reads it in the tutorial: header row, every value a string."""
-    return spark.read.csv(os.path.join(directory, name), header=True, inferSchema=False)
+    """A CSV file read as the tutorial reads it (header row, every value a string), then each
+    column by its meaning (``typed``)."""
+    df = spark.read.csv(os.path.join(directory, name), header=True, inferSchema=False)
+    return typed(df, name)
+
+
+def number(col: str | Column) -> Column:
+    """``rossmann_formats.parse_number`` as a Spark expression: a double from ``1``, ``1.0`` or
+    `` 1.0 ``; null from a blank. (``check_dataset`` has refused anything else before Spark.)"""
+    return F.trim(F.col(col) if isinstance(col, str) else col).try_cast(T.DoubleType())
+
+
+def typed(df: DataFrame, name: str) -> DataFrame:
+    """The columns of file ``name`` by their ``FORMATS``, whatever their spelling: whole numbers
+    as int, numbers as double, 0/1 flags as boolean, ``StateHoliday`` as boolean (a, b, c are
+    holidays; 0 is none), dates as date; a blank is null. Other columns stay text."""
+    for col, fmt in FORMATS[name].items():
+        if fmt.kind is WHOLE:
+            value = number(col).cast(T.IntegerType())
+        elif fmt.kind is REAL:
+            value = number(col)
+        elif fmt.kind is FLAG:
+            value = number(col) != 0
+        elif fmt.kind is HOLIDAY:
+            value = F.trim(col).isin("a", "b", "c")
+        elif fmt.kind is DATE:
+            value = F.to_date(F.trim(col), "yyyy-MM-dd")
+        else:
+            continue
+        df = df.withColumn(col, value)
+    return df
 
 
 def prepare_frames(
@@ -92,13 +123,10 @@ def prepare_frames(
 def _joined(spark: SparkSession, directory: str, df: DataFrame, name: str) -> DataFrame:
     """Daily rows with store, state, trend and weather columns; no row may be lost."""
     expected = df.count()
-    df = _expand_date(df.withColumn("Date", F.to_date("Date")))
-    df = (
-        df.withColumn("Open", F.col("Open") != "0")
-        .withColumn("Promo", F.col("Promo") != "0")
-        .withColumn("StateHoliday", F.col("StateHoliday") != "0")
-        .withColumn("SchoolHoliday", F.col("SchoolHoliday") != "0")
-    )
+    df = _expand_date(df)
+    # A blank Open (11 rows of the real test.csv, all of one store) means open: the competition's
+    # convention, as those days were ordinary trading days; Kaggle scores closed days as 0 sales.
+    df = df.withColumn("Open", F.coalesce(F.col("Open"), F.lit(True)))
     store = read_csv(spark, directory, "store.csv").join(
         read_csv(spark, directory, "store_states.csv"), "Store"
     )
@@ -119,13 +147,11 @@ def _joined(spark: SparkSession, directory: str, df: DataFrame, name: str) -> Da
 
     df = (
         df.withColumn(
-            "CompetitionOpenSinceYear", F.coalesce("CompetitionOpenSinceYear", F.lit("1900"))
+            "CompetitionOpenSinceYear", F.coalesce("CompetitionOpenSinceYear", F.lit(1900))
         )
-        .withColumn(
-            "CompetitionOpenSinceMonth", F.coalesce("CompetitionOpenSinceMonth", F.lit("1"))
-        )
-        .withColumn("Promo2SinceYear", F.coalesce("Promo2SinceYear", F.lit("1900")))
-        .withColumn("Promo2SinceWeek", F.coalesce("Promo2SinceWeek", F.lit("1")))
+        .withColumn("CompetitionOpenSinceMonth", F.coalesce("CompetitionOpenSinceMonth", F.lit(1)))
+        .withColumn("Promo2SinceYear", F.coalesce("Promo2SinceYear", F.lit(1900)))
+        .withColumn("Promo2SinceWeek", F.coalesce("Promo2SinceWeek", F.lit(1)))
     )
     # Months a competitor has been open and weeks of promo2, capped at 24 and 25.
     competition_since = F.make_date(
@@ -230,6 +256,13 @@ def _cast(df: DataFrame, cols: list[str]) -> DataFrame:
     for col in cols:
         df = df.withColumn(col, F.coalesce(F.col(col).cast(T.FloatType()), F.lit(0.0)))
     return df
+
+
+def submission_sales(open_col: str = "Open", predicted: str = "Predicted") -> Column:
+    """The sale to submit: exactly 0 where the store is closed, else the model's sale (the exp
+    of its log-sales prediction, so always > 0). A null ``Open`` counts as open, the
+    convention for test.csv's blanks."""
+    return F.when(~F.col(open_col), F.lit(0.0)).otherwise(F.exp(F.col(predicted)))
 
 
 def baseline_rmspe(train_df: DataFrame) -> float:

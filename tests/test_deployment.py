@@ -83,15 +83,28 @@ def test_cpu_installs_take_the_cpu_torch_and_no_cuda():
         assert not cuda, f"{path} pulls CUDA packages: {cuda}"
     assert "tensorflow-cpu" in read_lock("lock/dev.txt")
     assert "tensorflow" in read_lock("lock/image.txt")
+
+
+def test_gpu_image_takes_a_cuda_torch_beside_tensorflows_cuda():
+    """PyPI's Linux torch wheel is the CUDA build: no local version, its CUDA 13 libraries as
+    nvidia-*-cu13 wheels, beside the CUDA 12 ones of tensorflow[and-cuda]."""
     gpu = read_lock("lock/image-gpu.txt")
-    assert gpu["torch"].endswith("+cpu")
+    assert "+" not in gpu["torch"], f"lock/image-gpu.txt pins torch=={gpu['torch']}"
+    assert {"nvidia-cudnn-cu13", "nvidia-nccl-cu13", "triton"} <= set(gpu)
     assert {"nvidia-cudnn-cu12", "nvidia-cublas-cu12", "tensorflow"} <= set(gpu)
+    assert "tensorflow-cpu" not in gpu
+    # The GPU build must not see the CPU index: its 2.13.0+cpu also matches `torch==2.13.0`.
+    gpu_build = re.search(r"--build-arg LOCK_FILE=lock/image-gpu\.txt \\\n#\s+(.*)", DOCKERFILE)
+    assert gpu_build, "the Dockerfile's header must show the GPU build command"
+    assert "--build-arg TORCH_INDEX_URL=https://pypi.org/simple" in gpu_build[1]
 
 
 def test_the_three_installs_agree_on_shared_packages():
-    dev, image, gpu = (read_lock(path) for path in sorted(LOCKS))
-    for name in ("pyspark", "flytekit", "mpich", "mpi4py", "numpy", "pyarrow", "torch"):
+    dev, image, gpu = map(read_lock, ("lock/dev.txt", "lock/image.txt", "lock/image-gpu.txt"))
+    for name in ("pyspark", "flytekit", "mpich", "mpi4py", "numpy", "pyarrow"):
         assert dev[name] == image[name] == gpu[name], name
+    # One torch release; the GPU image's is the CUDA build of it.
+    assert dev["torch"] == image["torch"] == f"{gpu['torch']}+cpu"
 
 
 def test_make_setup_installs_from_the_lock_and_make_lock_regenerates_it():

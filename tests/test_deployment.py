@@ -109,15 +109,74 @@ def test_the_three_installs_agree_on_shared_packages():
 
 def test_make_setup_installs_from_the_lock_and_make_lock_regenerates_it():
     makefile = (REPO / "Makefile").read_text()
-    install = re.search(r"pip install -q -c lock/dev.txt -e \"\.\[([^\]]+)\]\"", makefile)
-    assert install, "the set-up rule must install with `-c lock/dev.txt`"
-    assert tuple(install[1].split(",")) == LOCKS["lock/dev.txt"][0]
-    assert re.search(r"^\$\(STAMP\): .*lock/dev.txt", makefile, re.M)
+    rule = re.search(r"^\$\(STAMP\): (.*)\n((?:\t.*\n)+)", makefile, re.M)
+    assert rule and "lock/dev.txt" in rule[1]
+    assert "\tscripts/install.sh $(PY)\n" in rule[2], "the set-up rule must run scripts/install.sh"
+    extras = re.search(r'^extras="([^"]+)"$', (REPO / "scripts" / "install.sh").read_text(), re.M)
+    assert extras and tuple(extras[1].split(",")) == LOCKS["lock/dev.txt"][0]
     assert re.search(r"^lock:\n(\t.*\n)*\t.*scripts/lock\.sh", makefile, re.M)
     script = (REPO / "scripts" / "lock.sh").read_text()
     for path, (extras, _) in LOCKS.items():
         flags = " ".join(f"--extra {extra}" for extra in extras)
         assert re.search(rf"{re.escape(flags)} -o {re.escape(path)}", script), path
+
+
+def _fake_wheel(folder: Path, name: str, version: str) -> Path:
+    """An installable (empty) wheel: what pip needs to find a pinned version in a folder."""
+    dist = f"{name}-{version}.dist-info"
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr(
+            f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        )
+        wheel.writestr(
+            f"{dist}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        wheel.writestr(f"{dist}/RECORD", "")
+    return path
+
+
+def install_commands(find_links: Path) -> subprocess.CompletedProcess:
+    """The pip commands `make setup` runs (scripts/install.sh --print), with pip configured
+    only by this test: one find-links folder and an index where nothing listens, so any
+    attempt to download fails instead of reaching the internet."""
+    env = {
+        **os.environ,
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_FIND_LINKS": str(find_links),
+        "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+        "PIP_RETRIES": "0",
+    }
+    return subprocess.run(
+        [str(REPO / "scripts" / "install.sh"), sys.executable, "--print"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_make_setup_takes_torch_from_a_local_wheel_when_pip_finds_one(tmp_path):
+    version = read_lock("lock/dev.txt")["torch"]
+    _fake_wheel(tmp_path, "torch", version)
+    result = install_commands(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"{sys.executable} -m pip install -q -c lock/dev.txt -e .[tf-cpu,torch,dev]"
+    ]
+    assert "from a local find-links folder" in result.stderr
+
+
+def test_make_setup_takes_torch_alone_from_the_pytorch_cpu_index_without_a_local_wheel(tmp_path):
+    _fake_wheel(tmp_path, "torch", "2.0.0")  # a folder with another torch does not count
+    version = read_lock("lock/dev.txt")["torch"]
+    result = install_commands(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"{sys.executable} -m pip install -q --no-deps --index-url "
+        f"https://download.pytorch.org/whl/cpu torch=={version}",
+        f"{sys.executable} -m pip install -q -c lock/dev.txt -e .[tf-cpu,torch,dev]",
+    ]
 
 
 def test_this_environment_is_the_locked_one():

@@ -618,7 +618,6 @@ def test_sandbox_puts_execution_objects_and_flyte_configuration_in_their_namespa
         "RoleBinding",
         "Secret",
         "NetworkPolicy",
-        "PodTemplate",
     }
     assert ("ConfigMap", "flyte-sandbox-extra-config", "flyte") in objects
     binding = objects[("RoleBinding", "spark-driver", "flytesnacks-development")]
@@ -707,31 +706,76 @@ def test_sandbox_spark_defaults_repeat_every_base_key():
     assert sandbox["spark.hadoop.fs.s3a.path.style.access"] == "true"
 
 
-def test_gpu_pod_template_serves_as_a_horovod_spark_executor_pod():
-    from flytekit import PodTemplate
-    from flytekit.configuration import Image, ImageConfig, SerializationSettings
-    from kubernetes.client import ApiClient, V1PodSpec
+def spark_application_conf(custom: dict, defaults_path: Path) -> dict[str, str]:
+    """The sparkConf of the SparkApplication that Flyte 1.16's Spark plugin builds from a task's
+    custom (flyteplugins/go/tasks/plugins/k8s/spark/spark.go, getSparkConfig): the propeller
+    defaults, then executorPath as the Python of driver and executors, then the task's
+    sparkConf (the plugin's feature flags, spark.flyte.*.enabled, are not used here)."""
+    conf = dict(spark_defaults(defaults_path))
+    if custom.get("executorPath"):
+        conf["spark.pyspark.python"] = conf["spark.pyspark.driver.python"] = custom["executorPath"]
+    conf.update(custom.get("sparkConf", {}))
+    return conf
 
+
+PROPELLER_DEFAULTS = [
+    K8S / "flytepropeller" / "spark-plugin.yaml",
+    K8S / "overlays" / "sandbox" / "flyte" / "spark-plugin.yaml",
+]
+
+
+def serialized(task) -> dict:
+    from flytekit.configuration import Image, ImageConfig, SerializationSettings
+
+    settings = SerializationSettings(
+        image_config=ImageConfig(default_image=Image(name="default", fqn="flyte-hvd", tag="1"))
+    )
+    return task.get_custom(settings)
+
+
+@pytest.mark.parametrize("defaults", PROPELLER_DEFAULTS, ids=lambda p: str(p.relative_to(K8S)))
+def test_spark_applications_map_the_s3_scheme_to_s3a(defaults):
+    """Flyte hands Spark DataFrames between tasks at s3:// URIs that Spark itself reads and
+    writes: without fs.s3.impl, Hadoop has `No FileSystem for scheme "s3"`."""
+    from workflows.rossmann import prepare
+
+    conf = spark_application_conf(serialized(prepare), defaults)
+    assert conf["spark.hadoop.fs.s3.impl"] == "org.apache.hadoop.fs.s3a.S3AFileSystem"
+    assert conf["spark.hadoop.fs.AbstractFileSystem.s3.impl"] == "org.apache.hadoop.fs.s3a.S3A"
+    assert conf["spark.hadoop.fs.s3a.impl"] == "org.apache.hadoop.fs.s3a.S3AFileSystem"
+
+
+@pytest.mark.parametrize("defaults", PROPELLER_DEFAULTS, ids=lambda p: str(p.relative_to(K8S)))
+def test_gpu_task_spark_application_mounts_a_memory_dev_shm_through_spark_settings(defaults):
+    """Flyte 1.16's Spark plugin copies no volumes from a pod template, and refuses one whose
+    primary container name is not in its pod (`container [primary] not defined`): the GPU
+    executors' /dev/shm and node selector are Spark's own settings, and nothing ships a
+    pod template."""
     from flyte_hvd.flyte import HorovodSpark
     from flyte_hvd.flyte.task import HorovodSparkFunctionTask
-
-    (manifest,) = load_all(K8S / "base" / "gpu-executor-podtemplate.yaml")
-    spec = ApiClient()._ApiClient__deserialize(manifest["template"]["spec"], V1PodSpec)
-    pod = PodTemplate(pod_spec=spec, primary_container_name="primary")
 
     def body() -> None:
         return None
 
-    config = HorovodSpark(num_proc=2, gpus_per_rank=1, executor_pod=pod)
-    task = HorovodSparkFunctionTask(task_config=config, task_function=body)
-    settings = SerializationSettings(
-        image_config=ImageConfig(default_image=Image(name="default", fqn="flyte-hvd", tag="1"))
-    )
-    custom = task.get_custom(settings)
-    assert custom["sparkConf"]["spark.executor.resource.gpu.amount"] == "1"
-    assert custom["sparkConf"]["spark.executor.resource.gpu.vendor"] == "nvidia.com"
-    executor = custom["executorPod"]["podSpec"]
-    assert executor["tolerations"] == [
-        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
-    ]
-    assert executor["volumes"][0]["emptyDir"]["medium"] == "Memory"
+    config = HorovodSpark(num_proc=2, gpus_per_rank=1)
+    custom = serialized(HorovodSparkFunctionTask(task_config=config, task_function=body))
+    assert not custom.get("executorPod") and not custom.get("driverPod")
+    conf = spark_application_conf(custom, defaults)
+    volume = "spark.kubernetes.executor.volumes.emptyDir.dshm"
+    assert conf[f"{volume}.mount.path"] == "/dev/shm"
+    assert conf[f"{volume}.options.medium"] == "Memory"
+    assert re.fullmatch(r"\d+Gi", conf[f"{volume}.options.sizeLimit"])
+    assert conf["spark.kubernetes.executor.node.selector.nvidia.com/gpu.present"] == "true"
+    assert conf["spark.executor.resource.gpu.amount"] == "1"
+    assert conf["spark.executor.resource.gpu.vendor"] == "nvidia.com"
+    assert conf["spark.executor.resource.gpu.discoveryScript"] == "/opt/spark/gpu-discovery.sh"
+    # A CPU task gets none of it.
+    cpu = HorovodSparkFunctionTask(task_config=HorovodSpark(num_proc=2), task_function=body)
+    assert not any(key.startswith(volume) for key in serialized(cpu)["sparkConf"])
+
+
+def test_no_manifest_ships_a_pod_template():
+    for path in sorted(K8S.rglob("*.yaml")):
+        text = path.read_text()
+        assert "primaryContainerName" not in text, path
+        assert all(doc.get("kind") != "PodTemplate" for doc in load_all(path)), path

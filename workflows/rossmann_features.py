@@ -16,6 +16,8 @@ from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from workflows.driver_csv import read_csv_on_driver
+
 CATEGORICAL_COLS = [
     "Store", "State", "DayOfWeek", "Year", "Month", "Day", "Week", "CompetitionMonthsOpen",
     "Promo2Weeks", "StoreType", "Assortment", "PromoInterval", "CompetitionOpenSinceYear",
@@ -37,8 +39,9 @@ class LostRowsError(RuntimeError):
 
 
 def read_csv(spark: SparkSession, directory: str, name: str) -> DataFrame:
-    """A CSV file as Spark reads it in the tutorial: header row, every value a string."""
-    return spark.read.csv(os.path.join(directory, name), header=True, inferSchema=False)
+    """A CSV file as Spark reads it in the tutorial: header row, every value a string. Read on
+    the driver, whose disk holds ``directory`` (``driver_csv``)."""
+    return read_csv_on_driver(spark, os.path.join(directory, name))
 
 
 def prepare_frames(

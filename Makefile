@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup lock test run demo lint format bench
+.PHONY: setup lock test run demo lint format bench cluster
 
 # lock/dev.txt pins every package of this install (`make lock` regenerates it from
 # pyproject.toml). Its torch is the CPU build (2.13.0+cpu), which PyPI does not carry:
@@ -39,6 +39,11 @@ run: setup
 demo: setup
 	$(VENV)/bin/flyte-hvd-run -np 2 python examples/data_parallel_regression.py
 	$(PY) examples/spark_data_parallel.py
+
+# A Spark cluster of simulated hosts sharing only S3 (root, unshare), with a shell on its
+# driver host; exiting the shell stops it. tests/cluster_harness.py says what is simulated.
+cluster: setup
+	PY=$(PY) scripts/cluster.sh
 
 lint: setup
 	$(PY) -m ruff check .

@@ -3,13 +3,16 @@
 # (where the ranks run) all use it.
 #
 #   docker build -t REGISTRY/flyte-hvd:TAG .                       CPU (tensorflow, torch CPU)
-#   docker build -t REGISTRY/flyte-hvd:TAG-gpu --build-arg LOCK_FILE=lock/image-gpu.txt .
-#                                                                    GPU (tensorflow[and-cuda])
+#   docker build -t REGISTRY/flyte-hvd:TAG-gpu --build-arg LOCK_FILE=lock/image-gpu.txt \
+#       --build-arg TORCH_INDEX_URL=https://pypi.org/simple .
+#                                    GPU (tensorflow[and-cuda], PyPI's CUDA torch)
 #
 # Every Python package comes from a lock file in lock/ (`make lock` regenerates them):
-# lock/image.txt is `.[tf,torch]`, lock/image-gpu.txt adds tensorflow[and-cuda] (the CUDA
-# and cuDNN libraries as nvidia-* wheels, so the base image needs no CUDA). torch is the CPU
-# build in both, from the PyTorch CPU index.
+# lock/image.txt is `.[tf,torch]` with the CPU build of torch from the PyTorch CPU index.
+# lock/image-gpu.txt adds tensorflow[and-cuda] and takes PyPI's torch, which is the CUDA build
+# (CUDA 13: nodes need an NVIDIA driver >= 580); the CUDA and cuDNN libraries of both come as
+# nvidia-* wheels, so the base image needs no CUDA. The GPU build must not add the CPU index:
+# `torch==2.13.0` also matches `2.13.0+cpu`, which pip would prefer.
 
 # Debian 12: the last Debian with a Java 17 package (Spark 4 runs on 17 or 21).
 FROM python:3.11.14-slim-bookworm AS base

@@ -4,17 +4,17 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup lock test check run demo lint format bench
+.PHONY: setup lock test check run demo lint format bench cluster
 
 # lock/dev.txt pins every package of this install (`make lock` regenerates it from
-# pyproject.toml). Its torch is the CPU build (2.13.0+cpu), which PyPI does not carry: pip
-# takes it from a `find-links` folder that holds it, else run
-# `PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make setup`.
-$(STAMP): pyproject.toml lock/dev.txt
+# pyproject.toml). Its torch is the CPU build (2.13.0+cpu), which PyPI does not carry:
+# scripts/install.sh takes it from a `find-links` folder pip is configured with when one holds
+# it, else from the PyTorch CPU index (that one package); everything else comes from PyPI.
+$(STAMP): pyproject.toml lock/dev.txt scripts/install.sh
 	@scripts/check_java.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c lock/dev.txt -e ".[tf-cpu,torch,dev]"
+	scripts/install.sh $(PY)
 	@touch $(STAMP)
 
 setup: $(STAMP)
@@ -46,6 +46,11 @@ run: setup
 demo: setup
 	$(VENV)/bin/flyte-hvd-run -np 2 python examples/data_parallel_regression.py
 	$(PY) examples/spark_data_parallel.py
+
+# A Spark cluster of simulated hosts sharing only S3 (root, unshare), with a shell on its
+# driver host; exiting the shell stops it. tests/cluster_harness.py says what is simulated.
+cluster: setup
+	PY=$(PY) scripts/cluster.sh
 
 lint: setup
 	$(PY) -m ruff check .

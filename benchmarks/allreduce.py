@@ -8,7 +8,11 @@ Two ranks, float32, 4 KB to 256 MB, all measured in this one run:
 - copy: numpy copy of the same buffer in one process (the memory limit);
 - gloo: ``torch.distributed`` gloo ``all_reduce`` (only when torch is importable);
 - fusion: 200 float32 arrays of 25 MB in total through ``grouped_allreduce`` against one
-  ``allreduce`` of a single 25 MB buffer.
+  ``allreduce`` of a single 25 MB buffer;
+- two hosts: raw mpi4py ``Allreduce`` of 2 ranks on two simulated hosts (each rank in its own
+  mount and UTS namespaces, as tests/cluster_harness.py's hosts), MPICH forced onto TCP
+  (libfabric's tcp provider on loopback, no shared memory), beside the same 2 ranks on one
+  host with the same TCP settings. Needs root and ``unshare``; skipped (None) otherwise.
 Prints a table and ends with one JSON line.
 """
 
@@ -17,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -189,6 +195,73 @@ def _run_raw(sizes: list[int]) -> dict:
             return {int(k): v for k, v in json.load(f).items()}
 
 
+# MPICH across simulated hosts (tests/cluster_harness.py): no shared memory, libfabric TCP.
+MPI_TCP_ENV = {
+    "MPIR_CVAR_NOLOCAL": "1",
+    "MPIR_CVAR_CH4_NETMOD": "ofi",
+    "FI_PROVIDER": "tcp",
+    "FI_TCP_IFACE": "lo",
+}
+# hydra's ssh launcher runs `LAUNCHER [ssh options] HOST COMMAND...`: this one starts the
+# command on a simulated host named after HOST's last octet, with a private /tmp.
+_NAMESPACE_LAUNCHER = """#!/bin/sh
+while [ "${1#-}" != "$1" ]; do shift; done
+host=$1; shift
+exec unshare --mount --uts --propagation private sh -c \\
+  'hostname "sim-host-$0"; mount -t tmpfs tmpfs /tmp; exec sh -c "$*"' "${host##*.}" "$@"
+"""
+
+
+def _run_raw_tcp(sizes: list[int], two_hosts: bool) -> dict | None:
+    """Raw ``Allreduce`` of 2 ranks over TCP, on two simulated hosts or on this one."""
+    from flyte_hvd.core.launcher import find_mpiexec
+
+    if two_hosts and (os.geteuid() != 0 or not shutil.which("unshare")):
+        return None
+    command = [find_mpiexec(), "-n", "2"]
+    with tempfile.TemporaryDirectory() as d:
+        if two_hosts:
+            launcher = os.path.join(d, "launcher.sh")
+            with open(launcher, "w") as f:
+                f.write(_NAMESPACE_LAUNCHER)
+            os.chmod(launcher, 0o755)
+            hosts = "127.0.0.21,127.0.0.22"
+            command += [
+                "-launcher",
+                "ssh",
+                "-launcher-exec",
+                launcher,
+                "-hosts",
+                hosts,
+                "-ppn",
+                "1",
+            ]
+        command += [sys.executable, "-m", "benchmarks.allreduce", "--raw-json", "-"]
+        command += ["--sizes", ",".join(map(str, sizes))]
+        result = subprocess.run(
+            command,
+            env={**os.environ, **MPI_TCP_ENV},
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=600,
+        )
+    line = [x for x in result.stdout.splitlines() if x.startswith("{")][-1]
+    out = json.loads(line)
+    hosts_seen = sorted(out.pop("hosts"))
+    if two_hosts and len(set(hosts_seen)) != 2:
+        raise RuntimeError(f"two-host run: ranks ran on {hosts_seen}")
+    return {int(k): v for k, v in out.items()}
+
+
+def min_runs(runs: list[dict | None], sizes: list[int]) -> dict | None:
+    """Each size's best time over runs (None when the measurement was skipped)."""
+    if any(run is None for run in runs):
+        return None
+    return {b: min(run[b] for run in runs) for b in sizes}
+
+
 def _label(nbytes: int) -> str:
     return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
 
@@ -203,9 +276,13 @@ def main() -> None:
         from mpi4py import MPI
 
         result = measure_raw([int(s) for s in args.sizes.split(",")])
+        hosts = MPI.COMM_WORLD.gather(socket.gethostname(), root=0)
         if MPI.COMM_WORLD.Get_rank() == 0:
-            with open(args.raw_json, "w") as f:
-                json.dump(result, f)
+            if args.raw_json == "-":  # on stdout: a simulated host's /tmp is its own
+                print(json.dumps({**result, "hosts": hosts}), flush=True)
+            else:
+                with open(args.raw_json, "w") as f:
+                    json.dump(result, f)
         return
 
     from flyte_hvd.core.job import FunctionJob
@@ -228,6 +305,8 @@ def main() -> None:
         ours[key] = min(run[key] for run in our_runs)
     copy = measure_copy(sizes)
     gloo = measure_gloo(sizes)
+    tcp_one = min_runs([_run_raw_tcp(sizes, two_hosts=False) for _ in range(ROUNDS)], sizes)
+    tcp_two = min_runs([_run_raw_tcp(sizes, two_hosts=True) for _ in range(ROUNDS)], sizes)
 
     def bw(nbytes, seconds):
         return nbytes / seconds / 1e9
@@ -250,6 +329,10 @@ def main() -> None:
             "ratio_vs_raw_merged": round(m / o, 3),
             "copy_gbps": round(bw(nbytes, copy[nbytes]), 3),
             "gloo_busbw": round(bw(nbytes, gloo[nbytes]) * bus, 3) if gloo else None,
+            "raw_tcp_same_host_busbw": round(bw(nbytes, tcp_one[nbytes]) * bus, 3),
+            "raw_tcp_two_hosts_busbw": (
+                round(bw(nbytes, tcp_two[nbytes]) * bus, 3) if tcp_two else None
+            ),
             "unchecked_ratio_vs_raw": round(r / ours["unchecked"][nbytes], 3),
             "ours_us": round(o * 1e6, 1),
             "unchecked_us": round(ours["unchecked"][nbytes] * 1e6, 1),
@@ -261,6 +344,14 @@ def main() -> None:
             f"{_label(nbytes):>8} {row['ours_busbw']:11.2f} {row['raw_busbw']:10.2f} "
             f"{row['ratio_vs_raw']:6.2f} {row['raw_merged_busbw']:11.2f} {row['copy_gbps']:10.2f} "
             f"{gloo_txt} {row['ours_us']:9.1f} {row['unchecked_us']:9.1f} {row['raw_us']:9.1f}"
+        )
+    print(f"\n{'size':>8} {'raw busbw':>10} {'tcp 1 host':>11} {'tcp 2 hosts':>12}  (GB/s)")
+    for row in rows:
+        two = row["raw_tcp_two_hosts_busbw"]
+        two_txt = f"{two:12.2f}" if two is not None else f"{'skipped':>12}"
+        print(
+            f"{_label(row['bytes']):>8} {row['raw_busbw']:10.2f} "
+            f"{row['raw_tcp_same_host_busbw']:11.2f} {two_txt}"
         )
     fused_ratio = ours["fused_200"] / ours["single_25mb"]
     print(
@@ -284,6 +375,10 @@ def main() -> None:
         "single_25mb_ms": round(ours["single_25mb"] * 1e3, 3),
         "fused_vs_single_ratio": round(fused_ratio, 3),
         "gloo_measured": gloo is not None,
+        "two_hosts_measured": tcp_two is not None,
+        "two_hosts_vs_same_host_tcp_ge_1mb": (
+            min(tcp_one[b] / tcp_two[b] for b in sizes if b >= 1 << 20) if tcp_two else None
+        ),
     }
     print(json.dumps(summary))
 

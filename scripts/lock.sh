@@ -7,10 +7,11 @@
 #
 # tensorflow and tensorflow-cpu cannot share an environment, hence one file per install.
 # Every file is resolved for CPython 3.11 on x86_64 manylinux (the image and CI), whatever
-# machine runs this. torch is the CPU build (+cpu) in all three: a CUDA torch would bring
-# several GB of nvidia-* packages that TensorFlow's GPU variant brings on its own.
-# The +cpu wheel comes from TORCH_FIND_LINKS (a folder holding it) when set or when
-# /opt/wheels exists, else from the PyTorch CPU index.
+# machine runs this. torch is the CPU build (+cpu) in dev.txt and image.txt: from
+# TORCH_FIND_LINKS (a folder holding it) when set or when /opt/wheels exists, else from the
+# PyTorch CPU index. image-gpu.txt takes the same torch version from PyPI, whose Linux x86_64
+# wheel is the CUDA build (its CUDA 13 libraries as nvidia-* wheels, beside the CUDA 12 ones
+# of tensorflow[and-cuda]; the two sets have different names and resolve into one environment).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,19 +27,23 @@ common=(--quiet --python-version 3.11 --python-platform x86_64-manylinux_2_28
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-echo "tensorflow[and-cuda]" >"$work/gpu.in"
 
 "$UV" pip compile pyproject.toml "${common[@]}" \
   --extra tf-cpu --extra torch --extra dev -o lock/dev.txt
 "$UV" pip compile pyproject.toml "${common[@]}" \
   --extra tf --extra torch -o lock/image.txt
-"$UV" pip compile pyproject.toml "$work/gpu.in" "${common[@]}" \
+# The GPU image: the CPU locks' torch version, as PyPI's CUDA build (no torch_source).
+torch_version=$(sed -n 's/^torch==\([^+]*\)+cpu$/\1/p' lock/image.txt)
+printf 'tensorflow[and-cuda]\ntorch==%s\n' "$torch_version" >"$work/gpu.in"
+"$UV" pip compile pyproject.toml "$work/gpu.in" --quiet --python-version 3.11 \
+  --python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock" \
   --extra tf --extra torch -o lock/image-gpu.txt
 # The header names the temporary input; name what it held instead.
-sed -i "s|#   -r $work/gpu.in|#   tensorflow[and-cuda]|" lock/image-gpu.txt
+sed -i "s|#   -r $work/gpu.in|#   tensorflow[and-cuda], torch==$torch_version (CUDA)|" lock/image-gpu.txt
 
-# The CPU installs must not carry CUDA: fail here rather than in a multi-GB install.
-for lock in lock/dev.txt lock/image.txt lock/image-gpu.txt; do
+# The CPU installs must not carry CUDA, and the GPU image must: fail here rather than in a
+# multi-GB install.
+for lock in lock/dev.txt lock/image.txt; do
   if ! grep -Eq '^torch==[^ ]+\+cpu$' "$lock"; then
     echo "$lock: torch is not the CPU build (+cpu); set TORCH_FIND_LINKS to a folder holding it." >&2
     exit 1
@@ -50,4 +55,8 @@ for lock in lock/dev.txt lock/image.txt; do
     exit 1
   fi
 done
+if ! grep -Eq '^torch==[0-9.]+$' lock/image-gpu.txt || ! grep -Eq '^nvidia-cudnn-cu13==' lock/image-gpu.txt; then
+  echo "lock/image-gpu.txt: torch is not PyPI's CUDA build (no local version, nvidia-cudnn-cu13)." >&2
+  exit 1
+fi
 echo "wrote lock/dev.txt lock/image.txt lock/image-gpu.txt"

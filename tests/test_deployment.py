@@ -83,28 +83,100 @@ def test_cpu_installs_take_the_cpu_torch_and_no_cuda():
         assert not cuda, f"{path} pulls CUDA packages: {cuda}"
     assert "tensorflow-cpu" in read_lock("lock/dev.txt")
     assert "tensorflow" in read_lock("lock/image.txt")
+
+
+def test_gpu_image_takes_a_cuda_torch_beside_tensorflows_cuda():
+    """PyPI's Linux torch wheel is the CUDA build: no local version, its CUDA 13 libraries as
+    nvidia-*-cu13 wheels, beside the CUDA 12 ones of tensorflow[and-cuda]."""
     gpu = read_lock("lock/image-gpu.txt")
-    assert gpu["torch"].endswith("+cpu")
+    assert "+" not in gpu["torch"], f"lock/image-gpu.txt pins torch=={gpu['torch']}"
+    assert {"nvidia-cudnn-cu13", "nvidia-nccl-cu13", "triton"} <= set(gpu)
     assert {"nvidia-cudnn-cu12", "nvidia-cublas-cu12", "tensorflow"} <= set(gpu)
+    assert "tensorflow-cpu" not in gpu
+    # The GPU build must not see the CPU index: its 2.13.0+cpu also matches `torch==2.13.0`.
+    gpu_build = re.search(r"--build-arg LOCK_FILE=lock/image-gpu\.txt \\\n#\s+(.*)", DOCKERFILE)
+    assert gpu_build, "the Dockerfile's header must show the GPU build command"
+    assert "--build-arg TORCH_INDEX_URL=https://pypi.org/simple" in gpu_build[1]
 
 
 def test_the_three_installs_agree_on_shared_packages():
-    dev, image, gpu = (read_lock(path) for path in sorted(LOCKS))
-    for name in ("pyspark", "flytekit", "mpich", "mpi4py", "numpy", "pyarrow", "torch"):
+    dev, image, gpu = map(read_lock, ("lock/dev.txt", "lock/image.txt", "lock/image-gpu.txt"))
+    for name in ("pyspark", "flytekit", "mpich", "mpi4py", "numpy", "pyarrow"):
         assert dev[name] == image[name] == gpu[name], name
+    # One torch release; the GPU image's is the CUDA build of it.
+    assert dev["torch"] == image["torch"] == f"{gpu['torch']}+cpu"
 
 
 def test_make_setup_installs_from_the_lock_and_make_lock_regenerates_it():
     makefile = (REPO / "Makefile").read_text()
-    install = re.search(r"pip install -q -c lock/dev.txt -e \"\.\[([^\]]+)\]\"", makefile)
-    assert install, "the set-up rule must install with `-c lock/dev.txt`"
-    assert tuple(install[1].split(",")) == LOCKS["lock/dev.txt"][0]
-    assert re.search(r"^\$\(STAMP\): .*lock/dev.txt", makefile, re.M)
+    rule = re.search(r"^\$\(STAMP\): (.*)\n((?:\t.*\n)+)", makefile, re.M)
+    assert rule and "lock/dev.txt" in rule[1]
+    assert "\tscripts/install.sh $(PY)\n" in rule[2], "the set-up rule must run scripts/install.sh"
+    extras = re.search(r'^extras="([^"]+)"$', (REPO / "scripts" / "install.sh").read_text(), re.M)
+    assert extras and tuple(extras[1].split(",")) == LOCKS["lock/dev.txt"][0]
     assert re.search(r"^lock:\n(\t.*\n)*\t.*scripts/lock\.sh", makefile, re.M)
     script = (REPO / "scripts" / "lock.sh").read_text()
     for path, (extras, _) in LOCKS.items():
         flags = " ".join(f"--extra {extra}" for extra in extras)
         assert re.search(rf"{re.escape(flags)} -o {re.escape(path)}", script), path
+
+
+def _fake_wheel(folder: Path, name: str, version: str) -> Path:
+    """An installable (empty) wheel: what pip needs to find a pinned version in a folder."""
+    dist = f"{name}-{version}.dist-info"
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr(
+            f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        )
+        wheel.writestr(
+            f"{dist}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        wheel.writestr(f"{dist}/RECORD", "")
+    return path
+
+
+def install_commands(find_links: Path) -> subprocess.CompletedProcess:
+    """The pip commands `make setup` runs (scripts/install.sh --print), with pip configured
+    only by this test: one find-links folder and an index where nothing listens, so any
+    attempt to download fails instead of reaching the internet."""
+    env = {
+        **os.environ,
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_FIND_LINKS": str(find_links),
+        "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+        "PIP_RETRIES": "0",
+    }
+    return subprocess.run(
+        [str(REPO / "scripts" / "install.sh"), sys.executable, "--print"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_make_setup_takes_torch_from_a_local_wheel_when_pip_finds_one(tmp_path):
+    version = read_lock("lock/dev.txt")["torch"]
+    _fake_wheel(tmp_path, "torch", version)
+    result = install_commands(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"{sys.executable} -m pip install -q -c lock/dev.txt -e .[tf-cpu,torch,dev]"
+    ]
+    assert "from a local find-links folder" in result.stderr
+
+
+def test_make_setup_takes_torch_alone_from_the_pytorch_cpu_index_without_a_local_wheel(tmp_path):
+    _fake_wheel(tmp_path, "torch", "2.0.0")  # a folder with another torch does not count
+    version = read_lock("lock/dev.txt")["torch"]
+    result = install_commands(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"{sys.executable} -m pip install -q --no-deps --index-url "
+        f"https://download.pytorch.org/whl/cpu torch=={version}",
+        f"{sys.executable} -m pip install -q -c lock/dev.txt -e .[tf-cpu,torch,dev]",
+    ]
 
 
 def test_this_environment_is_the_locked_one():
@@ -546,7 +618,6 @@ def test_sandbox_puts_execution_objects_and_flyte_configuration_in_their_namespa
         "RoleBinding",
         "Secret",
         "NetworkPolicy",
-        "PodTemplate",
     }
     assert ("ConfigMap", "flyte-sandbox-extra-config", "flyte") in objects
     binding = objects[("RoleBinding", "spark-driver", "flytesnacks-development")]
@@ -635,31 +706,76 @@ def test_sandbox_spark_defaults_repeat_every_base_key():
     assert sandbox["spark.hadoop.fs.s3a.path.style.access"] == "true"
 
 
-def test_gpu_pod_template_serves_as_a_horovod_spark_executor_pod():
-    from flytekit import PodTemplate
-    from flytekit.configuration import Image, ImageConfig, SerializationSettings
-    from kubernetes.client import ApiClient, V1PodSpec
+def spark_application_conf(custom: dict, defaults_path: Path) -> dict[str, str]:
+    """The sparkConf of the SparkApplication that Flyte 1.16's Spark plugin builds from a task's
+    custom (flyteplugins/go/tasks/plugins/k8s/spark/spark.go, getSparkConfig): the propeller
+    defaults, then executorPath as the Python of driver and executors, then the task's
+    sparkConf (the plugin's feature flags, spark.flyte.*.enabled, are not used here)."""
+    conf = dict(spark_defaults(defaults_path))
+    if custom.get("executorPath"):
+        conf["spark.pyspark.python"] = conf["spark.pyspark.driver.python"] = custom["executorPath"]
+    conf.update(custom.get("sparkConf", {}))
+    return conf
 
+
+PROPELLER_DEFAULTS = [
+    K8S / "flytepropeller" / "spark-plugin.yaml",
+    K8S / "overlays" / "sandbox" / "flyte" / "spark-plugin.yaml",
+]
+
+
+def serialized(task) -> dict:
+    from flytekit.configuration import Image, ImageConfig, SerializationSettings
+
+    settings = SerializationSettings(
+        image_config=ImageConfig(default_image=Image(name="default", fqn="flyte-hvd", tag="1"))
+    )
+    return task.get_custom(settings)
+
+
+@pytest.mark.parametrize("defaults", PROPELLER_DEFAULTS, ids=lambda p: str(p.relative_to(K8S)))
+def test_spark_applications_map_the_s3_scheme_to_s3a(defaults):
+    """Flyte hands Spark DataFrames between tasks at s3:// URIs that Spark itself reads and
+    writes: without fs.s3.impl, Hadoop has `No FileSystem for scheme "s3"`."""
+    from workflows.rossmann import prepare
+
+    conf = spark_application_conf(serialized(prepare), defaults)
+    assert conf["spark.hadoop.fs.s3.impl"] == "org.apache.hadoop.fs.s3a.S3AFileSystem"
+    assert conf["spark.hadoop.fs.AbstractFileSystem.s3.impl"] == "org.apache.hadoop.fs.s3a.S3A"
+    assert conf["spark.hadoop.fs.s3a.impl"] == "org.apache.hadoop.fs.s3a.S3AFileSystem"
+
+
+@pytest.mark.parametrize("defaults", PROPELLER_DEFAULTS, ids=lambda p: str(p.relative_to(K8S)))
+def test_gpu_task_spark_application_mounts_a_memory_dev_shm_through_spark_settings(defaults):
+    """Flyte 1.16's Spark plugin copies no volumes from a pod template, and refuses one whose
+    primary container name is not in its pod (`container [primary] not defined`): the GPU
+    executors' /dev/shm and node selector are Spark's own settings, and nothing ships a
+    pod template."""
     from flyte_hvd.flyte import HorovodSpark
     from flyte_hvd.flyte.task import HorovodSparkFunctionTask
-
-    (manifest,) = load_all(K8S / "base" / "gpu-executor-podtemplate.yaml")
-    spec = ApiClient()._ApiClient__deserialize(manifest["template"]["spec"], V1PodSpec)
-    pod = PodTemplate(pod_spec=spec, primary_container_name="primary")
 
     def body() -> None:
         return None
 
-    config = HorovodSpark(num_proc=2, gpus_per_rank=1, executor_pod=pod)
-    task = HorovodSparkFunctionTask(task_config=config, task_function=body)
-    settings = SerializationSettings(
-        image_config=ImageConfig(default_image=Image(name="default", fqn="flyte-hvd", tag="1"))
-    )
-    custom = task.get_custom(settings)
-    assert custom["sparkConf"]["spark.executor.resource.gpu.amount"] == "1"
-    assert custom["sparkConf"]["spark.executor.resource.gpu.vendor"] == "nvidia.com"
-    executor = custom["executorPod"]["podSpec"]
-    assert executor["tolerations"] == [
-        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
-    ]
-    assert executor["volumes"][0]["emptyDir"]["medium"] == "Memory"
+    config = HorovodSpark(num_proc=2, gpus_per_rank=1)
+    custom = serialized(HorovodSparkFunctionTask(task_config=config, task_function=body))
+    assert not custom.get("executorPod") and not custom.get("driverPod")
+    conf = spark_application_conf(custom, defaults)
+    volume = "spark.kubernetes.executor.volumes.emptyDir.dshm"
+    assert conf[f"{volume}.mount.path"] == "/dev/shm"
+    assert conf[f"{volume}.options.medium"] == "Memory"
+    assert re.fullmatch(r"\d+Gi", conf[f"{volume}.options.sizeLimit"])
+    assert conf["spark.kubernetes.executor.node.selector.nvidia.com/gpu.present"] == "true"
+    assert conf["spark.executor.resource.gpu.amount"] == "1"
+    assert conf["spark.executor.resource.gpu.vendor"] == "nvidia.com"
+    assert conf["spark.executor.resource.gpu.discoveryScript"] == "/opt/spark/gpu-discovery.sh"
+    # A CPU task gets none of it.
+    cpu = HorovodSparkFunctionTask(task_config=HorovodSpark(num_proc=2), task_function=body)
+    assert not any(key.startswith(volume) for key in serialized(cpu)["sparkConf"])
+
+
+def test_no_manifest_ships_a_pod_template():
+    for path in sorted(K8S.rglob("*.yaml")):
+        text = path.read_text()
+        assert "primaryContainerName" not in text, path
+        assert all(doc.get("kind") != "PodTemplate" for doc in load_all(path)), path

@@ -22,7 +22,7 @@ from flytekitplugins.spark import Spark
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.flyte import HorovodSpark, HorovodSparkFunctionTask
 from flyte_hvd.flyte.rank import RankSpec, _to_literal_map
-from flyte_hvd.flyte.task import _pickle_body
+from flyte_hvd.flyte.task import GPU_EXECUTOR_CONF, _pickle_body
 
 pytestmark = pytest.mark.flyte
 
@@ -162,6 +162,7 @@ def test_get_custom_has_the_derived_spark_settings_and_overrides():
         "spark.executor.resource.gpu.amount": "1",
         "spark.task.resource.gpu.amount": "1",
         "spark.executor.resource.gpu.vendor": "nvidia.com",
+        **GPU_EXECUTOR_CONF,  # a memory-backed /dev/shm and the GPU node selector
         "spark.executor.memory": "4g",
     }
     assert custom["hadoopConf"] == {"fs.s3a.fast.upload": "true"}

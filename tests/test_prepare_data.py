@@ -253,3 +253,23 @@ def test_failed_staged_upload_leaves_nothing_behind(s3_server, vectors_df):
     key_prefix = prefix.split("/", 3)[3]
     listed = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=key_prefix)
     assert listed["KeyCount"] == 0
+
+
+def test_spark_writes_only_where_its_filesystem_starts(spark_local2):
+    """A scheme mapped to a class is not enough: Spark writes to the store itself only when
+    the class starts for that URL (here a view of one bucket over a local folder, beside
+    buckets that fall back to S3A, which is not installed); else the ranks' uploads are used."""
+    from flyte_hvd.spark.prepare import _spark_can_write
+
+    conf = spark_local2._jsc.hadoopConfiguration()
+    scheme = f"fhvd{uuid.uuid4().hex[:6]}"
+    conf.set(f"fs.{scheme}.impl", "org.apache.hadoop.fs.viewfs.ViewFileSystemOverloadScheme")
+    conf.set(f"fs.{scheme}.impl.disable.cache", "true")
+    conf.set("fs.viewfs.mounttable.mapped.linkFallback", "file:///tmp")
+    conf.set(
+        f"fs.viewfs.overload.scheme.target.{scheme}.impl", "org.apache.hadoop.fs.s3a.S3AFileSystem"
+    )
+    assert _spark_can_write(spark_local2, f"{scheme}://mapped/prefix")
+    assert not _spark_can_write(spark_local2, f"{scheme}://other-bucket/prefix")
+    assert not _spark_can_write(spark_local2, "nosuchscheme://bucket/prefix")
+    assert _spark_can_write(spark_local2, "file:///tmp/prefix")

@@ -31,6 +31,8 @@ from flytekit.types.file import FlyteFile
 from flytekit.types.structured import StructuredDataset
 from flytekitplugins.spark import Spark
 
+from flyte_hvd.flyte.shipping import ship_package
+
 # The Store prefix when none is given. Registering with FLYTE_HVD_WORK_DIR=s3://bucket/prefix
 # makes that the default of the workflow and of its scheduled launch plan.
 DEFAULT_WORK_DIR = os.environ.get("FLYTE_HVD_WORK_DIR") or os.path.join(
@@ -176,6 +178,7 @@ def prepare(data: FlyteDirectory, hp: Hyperparameters) -> Prepared:
     from workflows.rossmann_features import baseline_rmspe, prepare_frames
 
     spark = current_context().spark_session
+    ship_package(spark, __name__)  # the UDFs below are pickled by reference to this package
     directory = data.download()
     check_dataset(directory)
     train_df, test_df, vocab, max_sales, mean_sales = prepare_frames(
@@ -217,6 +220,7 @@ def train(
     from workflows.rossmann_features import FEATURE_COLS, rmspe
     from workflows.rossmann_model import CUSTOM_OBJECTS, build_model, exp_rmspe
 
+    ship_package(current_context().spark_session, __name__)  # the ranks load its custom objects
     df = train.open(pyspark.sql.DataFrame).all()
     store = Store.create(work_dir)
     model = _initial_model(store, warm_start) or build_model(
@@ -343,6 +347,7 @@ def predict(test: StructuredDataset, result: TrainResult, work_dir: str) -> Flyt
     from workflows.rossmann_features import FEATURE_COLS, submission_sales
     from workflows.rossmann_model import CUSTOM_OBJECTS
 
+    ship_package(current_context().spark_session, __name__)  # the UDF loads its custom objects
     df = test.open(pyspark.sql.DataFrame).all()
     with open(result.model.download(), "rb") as f:
         model = KerasModel(

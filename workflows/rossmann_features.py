@@ -16,6 +16,7 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from workflows.driver_csv import read_csv_on_driver
 from workflows.rossmann_formats import DATE, FLAG, FORMATS, HOLIDAY, REAL, WHOLE
 
 CATEGORICAL_COLS = [
@@ -40,8 +41,9 @@ class LostRowsError(RuntimeError):
 
 def read_csv(spark: SparkSession, directory: str, name: str) -> DataFrame:
     """A CSV file read as the tutorial reads it (header row, every value a string), then each
-    column by its meaning (``typed``)."""
-    df = spark.read.csv(os.path.join(directory, name), header=True, inferSchema=False)
+    column by its meaning (``typed``). Read on the driver, whose disk holds ``directory``
+    (``driver_csv``): executors on other hosts cannot see it."""
+    df = read_csv_on_driver(spark, os.path.join(directory, name))
     return typed(df, name)
 
 

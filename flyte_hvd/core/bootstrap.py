@@ -8,6 +8,7 @@ removed from the environment before user code runs and never appears on a comman
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import traceback
@@ -17,9 +18,17 @@ import cloudpickle
 from flyte_hvd.core import job as job_module
 from flyte_hvd.core import rendezvous, state
 
+logger = logging.getLogger("flyte_hvd")
+# A level for the flyte_hvd logger in rank processes (e.g. INFO), which log to stderr; the
+# launcher forwards a rank's stderr to the driver.
+LOG_LEVEL_ENV = "FLYTE_HVD_LOG_LEVEL"
+
 
 def main() -> None:
     env = os.environ
+    if env.get(LOG_LEVEL_ENV):
+        logging.basicConfig(format="%(name)s %(levelname)s: %(message)s", stream=sys.stderr)
+        logger.setLevel(env[LOG_LEVEL_ENV].upper())
     rank, size = int(env.pop(rendezvous.RANK_ENV)), int(env.pop(rendezvous.SIZE_ENV))
     secret = env.pop(rendezvous.SECRET_ENV)
     job_path, result_path = env.pop(rendezvous.JOB_ENV), env.pop(rendezvous.RESULT_ENV)
@@ -31,6 +40,11 @@ def main() -> None:
         state.set_launcher_comm(comm)
         hosts = comm.allgather(state.host_name())
         topo = state.Topology.from_hosts(hosts, rank)
+        logger.info(
+            "rank %d of %d on host %s: local_rank %d of %d, cross_rank %d of %d",
+            rank, size, hosts[rank], topo.local_rank, topo.local_size, topo.cross_rank,
+            topo.cross_size,
+        )  # fmt: skip
         env.update(
             HOROVOD_RANK=str(rank),
             HOROVOD_SIZE=str(size),

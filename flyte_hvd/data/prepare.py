@@ -549,12 +549,16 @@ def _write_split(part: Any, store: Store, path: str, infos: list[ColumnInfo]) ->
 
 
 def _spark_can_write(spark: Any, url: str) -> bool:
-    """Whether the cluster has a Hadoop FileSystem for ``url``'s scheme."""
+    """Whether the cluster has a Hadoop FileSystem for ``url``: its scheme names a class,
+    and that class answers for ``url`` (a scheme can be mapped to a class whose own client
+    is missing, e.g. S3A without its AWS SDK, or a view with no mount for this bucket)."""
     scheme = url.split(":", 1)[0] if ":" in url else "file"
     try:
         jvm = spark._jvm
         conf = spark._jsc.hadoopConfiguration()
         jvm.org.apache.hadoop.fs.FileSystem.getFileSystemClass(scheme, conf)
+        path = jvm.org.apache.hadoop.fs.Path(url)
+        path.getFileSystem(conf).exists(path)
         return True
     except AttributeError:  # Spark Connect: no JVM to ask
         return scheme in ("file", "hdfs", "dbfs")

@@ -28,6 +28,18 @@ from flytekitplugins.spark.task import PysparkFunctionTask
 from flyte_hvd.flyte.rank import RankSpec, literal_map_from_bytes, run_rank
 
 GPU_VENDOR = "nvidia.com"
+# What a GPU executor pod gets besides its GPUs, as Spark's own Kubernetes settings: Flyte's
+# Spark plugin copies no volumes from a pod template, so a memory-backed /dev/shm (NCCL and
+# TensorFlow's input pipeline use it beyond the container default of 64 MiB) and the GPU node
+# selector are Spark settings. Tolerations of GPU nodes' taints have no Spark setting; the
+# ExtendedResourceToleration admission plugin adds them to pods that request nvidia.com/gpu.
+GPU_EXECUTOR_CONF = {
+    "spark.kubernetes.executor.volumes.emptyDir.dshm.mount.path": "/dev/shm",
+    "spark.kubernetes.executor.volumes.emptyDir.dshm.options.medium": "Memory",
+    "spark.kubernetes.executor.volumes.emptyDir.dshm.options.sizeLimit": "8Gi",
+    "spark.kubernetes.executor.node.selector.nvidia.com/gpu.present": "true",
+    "spark.executorEnv.TF_FORCE_GPU_ALLOW_GROWTH": "true",
+}
 
 
 @dataclass(frozen=True)
@@ -42,7 +54,9 @@ class HorovodSpark:
     ``num_proc`` task slots is refused here rather than at run time.
 
     For GPUs on Kubernetes also set ``spark.executor.resource.gpu.discoveryScript`` (the path
-    in your Spark image) in ``spark_conf``. Locally the GPU settings are left out unless
+    in your Spark image) in ``spark_conf``; the executors get a memory-backed ``/dev/shm`` and
+    a GPU node selector (``GPU_EXECUTOR_CONF``) as Spark settings, since Flyte's Spark plugin
+    copies no volumes from ``executor_pod``. Locally the GPU settings are left out unless
     ``spark_conf`` names them, so a laptop without GPUs runs the same task.
 
     Attributes:
@@ -106,6 +120,7 @@ class HorovodSpark:
             conf["spark.executor.resource.gpu.amount"] = str(self.gpus_per_rank)
             conf["spark.task.resource.gpu.amount"] = str(self.gpus_per_rank)
             conf["spark.executor.resource.gpu.vendor"] = GPU_VENDOR
+            conf.update(GPU_EXECUTOR_CONF)
         return conf
 
     @property

@@ -27,7 +27,7 @@ from typing import IO, Any, Protocol
 
 import cloudpickle
 
-from flyte_hvd.core import rendezvous
+from flyte_hvd.core import rendezvous, stall
 from flyte_hvd.core.errors import RanksFailedError, RendezvousTimeoutError
 
 OutputSink = Callable[[int, str, str], None]
@@ -140,6 +140,8 @@ class RankSupervisor:
         start_timeout: seconds for every rank to start and join; the run fails after that.
         env: extra environment for the ranks.
         output: where rank output lines go.
+        watch: decides from the ranks' probe reports whether the run is stuck (see
+            ``flyte_hvd.core.stall``); by default one over this supervisor's ranks.
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class RankSupervisor:
         start_timeout: float = 600.0,
         env: dict[str, str] | None = None,
         output: OutputSink | None = None,
+        watch: Any = None,
     ):
         self.job = job
         self.ranks = {r: _Rank(r) for r in ranks}
@@ -161,6 +164,9 @@ class RankSupervisor:
         self.start_timeout = start_timeout
         self.env = dict(env or {})
         self.output = output or console_sink()
+        if watch is None and len(ranks) == size:
+            watch = stall.StallWatch(size, stall.StallConfig.from_env({**os.environ, **self.env}))
+        self.watch = watch or stall.ForwardWatch(lambda kind, rank, message: None)
         self._changed = threading.Condition()
         self._stopping = False
         self.started_at = 0.0
@@ -201,7 +207,6 @@ class RankSupervisor:
                 rendezvous.CONTROL_ENV: control,
                 rendezvous.RANK_ENV: str(state.rank),
                 rendezvous.SIZE_ENV: str(self.size),
-                rendezvous.SECRET_ENV: self.secret,
                 rendezvous.JOB_ENV: job_path,
                 rendezvous.RESULT_ENV: os.path.join(workdir, f"result.{state.rank}.pkl"),
                 "PYTHONUNBUFFERED": "1",
@@ -265,6 +270,8 @@ class RankSupervisor:
                         return
                     state.conn, state.pid = conn, message["pid"]
                     state.times["hello"] = time.time()
+                    # The secret travels only here, never in an environment or command line.
+                    conn.sendall(rendezvous.encode({"secret": self.secret}))
                 elif state is None:
                     return
                 elif op == "allgather":
@@ -275,8 +282,11 @@ class RankSupervisor:
                 elif op == "failed":
                     state.traceback = message["traceback"]
                     state.times["failed"] = time.time()
+                elif op == "probe":
+                    self.watch.probe(state.rank, message)
                 elif op == "done":
                     state.done = True
+                    self.watch.ended(state.rank, "returned normally")
                 self._notify()
         except (OSError, RuntimeError, ValueError):
             pass
@@ -305,6 +315,12 @@ class RankSupervisor:
                     for pump in s.pumps:
                         pump.join(timeout=5)
                 return
+            for s in self.ranks.values():
+                if s.proc.returncode == 0 and not s.done:
+                    self.watch.ended(s.rank, "exited with status 0 without returning a result")
+            verdict = None if failed else self.watch.check()
+            if verdict is not None:
+                self._raise_stuck(*verdict)
             joined = all("joined" in s.times for s in self.ranks.values())
             if not joined and not failed and time.monotonic() > deadline:
                 self._raise_timeout()
@@ -336,6 +352,10 @@ class RankSupervisor:
             failures = {r: "lost its supervisor connection" for r in orphans}
         first = min(failures, key=lambda r: self.ranks[r].times.get("failed", float("inf")))
         raise RanksFailedError(failures, summary=f"rank {first} failed; the run was stopped")
+
+    def _raise_stuck(self, rank: int, message: str) -> None:
+        self._stop_all()
+        raise RanksFailedError({rank: message}, summary=f"rank {rank} failed; the run was stopped")
 
     def _death_text(self, state: _Rank, code: int) -> str:
         how = f"died: {state.exit_string}" if state.exit_string else f"exited with status {code}"

@@ -35,9 +35,16 @@ class DriverServer:
         stderr: IO[str] | None = None,
         prefix_output_with_timestamp: bool = False,
         on_failure: Callable[[int], None] | None = None,
+        watch: Any = None,
+        on_stuck: Callable[[], None] | None = None,
     ):
         self._secret_proof = _proof(secret)
         self._on_failure = on_failure
+        # A ``core.stall.StallWatch`` over all ranks: tasks forward their ranks' reports here.
+        self.watch = watch
+        self._on_stuck = on_stuck
+        self.stuck: tuple[int, str] | None = None
+        self._closed = threading.Event()
         self.attempts_started = 0  # how many times the stage's tasks have started
         self._stdout, self._stderr = stdout, stderr
         self._timestamps = prefix_output_with_timestamp
@@ -48,6 +55,17 @@ class DriverServer:
         self.address = (host, self._sock.getsockname()[1])
         self._threads: list[threading.Thread] = []
         threading.Thread(target=self._accept, name="flyte-hvd-driver-link", daemon=True).start()
+        if watch is not None:
+            threading.Thread(target=self._watch, name="flyte-hvd-stall", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(0.25):
+            verdict = self.watch.check()
+            if verdict is not None:
+                self.stuck = verdict
+                if self._on_stuck is not None:
+                    self._on_stuck()
+                return
 
     def _accept(self) -> None:
         while True:
@@ -78,8 +96,15 @@ class DriverServer:
                 self._print(rank, message["stream"], message["text"])
             elif kind == "event":
                 self.events.setdefault(rank, {})[message["name"]] = message["time"]
-                if message["name"] == "task_started" and rank == 0:
-                    self.attempts_started += 1
+                if message["name"] == "task_started":
+                    if rank == 0:
+                        self.attempts_started += 1
+                    if self.watch is not None:
+                        self.watch.reset(rank)
+            elif kind == "probe" and self.watch is not None:
+                self.watch.probe(rank, message)
+            elif kind == "ended" and self.watch is not None:
+                self.watch.ended(rank, message["how"])
             elif kind == "failed":
                 # A retried stage reports again; keep each rank's latest failure.
                 self.failures[rank] = (self.attempts_started, message["traceback"])
@@ -103,6 +128,7 @@ class DriverServer:
             return {r: tb for r, (attempt, tb) in self.failures.items() if attempt == last}
 
     def close(self) -> None:
+        self._closed.set()
         self._sock.close()
         for thread in self._threads:
             thread.join(timeout=2)
@@ -134,6 +160,10 @@ class DriverLink:
 
     def event(self, name: str, at: float | None = None) -> None:
         self._send({"kind": "event", "rank": self.rank, "name": name, "time": at or time.time()})
+
+    def forward(self, kind: str, rank: int, message: dict[str, Any]) -> None:
+        """A rank's probe report or ending, for the driver's stall watch."""
+        self._send({**message, "kind": kind, "rank": rank})
 
     def failed(self, traceback: str) -> None:
         self._send({"kind": "failed", "rank": self.rank, "traceback": traceback})

@@ -20,6 +20,7 @@ from typing import IO, Any
 
 import cloudpickle
 
+from flyte_hvd.core import stall
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.job import FunctionJob
 from flyte_hvd.core.launcher import new_secret
@@ -97,6 +98,7 @@ def launch(
     timeout = _resolve_start_timeout(start_timeout)
     job = _pickle_job(fn, args, kwargs)
     rank_env = {**local_driver_env(sc), **_check_env(env)}
+    stall_config = stall.StallConfig.from_env({**os.environ, **rank_env})
     submitted_at = time.time()
     deadline = time.monotonic() + timeout
     wait_for_slots(sc, num_proc, deadline, timeout)
@@ -111,6 +113,8 @@ def launch(
     server = DriverServer(
         _driver_host(sc), secret, stdout, stderr, prefix_output_with_timestamp,
         on_failure=stop_after_last_attempt,
+        watch=stall.StallWatch(num_proc, stall_config),
+        on_stuck=lambda: sc.cancelJobsWithTag(tag),
     )  # fmt: skip
     log = _launcher_log(verbose, stderr)
     log(f"flyte-hvd: running {num_proc} ranks in a Spark barrier stage")
@@ -126,6 +130,11 @@ def launch(
             rdd = rdd.partitionBy(1)
         collected = rdd.collect()
     except Exception as error:
+        if server.stuck is not None:
+            rank, message = server.stuck
+            raise RanksFailedError(
+                {rank: message}, summary=f"rank {rank} failed; the Spark barrier stage was stopped"
+            ) from None
         failures = server.latest_failures()
         if failures:
             first = min(failures)
@@ -343,6 +352,7 @@ def _barrier_task(
         from pyspark import BarrierTaskContext
 
         from flyte_hvd.core.launcher import RankSupervisor
+        from flyte_hvd.core.stall import ForwardWatch
         from flyte_hvd.spark.driver_link import DriverLink
 
         ctx = BarrierTaskContext.get()
@@ -364,6 +374,7 @@ def _barrier_task(
             start_timeout=max(start_timeout, 1.0),
             env=rank_env,
             output=link.output,
+            watch=ForwardWatch(link.forward),
         )
         try:
             results = supervisor.run()

@@ -58,8 +58,7 @@ def main() -> None:
         os.replace(tmp, result_path)
     except BaseException as error:
         text = _user_traceback(error)
-        sys.stderr.write(text)
-        sys.stderr.flush()
+        # The traceback goes to the supervisor only: it is in the run's error and output file.
         client.send({"op": "failed", "traceback": text})
         sys.stdout.flush()
         # Skip MPI_Finalize: it waits for peers that may be blocked on this rank forever.

@@ -114,6 +114,51 @@ def console_sink(stdout: IO[str] | None = None, stderr: IO[str] | None = None) -
     return sink
 
 
+class OutputLog:
+    """Every rank's output lines and the failing ranks' tracebacks, held in memory (the last
+    ``max_lines``) and written to a file only when the run fails: the error then names the
+    file instead of repeating all the output. Nothing is on disk while the run lasts, so a
+    killed launcher leaves nothing behind."""
+
+    def __init__(self, max_lines: int = 50_000):
+        self._lines: deque[str] = deque(maxlen=max_lines)
+        self._dropped = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self.path: str | None = None
+
+    def write(self, rank: int, stream: str, line: str) -> None:
+        with self._lock:
+            if len(self._lines) == self._lines.maxlen:
+                self._dropped += 1
+            self._lines.append(f"[{rank}]<{stream}>:{line}")
+
+    def tee(self, sink: OutputSink) -> OutputSink:
+        def both(rank: int, stream: str, line: str) -> None:
+            self.write(rank, stream, line)
+            sink(rank, stream, line)
+
+        return both
+
+    def close(self, keep: bool) -> str | None:
+        """Write the file (``keep``) and return its path, or drop the lines. Only the first
+        call counts."""
+        with self._lock:
+            if self._closed:
+                return self.path
+            self._closed = True
+            lines, self._lines = self._lines, deque()
+        if not keep:
+            return None
+        fd, path = tempfile.mkstemp(prefix="flyte-hvd-output-", suffix=".log")
+        with os.fdopen(fd, "w", errors="replace") as f:
+            if self._dropped:
+                f.write(f"({self._dropped} earlier lines were dropped)\n")
+            f.writelines(line + "\n" for line in lines)
+        self.path = path
+        return path
+
+
 class _Rank:
     def __init__(self, rank: int):
         self.rank = rank
@@ -155,8 +200,12 @@ class RankSupervisor:
         env: dict[str, str] | None = None,
         output: OutputSink | None = None,
         watch: Any = None,
+        output_log: OutputLog | None = None,
+        timeout_hint: str = "`start_timeout` (or HOROVOD_SPARK_START_TIMEOUT)",
     ):
+        self.timeout_hint = timeout_hint
         self.job = job
+        self.output_log = output_log
         self.ranks = {r: _Rank(r) for r in ranks}
         self.size = size
         self.exchange = exchange
@@ -210,6 +259,9 @@ class RankSupervisor:
                 rendezvous.JOB_ENV: job_path,
                 rendezvous.RESULT_ENV: os.path.join(workdir, f"result.{state.rank}.pkl"),
                 "PYTHONUNBUFFERED": "1",
+                # The rank's temporary files live in the supervisor's folder, which is removed
+                # on every path (see `_private_dir`).
+                "TMPDIR": os.path.join(workdir, "tmp"),
             }
         )
         command = [find_mpiexec(), "-n", "1", sys.executable, "-m", "flyte_hvd.core.bootstrap"]
@@ -281,6 +333,9 @@ class RankSupervisor:
                     state.times["joined"] = time.time()
                 elif op == "failed":
                     state.traceback = message["traceback"]
+                    if self.output_log is not None:
+                        for line in state.traceback.rstrip().splitlines():
+                            self.output_log.write(state.rank, "stderr", line)
                     state.times["failed"] = time.time()
                 elif op == "probe":
                     self.watch.probe(state.rank, message)
@@ -374,7 +429,7 @@ class RankSupervisor:
         )
         raise RendezvousTimeoutError(
             f"ranks did not join within start_timeout={self.start_timeout:g}s: {detail}. "
-            f"Raise `start_timeout` (or HOROVOD_SPARK_START_TIMEOUT) if the machines are slow."
+            f"Raise {self.timeout_hint} if the machines are slow."
         )
 
     def _stop_all(self) -> None:
@@ -423,13 +478,66 @@ def _close(conn: socket.socket) -> None:
     conn.close()
 
 
+WORKDIR_PREFIX = "flyte-hvd-run-"
+_STALE_AFTER_S = 60.0
+
+
+def work_base() -> str:
+    """Where a supervisor's private folder goes: inside a Spark task, Spark's own scratch
+    folder of this application (``SPARK_LOCAL_DIRS``, removed by Spark when the executor
+    stops, even if this task's process is killed); elsewhere the temp folder."""
+    for path in os.environ.get("SPARK_LOCAL_DIRS", "").split(","):
+        if path and os.path.isdir(path) and os.access(path, os.W_OK):
+            return path
+    return tempfile.gettempdir()
+
+
 def _private_dir() -> str:
-    """A 0700 directory whose socket path fits the 107-byte AF_UNIX limit."""
-    path = tempfile.mkdtemp(prefix="flyte-hvd-")
-    if len(os.path.join(path, "control.sock")) > 100:
+    """A 0700 folder for the control socket, the job, the results and the ranks' ``TMPDIR``.
+
+    Whoever outlives the supervisor removes it: the supervisor itself, else its orphaned
+    ranks (``rendezvous.ControlClient``), else the next supervisor that starts in the same
+    folder (``sweep_stale``), else Spark with its scratch folder.
+    """
+    base = work_base()
+    sweep_stale(base)
+    path = tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir=base)
+    if len(os.path.join(path, "control.sock")) > 100:  # AF_UNIX paths are at most 107 bytes
         os.rmdir(path)
-        path = tempfile.mkdtemp(prefix="flyte-hvd-", dir="/tmp")
+        path = tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir="/tmp")
+    os.mkdir(os.path.join(path, "tmp"), 0o700)
     return path
+
+
+def sweep_stale(base: str) -> list[str]:
+    """Remove supervisors' folders in ``base`` whose supervisor is gone (its control socket
+    refuses connections); returns what was removed."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(base):
+            path = os.path.join(base, name)
+            if not name.startswith(WORKDIR_PREFIX) or not _abandoned(path):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _abandoned(path: str) -> bool:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    if info.st_uid != os.getuid() or time.time() - info.st_mtime < _STALE_AFTER_S:
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(os.path.join(path, "control.sock"))
+    except OSError:
+        return True  # no socket, or nobody listens on it
+    finally:
+        probe.close()
+    return False
 
 
 def new_secret() -> str:
@@ -442,10 +550,15 @@ def launch_local(
     start_timeout: float = 60.0,
     env: dict[str, str] | None = None,
     output: OutputSink | None = None,
+    timeout_hint: str = "`start_timeout`",
 ) -> list[Any]:
-    """Run ``job`` on ``num_proc`` rank processes on this machine; results in rank order."""
+    """Run ``job`` on ``num_proc`` rank processes on this machine; results in rank order.
+
+    If a rank fails, the error keeps every rank's output in a file it names."""
     if not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1:
         raise ValueError(f"`num_proc` must be an int >= 1; found {num_proc!r}.")
+    check_start_timeout(start_timeout)
+    log = OutputLog()
     supervisor = RankSupervisor(
         job,
         ranks=list(range(num_proc)),
@@ -454,7 +567,22 @@ def launch_local(
         secret=new_secret(),
         start_timeout=start_timeout,
         env=env,
-        output=output,
+        output=log.tee(output or console_sink()),
+        output_log=log,
+        timeout_hint=timeout_hint,
     )
-    results = supervisor.run()
+    try:
+        results = supervisor.run()
+    except RanksFailedError as error:
+        raise RanksFailedError(error.failures, error.summary, log.close(keep=True)) from None
+    finally:
+        log.close(keep=False)
     return [results[r] for r in range(num_proc)]
+
+
+def check_start_timeout(start_timeout: Any) -> float:
+    if isinstance(start_timeout, bool) or not isinstance(start_timeout, int | float):
+        raise ValueError(f"`start_timeout` must be seconds > 0; found {start_timeout!r}.")
+    if not start_timeout > 0:
+        raise ValueError(f"`start_timeout` must be > 0 seconds; found {start_timeout}.")
+    return float(start_timeout)

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
+from flyte_hvd.core.launcher import OutputLog
+
 
 def _proof(secret: str) -> str:
     return hmac.new(secret.encode(), b"flyte-hvd driver link", hashlib.sha256).hexdigest()
@@ -34,7 +36,7 @@ class DriverServer:
         stdout: IO[str] | None = None,
         stderr: IO[str] | None = None,
         prefix_output_with_timestamp: bool = False,
-        on_failure: Callable[[int], None] | None = None,
+        on_failure: Callable[[int, int, str], None] | None = None,
         watch: Any = None,
         on_stuck: Callable[[], None] | None = None,
     ):
@@ -49,6 +51,7 @@ class DriverServer:
         self._stdout, self._stderr = stdout, stderr
         self._timestamps = prefix_output_with_timestamp
         self._lock = threading.Lock()
+        self.output_log = OutputLog()  # kept, and named in the error, if the run fails
         self.events: dict[int, dict[str, float]] = {}
         self.failures: dict[int, tuple[int, str]] = {}  # rank -> (stage attempt, traceback)
         self._sock = socket.create_server((host, 0))
@@ -108,13 +111,16 @@ class DriverServer:
             elif kind == "failed":
                 # A retried stage reports again; keep each rank's latest failure.
                 self.failures[rank] = (self.attempts_started, message["traceback"])
+                for line in message["traceback"].rstrip().splitlines():
+                    self.output_log.write(rank, "stderr", line)
         if kind == "failed" and self._on_failure is not None:
-            self._on_failure(self.attempts_started)
+            self._on_failure(self.attempts_started, rank, message["traceback"])
 
     def _print(self, rank: int, stream: str, text: str) -> None:
         target = (
             (self._stdout or sys.stdout) if stream == "stdout" else (self._stderr or sys.stderr)
         )
+        self.output_log.write(rank, stream, text)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S ") if self._timestamps else ""
         target.write(f"{stamp}[{rank}]<{stream}>:{text}\n")
         target.flush()
@@ -130,6 +136,7 @@ class DriverServer:
     def close(self) -> None:
         self._closed.set()
         self._sock.close()
+        self.output_log.close(keep=False)  # a no-op once the run's error kept it
         for thread in self._threads:
             thread.join(timeout=2)
 

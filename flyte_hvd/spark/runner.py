@@ -106,9 +106,18 @@ def launch(
     max_attempts = stage_attempts(sc)
     tag = f"flyte-hvd-{secret[:12]}"
 
-    def stop_after_last_attempt(attempts_started: int) -> None:
+    log = _launcher_log(verbose, stderr)
+    retry_told: set[int] = set()
+
+    def stop_after_last_attempt(attempts_started: int, rank: int, traceback: str) -> None:
         if attempts_started >= max_attempts:
             sc.cancelJobsWithTag(tag)
+        elif attempts_started not in retry_told:
+            retry_told.add(attempts_started)
+            log(
+                f"flyte-hvd: rank {rank} failed ({_last_line(traceback)}); Spark retries the "
+                f"stage (attempt {attempts_started + 1} of {max_attempts})"
+            )
 
     server = DriverServer(
         _driver_host(sc), secret, stdout, stderr, prefix_output_with_timestamp,
@@ -116,7 +125,6 @@ def launch(
         watch=stall.StallWatch(num_proc, stall_config),
         on_stuck=lambda: sc.cancelJobsWithTag(tag),
     )  # fmt: skip
-    log = _launcher_log(verbose, stderr)
     log(f"flyte-hvd: running {num_proc} ranks in a Spark barrier stage")
     task = _barrier_task(
         job, num_proc, secret, server.address, rank_env, deadline - time.monotonic()
@@ -130,16 +138,13 @@ def launch(
             rdd = rdd.partitionBy(1)
         collected = rdd.collect()
     except Exception as error:
-        if server.stuck is not None:
-            rank, message = server.stuck
-            raise RanksFailedError(
-                {rank: message}, summary=f"rank {rank} failed; the Spark barrier stage was stopped"
-            ) from None
-        failures = server.latest_failures()
+        failures = dict([server.stuck]) if server.stuck else server.latest_failures()
         if failures:
             first = min(failures)
             raise RanksFailedError(
-                failures, summary=f"rank {first} failed; the Spark barrier stage was stopped"
+                failures,
+                summary=f"rank {first} failed; the Spark barrier stage was stopped",
+                output_log=server.output_log.close(keep=True),
             ) from None
         raise RuntimeError(
             f"the Spark barrier stage of {num_proc} ranks failed before any rank reported an "
@@ -154,13 +159,18 @@ def launch(
 
 
 def active_spark_context() -> Any:
+    """The SparkContext of this thread's active session, else of the default one (the
+    session the builder made, as ``SparkSession.active()`` finds it from any thread)."""
     try:
         from pyspark.sql import SparkSession
     except ImportError:
         raise RuntimeError(
             "flyte_hvd.spark needs pyspark: install it (`pip install pyspark`)."
         ) from None
-    spark = SparkSession.getActiveSession()
+    try:
+        spark = SparkSession.active()
+    except Exception:  # pyspark's NO_ACTIVE_OR_DEFAULT_SESSION
+        spark = None
     if spark is None:
         raise RuntimeError(
             "no active SparkSession: create one first (SparkSession.builder.getOrCreate()), "
@@ -331,6 +341,11 @@ def _launcher_log(verbose: int, stderr: IO[str] | None) -> Callable[[str], None]
             target.flush()
 
     return log
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else "no message"
 
 
 def _first_line(error: BaseException) -> str:

@@ -224,7 +224,7 @@ class RankSupervisor:
         workdir = _private_dir()
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            control = os.path.join(workdir, "control.sock")
+            control = os.path.join(workdir, CONTROL_SOCKET)
             server.bind(control)
             server.listen(len(self.ranks))
             job_path = os.path.join(workdir, "job.pkl")
@@ -479,6 +479,7 @@ def _close(conn: socket.socket) -> None:
 
 
 WORKDIR_PREFIX = "flyte-hvd-run-"
+CONTROL_SOCKET = "ctl"  # short: AF_UNIX paths are at most 107 bytes
 _STALE_AFTER_S = 60.0
 
 
@@ -502,7 +503,7 @@ def _private_dir() -> str:
     base = work_base()
     sweep_stale(base)
     path = tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir=base)
-    if len(os.path.join(path, "control.sock")) > 100:  # AF_UNIX paths are at most 107 bytes
+    if len(os.path.join(path, CONTROL_SOCKET)) > 100:
         os.rmdir(path)
         path = tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir="/tmp")
     os.mkdir(os.path.join(path, "tmp"), 0o700)
@@ -532,7 +533,7 @@ def _abandoned(path: str) -> bool:
         return False
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        probe.connect(os.path.join(path, "control.sock"))
+        probe.connect(os.path.join(path, CONTROL_SOCKET))
     except OSError:
         return True  # no socket, or nobody listens on it
     finally:

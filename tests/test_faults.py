@@ -19,12 +19,16 @@ import threading
 import time
 import uuid
 
+import cloudpickle
 import pytest
 from conftest import REPO
 
 from flyte_hvd.core import stall
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.launcher import WORKDIR_PREFIX, sweep_stale
+
+# The rank functions below travel by value: the ranks cannot import this test module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 MARK = "FLYTE_HVD_FAULT_MARK"
 CLI = os.path.join(os.path.dirname(sys.executable), "flyte-hvd-run")
@@ -338,14 +342,25 @@ def test_cli_refuses_bad_timeouts_before_starting(tmp_path):
 
 
 def _spark_work_dirs(spark) -> list[str]:
-    """The supervisors' folders in Spark's scratch folders of this application."""
-    jvm = spark.sparkContext._jvm
-    dirs = jvm.org.apache.spark.SparkEnv.get().blockManager().diskBlockManager().localDirs()
+    """The supervisors' folders in Spark's scratch folders (what its Python workers get as
+    ``SPARK_LOCAL_DIRS``; Spark removes them when the executor stops)."""
     found = []
-    for d in dirs:
-        path = d.getPath()
-        found += [os.path.join(path, n) for n in os.listdir(path) if n.startswith(WORKDIR_PREFIX)]
+    for d in _spark_local_dirs(spark):
+        found += [os.path.join(d, n) for n in os.listdir(d) if n.startswith(WORKDIR_PREFIX)]
     return found
+
+
+def _spark_local_dirs(spark) -> list[str]:
+    if "dirs" not in _LOCAL_DIRS:
+        rows = spark.sparkContext.parallelize([0], 1).map(
+            lambda _: os.environ.get("SPARK_LOCAL_DIRS", "")
+        )
+        _LOCAL_DIRS["dirs"] = [d for d in rows.collect()[0].split(",") if d]
+        assert _LOCAL_DIRS["dirs"], "Spark gave its Python workers no SPARK_LOCAL_DIRS"
+    return _LOCAL_DIRS["dirs"]
+
+
+_LOCAL_DIRS: dict[str, list[str]] = {}
 
 
 def _spark_case(spark, fn, mark, env=None, **kwargs):
@@ -494,7 +509,10 @@ def test_spark_run_from_a_worker_thread(spark_local2):
     results = []
 
     def go():
-        results.append(run(lambda: 7, num_proc=2, verbose=0))
+        try:
+            results.append(run(lambda: 7, num_proc=2, verbose=0))
+        except Exception as e:
+            results.append(e)
 
     thread = threading.Thread(target=go)
     thread.start()

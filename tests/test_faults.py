@@ -9,6 +9,7 @@ environment (processes) and a private ``TMPDIR`` (the ``flyte-hvd-run`` cases).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
@@ -518,3 +519,44 @@ def test_spark_run_from_a_worker_thread(spark_local2):
     thread.start()
     thread.join(150)
     assert results == [[7, 7]]
+
+
+def _listening_addresses() -> list[str]:
+    """Local addresses this rank process and its launcher listen on (TCP, v4 and v6)."""
+    inodes, pid = set(), os.getpid()
+    for _ in range(2):  # the rank, its mpiexec
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    found.append(cols[1].split(":")[0])
+    return found
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_single_host_run_listens_on_loopback_only(no_leftover_ranks):
+    from flyte_hvd.core.job import FunctionJob
+    from flyte_hvd.core.launcher import launch_local
+
+    def fn():
+        import numpy as np
+
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        hvd.allreduce(np.ones(3))  # the ranks' transports are up
+        return _listening_addresses()
+
+    loopback = {"0100007F", "00000000000000000000000001000000"}
+    for addresses in launch_local(FunctionJob(fn), 2):
+        assert set(addresses) <= loopback, addresses

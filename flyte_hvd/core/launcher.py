@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -44,6 +45,9 @@ _BANNER_PREFIXES = (
     "Please see the FAQ page",
 )
 _EXIT_STRING = "YOUR APPLICATION TERMINATED WITH THE EXIT STRING:"
+# mpiexec.gforker's report of a rank killed by a signal (it then exits 0 itself).
+_GFORKER_SIGNALLED = re.compile(r"^\[\d+\]\d+:Return code = \d+, signaled with (.+)$")
+_SIGNAL_NUMBERS = {signal.strsignal(s): int(s) for s in signal.valid_signals()}
 _FAILURE_GRACE_S = 0.5
 _STDERR_TAIL_LINES = 30
 
@@ -88,10 +92,17 @@ class LocalExchange:
             self._cond.notify_all()
 
 
-def find_mpiexec() -> str:
-    """The ``mpiexec`` of the ``mpich`` wheel beside this interpreter, else on ``PATH``."""
-    here = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
-    found = here or shutil.which("mpiexec")
+def find_mpiexec(single_host: bool = False) -> str:
+    """The ``mpiexec`` of the ``mpich`` wheel beside this interpreter, else on ``PATH``.
+
+    With ``single_host``, MPICH's ``mpiexec.gforker`` where there is one: it starts the rank
+    with no network listener, where hydra's ``mpiexec`` listens on every interface."""
+    names = ("mpiexec.gforker", "mpiexec") if single_host else ("mpiexec",)
+    found = None
+    for name in names:
+        found = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
+        if found:
+            break
     if not found:
         raise RuntimeError(
             f"`mpiexec` not found beside the Python interpreter ({sys.executable}) or on PATH: "
@@ -185,6 +196,8 @@ class RankSupervisor:
         start_timeout: seconds for every rank to start and join; the run fails after that.
         env: extra environment for the ranks.
         output: where rank output lines go.
+        single_host: every rank of the run is on this machine: start them with nothing
+            listening on a network interface (``mpiexec.gforker``, UCX on loopback).
         watch: decides from the ranks' probe reports whether the run is stuck (see
             ``flyte_hvd.core.stall``); by default one over this supervisor's ranks.
     """
@@ -202,8 +215,10 @@ class RankSupervisor:
         watch: Any = None,
         output_log: OutputLog | None = None,
         timeout_hint: str = "`start_timeout` (or HOROVOD_SPARK_START_TIMEOUT)",
+        single_host: bool = False,
     ):
         self.timeout_hint = timeout_hint
+        self.single_host = single_host
         self.job = job
         self.output_log = output_log
         self.ranks = {r: _Rank(r) for r in ranks}
@@ -264,7 +279,11 @@ class RankSupervisor:
                 "TMPDIR": os.path.join(workdir, "tmp"),
             }
         )
-        command = [find_mpiexec(), "-n", "1", sys.executable, "-m", "flyte_hvd.core.bootstrap"]
+        if self.single_host:
+            # Every rank is on this machine: UCX needs no interface but loopback.
+            env.setdefault("UCX_NET_DEVICES", "lo")
+        mpiexec = find_mpiexec(self.single_host)
+        command = [mpiexec, "-n", "1", sys.executable, "-m", "flyte_hvd.core.bootstrap"]
         state.proc = subprocess.Popen(
             command,
             env=env,
@@ -285,6 +304,12 @@ class RankSupervisor:
             line = raw.decode(errors="replace").rstrip("\n")
             if line.startswith(_EXIT_STRING):
                 state.exit_string = line[len(_EXIT_STRING) :].strip()
+            signalled = _GFORKER_SIGNALLED.match(line)
+            if signalled:
+                name = signalled.group(1).strip()
+                number = _SIGNAL_NUMBERS.get(name)
+                state.exit_string = f"{name} (signal {number})" if number else name
+                continue
             if line.startswith(_BANNER_PREFIXES):
                 held_blank = False
                 continue
@@ -369,9 +394,11 @@ class RankSupervisor:
                 for s in self.ranks.values():
                     for pump in s.pumps:
                         pump.join(timeout=5)
-                return
+                if not any(s.exit_string for s in self.ranks.values()):
+                    return
+                continue  # a rank was killed, though its launcher exited 0 (gforker)
             for s in self.ranks.values():
-                if s.proc.returncode == 0 and not s.done:
+                if self._code(s) == 0 and not s.done:
                     self.watch.ended(s.rank, "exited with status 0 without returning a result")
             verdict = None if failed else self.watch.check()
             if verdict is not None:
@@ -385,8 +412,14 @@ class RankSupervisor:
     def _failed(self, state: _Rank) -> bool:
         if state.traceback is not None:
             return True
-        code = state.proc.poll()
+        code = self._code(state)
         return code is not None and code != 0
+
+    @staticmethod
+    def _code(state: _Rank) -> int | None:
+        """The rank's exit status; -1 for a signal its launcher reported but exited 0 on."""
+        code = state.proc.poll()
+        return -1 if code == 0 and state.exit_string else code
 
     def _raise_failures(self) -> None:
         self._stop_all()
@@ -396,7 +429,7 @@ class RankSupervisor:
             if state.traceback is not None:
                 failures[state.rank] = state.traceback
                 continue
-            code = state.proc.returncode
+            code = self._code(state)
             if code in (None, 0) or "killed_by_us" in state.times:
                 continue
             if code == rendezvous.ORPHANED_EXIT:
@@ -571,6 +604,7 @@ def launch_local(
         output=log.tee(output or console_sink()),
         output_log=log,
         timeout_hint=timeout_hint,
+        single_host=True,
     )
     try:
         results = supervisor.run()

@@ -127,8 +127,9 @@ def launch(
     )  # fmt: skip
     log(f"flyte-hvd: running {num_proc} ranks in a Spark barrier stage")
     task = _barrier_task(
-        job, num_proc, secret, server.address, rank_env, deadline - time.monotonic()
-    )
+        job, num_proc, secret, server.address, rank_env, deadline - time.monotonic(),
+        single_host=_is_local(sc),
+    )  # fmt: skip
     sc.addJobTag(tag)
     try:
         rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(task)
@@ -360,6 +361,7 @@ def _barrier_task(
     driver_address: tuple[str, int],
     env: dict[str, str],
     start_timeout: float,
+    single_host: bool = False,
 ) -> Callable[[Any], Any]:
     """The closure each barrier task runs: plain values only, no driver objects."""
 
@@ -390,6 +392,7 @@ def _barrier_task(
             env=rank_env,
             output=link.output,
             watch=ForwardWatch(link.forward),
+            single_host=single_host,  # a local[N] master: nothing listens beyond loopback
         )
         try:
             results = supervisor.run()

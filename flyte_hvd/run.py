@@ -3,13 +3,15 @@
 Each rank is a process on this machine under its own ``mpiexec -n 1`` (the ``mpich`` wheel's),
 joined into one communicator before the program starts; ``hvd.init()`` in the program picks
 it up. Output lines carry a ``[rank]`` prefix. If a rank fails, the others are stopped and the
-command exits non-zero naming the rank.
+command exits 1 naming the rank (its full output kept in a file the message names). Ctrl-C
+and SIGTERM stop every rank, remove the run's files and exit 130 / 143 with one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from flyte_hvd.core.errors import RanksFailedError, RendezvousTimeoutError
@@ -17,6 +19,14 @@ from flyte_hvd.core.job import ProgramJob
 from flyte_hvd.core.launcher import console_sink, launch_local
 
 START_TIMEOUT_ENV = "HOROVOD_START_TIMEOUT"
+
+
+def _default_start_timeout() -> float:
+    raw = os.environ.get(START_TIMEOUT_ENV, "60")
+    try:
+        return float(raw)
+    except ValueError:
+        sys.exit(f"flyte-hvd-run: ${START_TIMEOUT_ENV}={raw!r}: expected seconds > 0, e.g. 120.")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -31,7 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--start-timeout",
         type=float,
-        default=float(os.environ.get(START_TIMEOUT_ENV, 60)),
+        default=_default_start_timeout(),
         help=f"seconds for all ranks to start and join (default 60, or ${START_TIMEOUT_ENV})",
     )
     parser.add_argument(
@@ -44,7 +54,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.command = args.command[1:]
     if args.np < 1:
         parser.error(f"-np must be >= 1; found {args.np}")
+    if not args.start_timeout > 0:
+        parser.error(f"--start-timeout must be seconds > 0; found {args.start_timeout:g}")
     return args
+
+
+class _Signalled(BaseException):
+    """SIGINT or SIGTERM arrived: unwinds the launcher, which stops the ranks."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    # Later signals must not interrupt the cleanup the first one started.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise _Signalled(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,11 +81,23 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"flyte-hvd-run: {e}", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
     try:
-        launch_local(job, args.np, start_timeout=args.start_timeout, output=console_sink())
-    except (RanksFailedError, RendezvousTimeoutError) as e:
+        launch_local(
+            job,
+            args.np,
+            start_timeout=args.start_timeout,
+            output=console_sink(),
+            timeout_hint=f"--start-timeout (or ${START_TIMEOUT_ENV})",
+        )
+    except (RanksFailedError, RendezvousTimeoutError, ValueError) as e:
         print(f"flyte-hvd-run: {e}", file=sys.stderr)
         return 1
+    except _Signalled as stop:
+        name = "interrupted (Ctrl-C)" if stop.signum == signal.SIGINT else "terminated (SIGTERM)"
+        print(f"flyte-hvd-run: {name}; every rank was stopped.", file=sys.stderr)
+        return 128 + stop.signum
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -13,15 +14,28 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Spark's Python workers must be this interpreter (the venv with flyte_hvd, mpi4py, mpich).
 os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+# Every process this test session starts inherits this mark, so the leftover checks below
+# count only this session's processes, not those of other runs on the same machine.
+SESSION_MARK = f"TEST_SESSION_MARK={uuid.uuid4().hex}".encode()
+os.environ.update([SESSION_MARK.decode().split("=", 1)])
+
+
+def _ours(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return SESSION_MARK in f.read().split(b"\0")
+    except OSError:
+        return False
 
 
 def rank_processes() -> list[str]:
-    """Command lines of rank processes (and their mpiexec) alive on this machine."""
+    """Command lines of rank processes (and their mpiexec) this test session started."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [
         line
         for line in out.splitlines()
-        if "flyte_hvd.core.bootstrap" in line or "hydra_pmi_proxy" in line
+        if ("flyte_hvd.core.bootstrap" in line or "hydra_pmi_proxy" in line or "mpiexec" in line)
+        and _ours(line.split()[0])
     ]
 
 

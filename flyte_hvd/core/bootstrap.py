@@ -2,8 +2,9 @@
 
 Every launcher (``flyte-hvd-run``, ``HorovodRunner(np<0)``, ``flyte_hvd.spark.run``) starts
 its ranks through this module: join the other ranks, check the run's secret, then run the
-job. The supervisor passes everything through the environment and files; the secret is
-removed from the environment before user code runs and never appears on a command line.
+job. The supervisor passes the rank's place through the environment and the job through a
+file; the run's secret comes over the private control socket, so it is in no process's
+environment or command line. A probe thread reports collective waits (``core.stall``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import traceback
 import cloudpickle
 
 from flyte_hvd.core import job as job_module
-from flyte_hvd.core import rendezvous, state
+from flyte_hvd.core import rendezvous, stall, state
 
 logger = logging.getLogger("flyte_hvd")
 # A level for the flyte_hvd logger in rank processes (e.g. INFO), which log to stderr; the
@@ -30,13 +31,12 @@ def main() -> None:
         logging.basicConfig(format="%(name)s %(levelname)s: %(message)s", stream=sys.stderr)
         logger.setLevel(env[LOG_LEVEL_ENV].upper())
     rank, size = int(env.pop(rendezvous.RANK_ENV)), int(env.pop(rendezvous.SIZE_ENV))
-    secret = env.pop(rendezvous.SECRET_ENV)
     job_path, result_path = env.pop(rendezvous.JOB_ENV), env.pop(rendezvous.RESULT_ENV)
     client = rendezvous.ControlClient(env.pop(rendezvous.CONTROL_ENV), rank)
     try:
         comm = rendezvous.join(client, rank, size)
-        rendezvous.verify_secret(comm, secret)
-        del secret
+        rendezvous.verify_secret(comm, client.secret)
+        client.secret = ""
         state.set_launcher_comm(comm)
         hosts = comm.allgather(state.host_name())
         topo = state.Topology.from_hosts(hosts, rank)
@@ -56,12 +56,15 @@ def main() -> None:
         client.send({"op": "joined"})
         with open(job_path, "rb") as f:
             job = cloudpickle.load(f)
+        probe = stall.Probe(client.send).start()
         try:
             result = job.run()
         except SystemExit as exit_:
             if exit_.code not in (None, 0):
                 raise
             result = None
+        finally:
+            probe.stop()
         state.shutdown()
         tmp = f"{result_path}.tmp"
         with open(tmp, "wb") as f:
@@ -69,8 +72,7 @@ def main() -> None:
         os.replace(tmp, result_path)
     except BaseException as error:
         text = _user_traceback(error)
-        sys.stderr.write(text)
-        sys.stderr.flush()
+        # The traceback goes to the supervisor only: it is in the run's error and output file.
         client.send({"op": "failed", "traceback": text})
         sys.stdout.flush()
         # Skip MPI_Finalize: it waits for peers that may be blocked on this rank forever.

@@ -464,6 +464,7 @@ def reducescatter(array: Any, op: ReduceOp = Average, name: str | None = None) -
 def barrier() -> None:
     """Block until every rank reaches this call."""
     comm = state.comm()
+    _check_same(comm, (8,), lambda: "barrier()")
     start = _begin()
     comm.Barrier()
     _end("barrier", None, 0, start)

@@ -10,9 +10,15 @@ class RanksFailedError(RuntimeError):
     so the user sees which rank failed and why, not an exit code.
     """
 
-    def __init__(self, failures: dict[int, str], summary: str | None = None):
+    # Lines of each rank's text in the message; the rest is in the output file it names.
+    SHOWN_LINES = 20
+
+    def __init__(
+        self, failures: dict[int, str], summary: str | None = None, output_log: str | None = None
+    ):
         self.failures = dict(sorted(failures.items()))
         self.summary = summary or self._default_summary()
+        self.output_log = output_log
         super().__init__(self._message())
 
     def _default_summary(self) -> str:
@@ -23,7 +29,13 @@ class RanksFailedError(RuntimeError):
     def _message(self) -> str:
         parts = [self.summary]
         for rank, text in self.failures.items():
-            parts.append(f"--- rank {rank} ---\n{text.rstrip()}")
+            lines = text.rstrip().splitlines()
+            if len(lines) > self.SHOWN_LINES and self.output_log:
+                hidden = len(lines) - self.SHOWN_LINES
+                lines = [f"... ({hidden} lines before these)", *lines[hidden:]]
+            parts.append(f"--- rank {rank} ---\n" + "\n".join(lines))
+        if self.output_log:
+            parts.append(f"full output of every rank: {self.output_log}")
         return "\n".join(parts)
 
     @property
@@ -31,7 +43,7 @@ class RanksFailedError(RuntimeError):
         return list(self.failures)
 
     def __reduce__(self):
-        return (type(self), (self.failures, self.summary))
+        return (type(self), (self.failures, self.summary, self.output_log))
 
 
 class RendezvousTimeoutError(TimeoutError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -27,7 +28,7 @@ from typing import IO, Any, Protocol
 
 import cloudpickle
 
-from flyte_hvd.core import rendezvous
+from flyte_hvd.core import rendezvous, stall
 from flyte_hvd.core.errors import RanksFailedError, RendezvousTimeoutError
 
 OutputSink = Callable[[int, str, str], None]
@@ -44,6 +45,9 @@ _BANNER_PREFIXES = (
     "Please see the FAQ page",
 )
 _EXIT_STRING = "YOUR APPLICATION TERMINATED WITH THE EXIT STRING:"
+# mpiexec.gforker's report of a rank killed by a signal (it then exits 0 itself).
+_GFORKER_SIGNALLED = re.compile(r"^\[\d+\]\d+:Return code = \d+, signaled with (.+)$")
+_SIGNAL_NUMBERS = {signal.strsignal(s): int(s) for s in signal.valid_signals()}
 _FAILURE_GRACE_S = 0.5
 _STDERR_TAIL_LINES = 30
 
@@ -88,10 +92,17 @@ class LocalExchange:
             self._cond.notify_all()
 
 
-def find_mpiexec() -> str:
-    """The ``mpiexec`` of the ``mpich`` wheel beside this interpreter, else on ``PATH``."""
-    here = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
-    found = here or shutil.which("mpiexec")
+def find_mpiexec(single_host: bool = False) -> str:
+    """The ``mpiexec`` of the ``mpich`` wheel beside this interpreter, else on ``PATH``.
+
+    With ``single_host``, MPICH's ``mpiexec.gforker`` where there is one: it starts the rank
+    with no network listener, where hydra's ``mpiexec`` listens on every interface."""
+    names = ("mpiexec.gforker", "mpiexec") if single_host else ("mpiexec",)
+    found = None
+    for name in names:
+        found = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
+        if found:
+            break
     if not found:
         raise RuntimeError(
             f"`mpiexec` not found beside the Python interpreter ({sys.executable}) or on PATH: "
@@ -112,6 +123,51 @@ def console_sink(stdout: IO[str] | None = None, stderr: IO[str] | None = None) -
             target.flush()
 
     return sink
+
+
+class OutputLog:
+    """Every rank's output lines and the failing ranks' tracebacks, held in memory (the last
+    ``max_lines``) and written to a file only when the run fails: the error then names the
+    file instead of repeating all the output. Nothing is on disk while the run lasts, so a
+    killed launcher leaves nothing behind."""
+
+    def __init__(self, max_lines: int = 50_000):
+        self._lines: deque[str] = deque(maxlen=max_lines)
+        self._dropped = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self.path: str | None = None
+
+    def write(self, rank: int, stream: str, line: str) -> None:
+        with self._lock:
+            if len(self._lines) == self._lines.maxlen:
+                self._dropped += 1
+            self._lines.append(f"[{rank}]<{stream}>:{line}")
+
+    def tee(self, sink: OutputSink) -> OutputSink:
+        def both(rank: int, stream: str, line: str) -> None:
+            self.write(rank, stream, line)
+            sink(rank, stream, line)
+
+        return both
+
+    def close(self, keep: bool) -> str | None:
+        """Write the file (``keep``) and return its path, or drop the lines. Only the first
+        call counts."""
+        with self._lock:
+            if self._closed:
+                return self.path
+            self._closed = True
+            lines, self._lines = self._lines, deque()
+        if not keep:
+            return None
+        fd, path = tempfile.mkstemp(prefix="flyte-hvd-output-", suffix=".log")
+        with os.fdopen(fd, "w", errors="replace") as f:
+            if self._dropped:
+                f.write(f"({self._dropped} earlier lines were dropped)\n")
+            f.writelines(line + "\n" for line in lines)
+        self.path = path
+        return path
 
 
 class _Rank:
@@ -140,6 +196,10 @@ class RankSupervisor:
         start_timeout: seconds for every rank to start and join; the run fails after that.
         env: extra environment for the ranks.
         output: where rank output lines go.
+        single_host: every rank of the run is on this machine: start them with nothing
+            listening on a network interface (``mpiexec.gforker``, UCX on loopback).
+        watch: decides from the ranks' probe reports whether the run is stuck (see
+            ``flyte_hvd.core.stall``); by default one over this supervisor's ranks.
     """
 
     def __init__(
@@ -152,8 +212,15 @@ class RankSupervisor:
         start_timeout: float = 600.0,
         env: dict[str, str] | None = None,
         output: OutputSink | None = None,
+        watch: Any = None,
+        output_log: OutputLog | None = None,
+        timeout_hint: str = "`start_timeout` (or HOROVOD_SPARK_START_TIMEOUT)",
+        single_host: bool = False,
     ):
+        self.timeout_hint = timeout_hint
+        self.single_host = single_host
         self.job = job
+        self.output_log = output_log
         self.ranks = {r: _Rank(r) for r in ranks}
         self.size = size
         self.exchange = exchange
@@ -161,6 +228,9 @@ class RankSupervisor:
         self.start_timeout = start_timeout
         self.env = dict(env or {})
         self.output = output or console_sink()
+        if watch is None and len(ranks) == size:
+            watch = stall.StallWatch(size, stall.StallConfig.from_env({**os.environ, **self.env}))
+        self.watch = watch or stall.ForwardWatch(lambda kind, rank, message: None)
         self._changed = threading.Condition()
         self._stopping = False
         self.started_at = 0.0
@@ -169,7 +239,7 @@ class RankSupervisor:
         workdir = _private_dir()
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            control = os.path.join(workdir, "control.sock")
+            control = os.path.join(workdir, CONTROL_SOCKET)
             server.bind(control)
             server.listen(len(self.ranks))
             job_path = os.path.join(workdir, "job.pkl")
@@ -201,13 +271,19 @@ class RankSupervisor:
                 rendezvous.CONTROL_ENV: control,
                 rendezvous.RANK_ENV: str(state.rank),
                 rendezvous.SIZE_ENV: str(self.size),
-                rendezvous.SECRET_ENV: self.secret,
                 rendezvous.JOB_ENV: job_path,
                 rendezvous.RESULT_ENV: os.path.join(workdir, f"result.{state.rank}.pkl"),
                 "PYTHONUNBUFFERED": "1",
+                # The rank's temporary files live in the supervisor's folder, which is removed
+                # on every path (see `_private_dir`).
+                "TMPDIR": os.path.join(workdir, "tmp"),
             }
         )
-        command = [find_mpiexec(), "-n", "1", sys.executable, "-m", "flyte_hvd.core.bootstrap"]
+        if self.single_host:
+            # Every rank is on this machine: UCX needs no interface but loopback.
+            env.setdefault("UCX_NET_DEVICES", "lo")
+        mpiexec = find_mpiexec(self.single_host)
+        command = [mpiexec, "-n", "1", sys.executable, "-m", "flyte_hvd.core.bootstrap"]
         state.proc = subprocess.Popen(
             command,
             env=env,
@@ -228,6 +304,12 @@ class RankSupervisor:
             line = raw.decode(errors="replace").rstrip("\n")
             if line.startswith(_EXIT_STRING):
                 state.exit_string = line[len(_EXIT_STRING) :].strip()
+            signalled = _GFORKER_SIGNALLED.match(line)
+            if signalled:
+                name = signalled.group(1).strip()
+                number = _SIGNAL_NUMBERS.get(name)
+                state.exit_string = f"{name} (signal {number})" if number else name
+                continue
             if line.startswith(_BANNER_PREFIXES):
                 held_blank = False
                 continue
@@ -265,6 +347,8 @@ class RankSupervisor:
                         return
                     state.conn, state.pid = conn, message["pid"]
                     state.times["hello"] = time.time()
+                    # The secret travels only here, never in an environment or command line.
+                    conn.sendall(rendezvous.encode({"secret": self.secret}))
                 elif state is None:
                     return
                 elif op == "allgather":
@@ -274,9 +358,15 @@ class RankSupervisor:
                     state.times["joined"] = time.time()
                 elif op == "failed":
                     state.traceback = message["traceback"]
+                    if self.output_log is not None:
+                        for line in state.traceback.rstrip().splitlines():
+                            self.output_log.write(state.rank, "stderr", line)
                     state.times["failed"] = time.time()
+                elif op == "probe":
+                    self.watch.probe(state.rank, message)
                 elif op == "done":
                     state.done = True
+                    self.watch.ended(state.rank, "returned normally")
                 self._notify()
         except (OSError, RuntimeError, ValueError):
             pass
@@ -304,7 +394,15 @@ class RankSupervisor:
                 for s in self.ranks.values():
                     for pump in s.pumps:
                         pump.join(timeout=5)
-                return
+                if not any(s.exit_string for s in self.ranks.values()):
+                    return
+                continue  # a rank was killed, though its launcher exited 0 (gforker)
+            for s in self.ranks.values():
+                if self._code(s) == 0 and not s.done:
+                    self.watch.ended(s.rank, "exited with status 0 without returning a result")
+            verdict = None if failed else self.watch.check()
+            if verdict is not None:
+                self._raise_stuck(*verdict)
             joined = all("joined" in s.times for s in self.ranks.values())
             if not joined and not failed and time.monotonic() > deadline:
                 self._raise_timeout()
@@ -314,8 +412,14 @@ class RankSupervisor:
     def _failed(self, state: _Rank) -> bool:
         if state.traceback is not None:
             return True
-        code = state.proc.poll()
+        code = self._code(state)
         return code is not None and code != 0
+
+    @staticmethod
+    def _code(state: _Rank) -> int | None:
+        """The rank's exit status; -1 for a signal its launcher reported but exited 0 on."""
+        code = state.proc.poll()
+        return -1 if code == 0 and state.exit_string else code
 
     def _raise_failures(self) -> None:
         self._stop_all()
@@ -325,7 +429,7 @@ class RankSupervisor:
             if state.traceback is not None:
                 failures[state.rank] = state.traceback
                 continue
-            code = state.proc.returncode
+            code = self._code(state)
             if code in (None, 0) or "killed_by_us" in state.times:
                 continue
             if code == rendezvous.ORPHANED_EXIT:
@@ -336,6 +440,10 @@ class RankSupervisor:
             failures = {r: "lost its supervisor connection" for r in orphans}
         first = min(failures, key=lambda r: self.ranks[r].times.get("failed", float("inf")))
         raise RanksFailedError(failures, summary=f"rank {first} failed; the run was stopped")
+
+    def _raise_stuck(self, rank: int, message: str) -> None:
+        self._stop_all()
+        raise RanksFailedError({rank: message}, summary=f"rank {rank} failed; the run was stopped")
 
     def _death_text(self, state: _Rank, code: int) -> str:
         how = f"died: {state.exit_string}" if state.exit_string else f"exited with status {code}"
@@ -354,7 +462,7 @@ class RankSupervisor:
         )
         raise RendezvousTimeoutError(
             f"ranks did not join within start_timeout={self.start_timeout:g}s: {detail}. "
-            f"Raise `start_timeout` (or HOROVOD_SPARK_START_TIMEOUT) if the machines are slow."
+            f"Raise {self.timeout_hint} if the machines are slow."
         )
 
     def _stop_all(self) -> None:
@@ -403,13 +511,67 @@ def _close(conn: socket.socket) -> None:
     conn.close()
 
 
+WORKDIR_PREFIX = "flyte-hvd-run-"
+CONTROL_SOCKET = "ctl"  # short: AF_UNIX paths are at most 107 bytes
+_STALE_AFTER_S = 60.0
+
+
+def work_base() -> str:
+    """Where a supervisor's private folder goes: inside a Spark task, Spark's own scratch
+    folder of this application (``SPARK_LOCAL_DIRS``, removed by Spark when the executor
+    stops, even if this task's process is killed); elsewhere the temp folder."""
+    for path in os.environ.get("SPARK_LOCAL_DIRS", "").split(","):
+        if path and os.path.isdir(path) and os.access(path, os.W_OK):
+            return path
+    return tempfile.gettempdir()
+
+
 def _private_dir() -> str:
-    """A 0700 directory whose socket path fits the 107-byte AF_UNIX limit."""
-    path = tempfile.mkdtemp(prefix="flyte-hvd-")
-    if len(os.path.join(path, "control.sock")) > 100:
+    """A 0700 folder for the control socket, the job, the results and the ranks' ``TMPDIR``.
+
+    Whoever outlives the supervisor removes it: the supervisor itself, else its orphaned
+    ranks (``rendezvous.ControlClient``), else the next supervisor that starts in the same
+    folder (``sweep_stale``), else Spark with its scratch folder.
+    """
+    base = work_base()
+    sweep_stale(base)
+    path = tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir=base)
+    if len(os.path.join(path, CONTROL_SOCKET)) > 100:
         os.rmdir(path)
-        path = tempfile.mkdtemp(prefix="flyte-hvd-", dir="/tmp")
+        path = tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir="/tmp")
+    os.mkdir(os.path.join(path, "tmp"), 0o700)
     return path
+
+
+def sweep_stale(base: str) -> list[str]:
+    """Remove supervisors' folders in ``base`` whose supervisor is gone (its control socket
+    refuses connections); returns what was removed."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(base):
+            path = os.path.join(base, name)
+            if not name.startswith(WORKDIR_PREFIX) or not _abandoned(path):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _abandoned(path: str) -> bool:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    if info.st_uid != os.getuid() or time.time() - info.st_mtime < _STALE_AFTER_S:
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(os.path.join(path, CONTROL_SOCKET))
+    except OSError:
+        return True  # no socket, or nobody listens on it
+    finally:
+        probe.close()
+    return False
 
 
 def new_secret() -> str:
@@ -422,10 +584,15 @@ def launch_local(
     start_timeout: float = 60.0,
     env: dict[str, str] | None = None,
     output: OutputSink | None = None,
+    timeout_hint: str = "`start_timeout`",
 ) -> list[Any]:
-    """Run ``job`` on ``num_proc`` rank processes on this machine; results in rank order."""
+    """Run ``job`` on ``num_proc`` rank processes on this machine; results in rank order.
+
+    If a rank fails, the error keeps every rank's output in a file it names."""
     if not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1:
         raise ValueError(f"`num_proc` must be an int >= 1; found {num_proc!r}.")
+    check_start_timeout(start_timeout)
+    log = OutputLog()
     supervisor = RankSupervisor(
         job,
         ranks=list(range(num_proc)),
@@ -434,7 +601,23 @@ def launch_local(
         secret=new_secret(),
         start_timeout=start_timeout,
         env=env,
-        output=output,
+        output=log.tee(output or console_sink()),
+        output_log=log,
+        timeout_hint=timeout_hint,
+        single_host=True,
     )
-    results = supervisor.run()
+    try:
+        results = supervisor.run()
+    except RanksFailedError as error:
+        raise RanksFailedError(error.failures, error.summary, log.close(keep=True)) from None
+    finally:
+        log.close(keep=False)
     return [results[r] for r in range(num_proc)]
+
+
+def check_start_timeout(start_timeout: Any) -> float:
+    if isinstance(start_timeout, bool) or not isinstance(start_timeout, int | float):
+        raise ValueError(f"`start_timeout` must be seconds > 0; found {start_timeout!r}.")
+    if not start_timeout > 0:
+        raise ValueError(f"`start_timeout` must be > 0 seconds; found {start_timeout}.")
+    return float(start_timeout)

@@ -18,6 +18,7 @@ import hmac
 import json
 import os
 import queue
+import shutil
 import socket
 import threading
 from typing import Any
@@ -25,7 +26,6 @@ from typing import Any
 CONTROL_ENV = "FLYTE_HVD_CONTROL"
 RANK_ENV = "FLYTE_HVD_RANK"
 SIZE_ENV = "FLYTE_HVD_SIZE"
-SECRET_ENV = "FLYTE_HVD_SECRET"
 JOB_ENV = "FLYTE_HVD_JOB"
 RESULT_ENV = "FLYTE_HVD_RESULT"
 
@@ -47,6 +47,7 @@ class ControlClient:
 
     def __init__(self, path: str, rank: int):
         self.rank = rank
+        self._path = path
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -54,12 +55,16 @@ class ControlClient:
         self._closing = False
         threading.Thread(target=self._read, name="flyte-hvd-control", daemon=True).start()
         self.send({"op": "hello", "rank": rank, "pid": os.getpid()})
+        # The run's secret comes over this private socket, never through the environment.
+        self.secret: str = self._replies.get()["secret"]
 
     def _read(self) -> None:
         stream = self._sock.makefile("rb")
         for line in stream:
             self._replies.put(json.loads(line))
         if not self._closing:
+            # The supervisor is gone (killed with its Spark task, say): remove what it left.
+            shutil.rmtree(os.path.dirname(self._path), ignore_errors=True)
             os._exit(ORPHANED_EXIT)
 
     def send(self, message: dict[str, Any]) -> None:

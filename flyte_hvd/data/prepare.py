@@ -69,6 +69,7 @@ def prepare_data(
     compress_sparse: bool = False,
     partitions_per_process: int = 10,
     verbose: int = 0,
+    allow_non_finite_features: bool = False,
 ) -> Iterator[str]:
     """Write ``df``'s selected columns to Parquet in ``store``; yields the dataset index.
 
@@ -88,11 +89,13 @@ def prepare_data(
         compress_sparse: store vector columns whose rows are all sparse as (indices, values).
         partitions_per_process: Parquet files per process and split.
         verbose: 1 logs what was written or reused at INFO (0: at DEBUG).
+        allow_non_finite_features: keep NaN and infinity in feature columns (refused by
+            default: they make the loss NaN without a word).
 
     Raises:
         ValueError: bad arguments or data: a missing column, an unsupported type, no rows,
-            an empty split, a null, or NaN in a label or sample weight (a NaN label makes
-            the loss NaN and ruins every weight after one step, so it is refused here).
+            an empty split, a null, or NaN or infinity in any column (a NaN makes the loss
+            NaN and ruins every weight after one step, so it is refused here).
         RuntimeError: the data could not be written (nothing half-written is kept).
 
     Example:
@@ -112,6 +115,7 @@ def prepare_data(
         compress_sparse,
         partitions_per_process,
         verbose,
+        allow_non_finite_features,
     )
 
 
@@ -126,6 +130,7 @@ def _prepare(
     compress_sparse,
     partitions_per_process,
     verbose,
+    allow_non_finite_features=False,
 ) -> str:
     _check_count("num_processes", num_processes)
     _check_count("partitions_per_process", partitions_per_process)
@@ -191,6 +196,8 @@ def _prepare(
         "num_processes": num_processes,
         "partitions_per_process": partitions_per_process,
     }
+    if allow_non_finite_features:
+        options["allow_non_finite_features"] = True
     key = _dataset_key(df, options)
     idx = key[:16]
     paths = {"train": store.get_train_data_path(idx)}
@@ -209,7 +216,8 @@ def _prepare(
     elif val_col is not None:
         cols.append(F.coalesce(F.col(_q(val_col)).cast("boolean"), F.lit(False)).alias(_SPLIT_COL))
     sel = df.select(*cols)
-    stats = _collect_stats(sel, kinds, set(labels) | set(weight), validation is not None)
+    checked = set(labels) | set(weight) | (set() if allow_non_finite_features else set(features))
+    stats = _collect_stats(sel, kinds, checked, validation is not None, set(features))
     infos = _column_infos(selected, kinds, stats, compress_sparse)
     _check_split_rows(stats, validation, num_processes)
 
@@ -417,11 +425,15 @@ class _StatsTask:
             st["min_len"] = lo if st["min_len"] is None else min(st["min_len"], lo)
             st["max_len"] = hi if st["max_len"] is None else max(st["max_len"], hi)
         if check_nan and pa.types.is_floating(values.type) and len(values):
-            st["nans"] += int(pc.sum(pc.is_nan(values)).as_py() or 0)
+            st["nans"] += int(pc.sum(pc.invert(pc.is_finite(values))).as_py() or 0)
 
 
 def _collect_stats(
-    sel: Any, kinds: dict[str, tuple[str, str]], nan_checked: set[str], has_split: bool
+    sel: Any,
+    kinds: dict[str, tuple[str, str]],
+    nan_checked: set[str],
+    has_split: bool,
+    features: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> dict[str, Any]:
     task = _StatsTask({c: k for c, (k, _) in kinds.items()}, nan_checked, has_split)
     rows = sel.mapInArrow(task, "stats string").collect()
@@ -453,10 +465,16 @@ def _collect_stats(
                 f"df.na.fill)."
             )
         if st["nans"]:
+            allow = (
+                "; or pass `allow_non_finite_features=True` to prepare_data if the model "
+                "handles them"
+                if c in features
+                else ""
+            )
             raise ValueError(
-                f"column `{c}` has {st['nans']} NaN values; a NaN label or weight "
-                f"makes the loss NaN. Drop or fix those rows first "
-                f"(e.g. df.na.drop(subset=['{c}']))."
+                f"column `{c}` has {st['nans']} NaN or infinite values; they make the loss "
+                f"NaN. Drop or fix those rows first (e.g. df.na.drop(subset=['{c}']) for NaN)"
+                f"{allow}."
             )
         if st["min_len"] is not None and st["min_len"] != st["max_len"]:
             raise ValueError(

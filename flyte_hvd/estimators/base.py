@@ -156,6 +156,7 @@ class HorovodEstimator(Estimator):
         metadata = get_dataset_metadata(store, dataset_idx)  # (train, validation or None)
         model_params = self._check_data(features, metadata)
         run_id = self._run_id()
+        _check_not_finished(store.to_remote(run_id, dataset_idx), run_id, self.getEpochs())
         spec = self._training_spec(store.to_remote(run_id, dataset_idx), features, metadata,
                                    backend.num_processes())  # fmt: skip
         results = backend.run(self._remote_trainer(), args=(spec,), env={})
@@ -407,3 +408,17 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 def _fresh(defaults: dict[str, Any]) -> dict[str, Any]:
     """Defaults with their own copies of mutable values (lists, dicts)."""
     return {k: (type(v)(v) if isinstance(v, list | dict) else v) for k, v in defaults.items()}
+
+
+def _check_not_finished(remote_store: Any, run_id: str, epochs: int) -> None:
+    """A run that already trained all its epochs would silently return its old model."""
+    from flyte_hvd.spark.training import read_run_state
+
+    done = (read_run_state(remote_store) or {}).get("epoch", 0)
+    if done >= epochs:
+        raise ValueError(
+            f"run `{run_id}` already finished: it trained {done} epoch(s) and `epochs`={epochs}. "
+            f"Its model is in the store under runs/{run_id}/. To train it further, fit again "
+            f"with `epochs` > {done} and the same `run_id`; to train from the start, give a "
+            f"new `run_id`."
+        )

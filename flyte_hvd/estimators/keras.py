@@ -83,6 +83,7 @@ class KerasEstimator(HorovodEstimator):
                 "the model is not compiled and `optimizer`/`loss` are not both given: pass "
                 "optimizer=keras.optimizers.Adam(...) and loss='mse' (or compile the model)."
             )
+        _check_identifiers(self.getLoss(), self.getMetrics(), self.getCustomObjects())
 
     def _compiled_model(self) -> Any:
         model = self.getModel()
@@ -100,6 +101,20 @@ class KerasEstimator(HorovodEstimator):
         return model
 
     def _check_data(self, features: list[str], metadata: Any) -> dict[str, Any]:
+        columns = {c.name: c for c in metadata[0].columns}
+        for tensor, name in zip(self.getModel().inputs, features, strict=True):
+            want = tuple(tensor.shape[1:])
+            column = columns.get(name)
+            if column is None or None in want:
+                continue
+            have = math.prod(column.shape) if column.shape else 1
+            if math.prod(want) != have:
+                raise ValueError(
+                    f"the model's input `{tensor.name}` takes {math.prod(want)} value(s) per "
+                    f"row (shape {want}) but feature column `{name}` holds {have} "
+                    f"(shape {column.shape or '()'}): give the model an input of that width, or "
+                    f"select the feature columns it was built for."
+                )
         return {"custom_objects": dict(self.getCustomObjects() or {})}
 
     def _training_spec(self, remote_store: Any, features: list[str], metadata: Any,
@@ -228,6 +243,37 @@ def train_on_rank(spec: KerasTrainingSpec) -> dict:
         if spec.learning_rate is not None:
             model.optimizer.learning_rate = spec.learning_rate  # hand back the rate given
         return run.result(lambda: model_to_bytes(model), history.history)
+
+
+# Names Keras' compile() accepts besides those keras.metrics.get resolves.
+_COMPILE_METRIC_NAMES = {"accuracy", "acc", "crossentropy", "ce"}
+
+
+def _check_identifiers(loss: Any, metrics: Any, custom_objects: Any) -> None:
+    """Loss and metric names must resolve on the driver, before any rank starts (a typo
+    otherwise surfaces as a traceback from every rank after start-up)."""
+    losses = loss.values() if isinstance(loss, dict) else loss if isinstance(loss, list) else [loss]
+    with keras.saving.custom_object_scope(custom_objects or {}):
+        for item in losses:
+            if isinstance(item, str):
+                try:
+                    keras.losses.get(item)
+                except ValueError:
+                    raise ValueError(
+                        f"`loss`={item!r} is not a Keras loss: use a name Keras knows (e.g. "
+                        f"'mse', 'mae', 'binary_crossentropy'), a function, or name it in "
+                        f"`custom_objects`."
+                    ) from None
+        for item in metrics or []:
+            if isinstance(item, str) and item not in _COMPILE_METRIC_NAMES:
+                try:
+                    keras.metrics.get(item)
+                except ValueError:
+                    raise ValueError(
+                        f"`metrics` has {item!r}, which is not a Keras metric: use a name Keras "
+                        f"knows (e.g. 'mae', 'accuracy'), a function, or name it in "
+                        f"`custom_objects`."
+                    ) from None
 
 
 def _pin_gpu(tf: Any, local_rank: int) -> None:

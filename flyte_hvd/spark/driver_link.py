@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
+from flyte_hvd.core.launcher import OutputLog
+
 
 def _proof(secret: str) -> str:
     return hmac.new(secret.encode(), b"flyte-hvd driver link", hashlib.sha256).hexdigest()
@@ -34,20 +36,39 @@ class DriverServer:
         stdout: IO[str] | None = None,
         stderr: IO[str] | None = None,
         prefix_output_with_timestamp: bool = False,
-        on_failure: Callable[[int], None] | None = None,
+        on_failure: Callable[[int, int, str], None] | None = None,
+        watch: Any = None,
+        on_stuck: Callable[[], None] | None = None,
     ):
         self._secret_proof = _proof(secret)
         self._on_failure = on_failure
+        # A ``core.stall.StallWatch`` over all ranks: tasks forward their ranks' reports here.
+        self.watch = watch
+        self._on_stuck = on_stuck
+        self.stuck: tuple[int, str] | None = None
+        self._closed = threading.Event()
         self.attempts_started = 0  # how many times the stage's tasks have started
         self._stdout, self._stderr = stdout, stderr
         self._timestamps = prefix_output_with_timestamp
         self._lock = threading.Lock()
+        self.output_log = OutputLog()  # kept, and named in the error, if the run fails
         self.events: dict[int, dict[str, float]] = {}
         self.failures: dict[int, tuple[int, str]] = {}  # rank -> (stage attempt, traceback)
         self._sock = socket.create_server((host, 0))
         self.address = (host, self._sock.getsockname()[1])
         self._threads: list[threading.Thread] = []
         threading.Thread(target=self._accept, name="flyte-hvd-driver-link", daemon=True).start()
+        if watch is not None:
+            threading.Thread(target=self._watch, name="flyte-hvd-stall", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(0.25):
+            verdict = self.watch.check()
+            if verdict is not None:
+                self.stuck = verdict
+                if self._on_stuck is not None:
+                    self._on_stuck()
+                return
 
     def _accept(self) -> None:
         while True:
@@ -78,18 +99,28 @@ class DriverServer:
                 self._print(rank, message["stream"], message["text"])
             elif kind == "event":
                 self.events.setdefault(rank, {})[message["name"]] = message["time"]
-                if message["name"] == "task_started" and rank == 0:
-                    self.attempts_started += 1
+                if message["name"] == "task_started":
+                    if rank == 0:
+                        self.attempts_started += 1
+                    if self.watch is not None:
+                        self.watch.reset(rank)
+            elif kind == "probe" and self.watch is not None:
+                self.watch.probe(rank, message)
+            elif kind == "ended" and self.watch is not None:
+                self.watch.ended(rank, message["how"])
             elif kind == "failed":
                 # A retried stage reports again; keep each rank's latest failure.
                 self.failures[rank] = (self.attempts_started, message["traceback"])
+                for line in message["traceback"].rstrip().splitlines():
+                    self.output_log.write(rank, "stderr", line)
         if kind == "failed" and self._on_failure is not None:
-            self._on_failure(self.attempts_started)
+            self._on_failure(self.attempts_started, rank, message["traceback"])
 
     def _print(self, rank: int, stream: str, text: str) -> None:
         target = (
             (self._stdout or sys.stdout) if stream == "stdout" else (self._stderr or sys.stderr)
         )
+        self.output_log.write(rank, stream, text)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S ") if self._timestamps else ""
         target.write(f"{stamp}[{rank}]<{stream}>:{text}\n")
         target.flush()
@@ -103,7 +134,9 @@ class DriverServer:
             return {r: tb for r, (attempt, tb) in self.failures.items() if attempt == last}
 
     def close(self) -> None:
+        self._closed.set()
         self._sock.close()
+        self.output_log.close(keep=False)  # a no-op once the run's error kept it
         for thread in self._threads:
             thread.join(timeout=2)
 
@@ -134,6 +167,10 @@ class DriverLink:
 
     def event(self, name: str, at: float | None = None) -> None:
         self._send({"kind": "event", "rank": self.rank, "name": name, "time": at or time.time()})
+
+    def forward(self, kind: str, rank: int, message: dict[str, Any]) -> None:
+        """A rank's probe report or ending, for the driver's stall watch."""
+        self._send({**message, "kind": kind, "rank": rank})
 
     def failed(self, traceback: str) -> None:
         self._send({"kind": "failed", "rank": self.rank, "traceback": traceback})

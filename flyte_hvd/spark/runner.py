@@ -20,6 +20,7 @@ from typing import IO, Any
 
 import cloudpickle
 
+from flyte_hvd.core import stall
 from flyte_hvd.core.environment import local_driver_env
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.job import FunctionJob
@@ -111,6 +112,7 @@ def launch(
     timeout = _resolve_start_timeout(start_timeout)
     job = _pickle_job(fn, args, kwargs)
     rank_env = {**local_driver_env(sc.master), **_check_env(env)}
+    stall_config = stall.StallConfig.from_env({**os.environ, **rank_env})
     submitted_at = time.time()
     deadline = time.monotonic() + timeout
     wait_for_slots(sc, num_proc, deadline, timeout)
@@ -118,19 +120,30 @@ def launch(
     max_attempts = stage_attempts(sc)
     tag = f"flyte-hvd-{secret[:12]}"
 
-    def stop_after_last_attempt(attempts_started: int) -> None:
+    retry_told: set[int] = set()
+
+    def stop_after_last_attempt(attempts_started: int, rank: int, traceback: str) -> None:
         if attempts_started >= max_attempts:
             sc.cancelJobsWithTag(tag)
+        elif attempts_started not in retry_told:
+            retry_told.add(attempts_started)
+            logger.warning(
+                "rank %d failed (%s); Spark retries the stage (attempt %d of %d)",
+                rank, _last_line(traceback), attempts_started + 1, max_attempts,
+            )  # fmt: skip
 
     server = DriverServer(
         _driver_host(sc), secret, stdout, stderr, prefix_output_with_timestamp,
         on_failure=stop_after_last_attempt,
+        watch=stall.StallWatch(num_proc, stall_config),
+        on_stuck=lambda: sc.cancelJobsWithTag(tag),
     )  # fmt: skip
     level = verbosity_level(verbose)
     logger.log(level, "running %d ranks in a Spark barrier stage", num_proc)
     task = _barrier_task(
-        job, num_proc, secret, server.address, rank_env, deadline - time.monotonic()
-    )
+        job, num_proc, secret, server.address, rank_env, deadline - time.monotonic(),
+        single_host=_is_local(sc),
+    )  # fmt: skip
     sc.addJobTag(tag)
     try:
         rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(task)
@@ -140,11 +153,13 @@ def launch(
             rdd = rdd.partitionBy(1)
         collected = rdd.collect()
     except Exception as error:
-        failures = server.latest_failures()
+        failures = dict([server.stuck]) if server.stuck else server.latest_failures()
         if failures:
             first = min(failures)
             raise RanksFailedError(
-                failures, summary=f"rank {first} failed; the Spark barrier stage was stopped"
+                failures,
+                summary=f"rank {first} failed; the Spark barrier stage was stopped",
+                output_log=server.output_log.close(keep=True),
             ) from None
         raise RuntimeError(
             f"the Spark barrier stage of {num_proc} ranks failed before any rank reported an "
@@ -159,13 +174,18 @@ def launch(
 
 
 def active_spark_context() -> Any:
+    """The SparkContext of this thread's active session, else of the default one (the
+    session the builder made, as ``SparkSession.active()`` finds it from any thread)."""
     try:
         from pyspark.sql import SparkSession
     except ImportError:
         raise RuntimeError(
             "flyte_hvd.spark needs pyspark: install it (`pip install pyspark`)."
         ) from None
-    spark = SparkSession.getActiveSession()
+    try:
+        spark = SparkSession.active()
+    except Exception:  # pyspark's NO_ACTIVE_OR_DEFAULT_SESSION
+        spark = None
     if spark is None:
         raise RuntimeError(
             "no active SparkSession: create one first (SparkSession.builder.getOrCreate()), "
@@ -313,6 +333,11 @@ def _driver_host(sc: Any) -> str:
     return sc.getConf().get("spark.driver.host") or "127.0.0.1"
 
 
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else "no message"
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
@@ -325,6 +350,7 @@ def _barrier_task(
     driver_address: tuple[str, int],
     env: dict[str, str],
     start_timeout: float,
+    single_host: bool = False,
 ) -> Callable[[Any], Any]:
     """The closure each barrier task runs: plain values only, no driver objects."""
 
@@ -332,6 +358,7 @@ def _barrier_task(
         from pyspark import BarrierTaskContext
 
         from flyte_hvd.core.launcher import RankSupervisor
+        from flyte_hvd.core.stall import ForwardWatch
         from flyte_hvd.spark.driver_link import DriverLink
 
         ctx = BarrierTaskContext.get()
@@ -353,6 +380,8 @@ def _barrier_task(
             start_timeout=max(start_timeout, 1.0),
             env=rank_env,
             output=link.output,
+            watch=ForwardWatch(link.forward),
+            single_host=single_host,  # a local[N] master: nothing listens beyond loopback
         )
         try:
             results = supervisor.run()

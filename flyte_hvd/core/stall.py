@@ -1,0 +1,331 @@
+"""Stall detection and liveness: which rank waits in which collective, and for how long.
+
+Horovod's stall inspector, rebuilt for rank processes that a supervisor watches. Each rank
+runs a ``Probe`` thread that looks, a few times a second, at the Python frames of the rank's
+threads: a thread whose frames are inside ``flyte_hvd.core.collectives`` is waiting in that
+collective. So the collectives carry no hook at all and pay nothing on the hot path. The
+probe reports only changes (started waiting more than a second ago, stopped waiting, moved)
+to its supervisor, and a ``StallWatch`` where all ranks' reports meet (the ``flyte-hvd-run``
+supervisor, or the driver of a Spark run) decides:
+
+- a rank that ended while others wait in a collective can never join them: the run fails
+  within seconds, naming the rank and how it ended;
+- ranks that waited longer than ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60) while others are
+  elsewhere get one warning line naming the collective, the waiting ranks and the missing
+  ones and where they are; after ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (0: never) the run
+  fails with that line as its error. ``HOROVOD_STALL_CHECK_DISABLE=1`` turns both off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+CHECK_TIME_ENV = "HOROVOD_STALL_CHECK_TIME_SECONDS"
+SHUTDOWN_TIME_ENV = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
+CHECK_DISABLE_ENV = "HOROVOD_STALL_CHECK_DISABLE"
+DEFAULT_CHECK_TIME = 60.0
+
+# A rank reports a wait once it has lasted this long (shorter waits are ordinary).
+REPORT_AFTER_S = 1.0
+PROBE_INTERVAL_S = 0.25
+# How long a rank may still be seen waiting after a peer ended before the run fails: covers
+# the probe's delay in reporting that the wait is over.
+ENDED_GRACE_S = 2.0
+
+logger = logging.getLogger("flyte_hvd")
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_COLLECTIVE_FILES = (os.path.join(_HERE, "collectives.py"),)
+_INIT_FILE = os.path.join(_HERE, "state.py")
+_PACKAGE = os.path.dirname(_HERE)
+
+
+@dataclass(frozen=True)
+class StallConfig:
+    """The stall knobs, read with Horovod's variable names."""
+
+    check_s: float = DEFAULT_CHECK_TIME
+    shutdown_s: float = 0.0
+    enabled: bool = True
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> StallConfig:
+        env = os.environ if env is None else env
+        check = _seconds(env, CHECK_TIME_ENV, DEFAULT_CHECK_TIME, allow_zero=False)
+        shutdown = _seconds(env, SHUTDOWN_TIME_ENV, 0.0, allow_zero=True)
+        if shutdown and shutdown < check:
+            raise ValueError(
+                f"{SHUTDOWN_TIME_ENV}={shutdown:g} is less than {CHECK_TIME_ENV}={check:g}: a "
+                f"stall is only known after the check time. Set {CHECK_TIME_ENV} to at most "
+                f"{shutdown:g}, or raise {SHUTDOWN_TIME_ENV}."
+            )
+        enabled = env.get(CHECK_DISABLE_ENV, "0").strip().lower() in ("", "0", "false")
+        return cls(check, shutdown, enabled)
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float, allow_zero: bool) -> float:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or (value == 0 and not allow_zero):
+        least = ">= 0 (0 turns it off)" if allow_zero else "> 0"
+        raise ValueError(f"{name}={raw!r}: expected seconds {least}, e.g. 60.")
+    return value
+
+
+# -- the rank's side -------------------------------------------------------------------------
+
+
+def _collective_of(frame: Any) -> tuple[Any, str] | None:
+    """The outermost frame of a collective the thread at ``frame`` is in, and its name."""
+    found = None
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path in _COLLECTIVE_FILES or (path == _INIT_FILE and frame.f_code.co_name == "init"):
+            found = frame
+        elif found is not None:
+            break
+        frame = frame.f_back
+    if found is None:
+        return None
+    return found, found.f_code.co_name.lstrip("_")
+
+
+def _where(frame: Any) -> str:
+    """``file:line in function`` of the innermost frame outside flyte_hvd."""
+    innermost = frame
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_PACKAGE) and not path.startswith("<frozen"):
+            break
+        frame = frame.f_back
+    frame = frame or innermost
+    if frame is None:
+        return "?"
+    name = os.path.basename(frame.f_code.co_filename)
+    return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+class Probe:
+    """Samples where this rank's threads are and sends changes with ``send(report)``.
+
+    A report is ``{"op": "probe", "coll": name or None, "age": seconds, "where": text}``.
+    """
+
+    def __init__(self, send: Callable[[dict[str, Any]], None], main: int | None = None):
+        self._send = send
+        self._main = threading.main_thread().ident if main is None else main
+        self._frame: Any = None  # held, so a later frame cannot reuse its id
+        self._since = 0.0
+        self._reported = False
+        self._where = ""
+        self._where_sent_at = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="flyte-hvd-probe", daemon=True)
+
+    def start(self) -> Probe:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(PROBE_INTERVAL_S):
+            try:
+                self.sample()
+            except Exception:  # a probe must never fail the rank
+                return
+
+    def sample(self) -> None:
+        now = time.monotonic()
+        frames = sys._current_frames()
+        me = threading.get_ident()
+        hit = None
+        # The main thread first: it is where user code and its collectives usually run.
+        for ident in sorted(frames, key=lambda i: i != self._main):
+            if ident == me:
+                continue
+            hit = _collective_of(frames[ident])
+            if hit is not None:
+                break
+        main = frames.get(self._main)
+        where = _where(main) if main is not None else "?"
+        if hit is not None and hit[0] is self._frame:
+            if not self._reported and now - self._since >= REPORT_AFTER_S:
+                self._reported = True
+                self._report(hit[1], now - self._since, where, now)
+            return
+        if self._reported:
+            self._reported = False
+            self._report(None, 0.0, where, now)
+        self._frame, self._since = (hit[0], now) if hit is not None else (None, 0.0)
+        if hit is None and where != self._where and now - self._where_sent_at >= 5.0:
+            self._report(None, 0.0, where, now)
+
+    def _report(self, coll: str | None, age: float, where: str, now: float) -> None:
+        self._where, self._where_sent_at = where, now
+        self._send({"op": "probe", "coll": coll, "age": round(age, 3), "where": where})
+
+
+# -- where the ranks' reports meet -----------------------------------------------------------
+
+
+@dataclass
+class _RankView:
+    coll: str | None = None
+    since: float = 0.0
+    where: str = ""
+    ended: str | None = None  # how the rank ended: "returned (exit status 0)" ...
+    ended_at: float = 0.0
+
+
+class StallWatch:
+    """Decides, from the ranks' probe reports and endings, whether the run is stuck.
+
+    ``check()`` is called periodically; it logs stall warnings and returns ``(rank, error
+    message)`` when the run must stop, naming the rank to blame (None otherwise).
+    Thread-safe.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        config: StallConfig | None = None,
+        warn: Callable[[str], None] | None = None,
+    ):
+        self.size = size
+        self.config = config or StallConfig()
+        self._warn = warn or logger.warning
+        self._lock = threading.Lock()
+        self._ranks = {r: _RankView() for r in range(size)}
+        self._warned_at: float | None = None
+
+    def reset(self, rank: int) -> None:
+        """The rank started again (a retried Spark stage): forget what it reported."""
+        with self._lock:
+            self._ranks[rank] = _RankView()
+            self._warned_at = None
+
+    def probe(self, rank: int, report: Mapping[str, Any]) -> None:
+        with self._lock:
+            view = self._ranks.get(rank)
+            if view is None:
+                return
+            view.coll = report.get("coll")
+            view.since = time.monotonic() - float(report.get("age", 0.0))
+            view.where = str(report.get("where", ""))
+
+    def ended(self, rank: int, how: str) -> None:
+        """The rank's job is over (``how`` says how, e.g. "returned (exit status 0)")."""
+        with self._lock:
+            view = self._ranks.get(rank)
+            if view is not None and view.ended is None:
+                view.ended, view.ended_at, view.coll = how, time.monotonic(), None
+
+    def check(self) -> tuple[int, str] | None:
+        with self._lock:
+            now = time.monotonic()
+            views = self._ranks
+            waiting = {r: v for r, v in views.items() if v.coll and not v.ended}
+            ended = {r: v for r, v in views.items() if v.ended}
+            if ended and waiting:
+                first = min(ended, key=lambda r: ended[r].ended_at)
+                if now - ended[first].ended_at >= ENDED_GRACE_S:
+                    return first, self._stranded(first, ended[first], waiting)
+            if not self.config.enabled:
+                return None
+            line, lag, blame = self._stall_line(now, waiting, ended)
+            if line is None:
+                self._warned_at = None
+                return None
+            if self.config.shutdown_s and lag >= self.config.shutdown_s:
+                return blame, (
+                    f"{line} The run was stopped after {self.config.shutdown_s:g}s "
+                    f"({SHUTDOWN_TIME_ENV})."
+                )
+            if self._warned_at is None or now - self._warned_at >= self.config.check_s:
+                self._warned_at = now
+                self._warn(line)
+            return None
+
+    def _stranded(self, rank: int, view: _RankView, waiting: dict[int, _RankView]) -> str:
+        colls = sorted({v.coll for v in waiting.values() if v.coll})
+        where = "; ".join(f"rank {r} at {v.where}" for r, v in sorted(waiting.items()))
+        return (
+            f"rank {rank} ended ({view.ended}) while ranks {sorted(waiting)} wait for it in "
+            f"{_names(colls)} ({where}). Every rank must make the same collective calls: "
+            f"rank {rank} made fewer, or left early."
+        )
+
+    def _stall_line(
+        self, now: float, waiting: dict[int, _RankView], ended: dict[int, _RankView]
+    ) -> tuple[str | None, float, int]:
+        check = self.config.check_s
+        others = sorted(r for r in self._ranks if r not in waiting)
+        if waiting:
+            lag = now - min(v.since for v in waiting.values())
+            colls = sorted({v.coll for v in waiting.values() if v.coll})
+            if lag < check or (not others and len(colls) <= 1):
+                return None, 0.0, 0
+            detail = "; ".join(f"rank {r} at {v.where}" for r, v in sorted(waiting.items()))
+            line = (
+                f"stall: ranks {sorted(waiting)} have waited {lag:.0f}s in {_names(colls)} "
+                f"({detail}); "
+            )
+            if others:
+                places = "; ".join(self._place(r) for r in others)
+                line += f"ranks {others} are not there ({places})."
+            else:
+                line += "every rank waits, but in different collectives: they must match."
+            return line, lag, (others or sorted(waiting))[0]
+        if ended and len(ended) < self.size:
+            lag = now - min(v.ended_at for v in ended.values())
+            if lag < check:
+                return None, 0.0, 0
+            running = sorted(r for r in self._ranks if r not in ended)
+            return (
+                f"stall: ranks {sorted(ended)} finished {lag:.0f}s ago; ranks {running} are "
+                f"still running ({'; '.join(self._place(r) for r in running)}).",
+                lag,
+                running[0],
+            )
+        return None, 0.0, 0
+
+    def _place(self, rank: int) -> str:
+        view = self._ranks[rank]
+        if view.ended:
+            return f"rank {rank} ended: {view.ended}"
+        return f"rank {rank} at {view.where}" if view.where else f"rank {rank}: not known"
+
+
+class ForwardWatch:
+    """A supervisor's watch when the decisions are made elsewhere (a Spark run's driver):
+    passes each report on with ``forward(kind, rank, message)`` and never stops the run."""
+
+    def __init__(self, forward: Callable[[str, int, dict[str, Any]], None]):
+        self._forward = forward
+
+    def probe(self, rank: int, report: Mapping[str, Any]) -> None:
+        self._forward("probe", rank, dict(report))
+
+    def ended(self, rank: int, how: str) -> None:
+        self._forward("ended", rank, {"how": how})
+
+    def check(self) -> None:
+        return None
+
+
+def _names(colls: list[str]) -> str:
+    return " and ".join(f"`{c}`" for c in colls) or "a collective"

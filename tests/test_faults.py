@@ -1,0 +1,562 @@
+"""The fault matrix: each fault under each launcher where it applies, asserting the time until
+the user sees the error, what the error says, and that no process, temporary file or folder
+is left. Every case prints ``FAULT <launcher> <case>: <seconds>s`` (run with ``-s`` to see
+the matrix).
+
+Processes and folders are told apart from other runs on the machine by a mark in the
+environment (processes) and a private ``TMPDIR`` (the ``flyte-hvd-run`` cases).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+
+import cloudpickle
+import pytest
+from conftest import REPO
+
+from flyte_hvd.core import stall
+from flyte_hvd.core.errors import RanksFailedError
+from flyte_hvd.core.launcher import WORKDIR_PREFIX, sweep_stale
+
+# The rank functions below travel by value: the ranks cannot import this test module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+MARK = "FLYTE_HVD_FAULT_MARK"
+CLI = os.path.join(os.path.dirname(sys.executable), "flyte-hvd-run")
+
+EARLY_RETURN = (
+    "import sys, numpy as np, flyte_hvd.core as hvd\n"
+    "hvd.init()\n"
+    "if hvd.rank() == 1: sys.exit(0)\n"
+    "hvd.allreduce(np.ones(3))\n"
+)
+ONE_COLLECTIVE_FEWER = (
+    "import numpy as np, flyte_hvd.core as hvd\n"
+    "hvd.init()\n"
+    "hvd.allreduce(np.ones(3))\n"
+    "if hvd.rank() == 0: hvd.allreduce(np.ones(3))\n"
+)
+HANGS_BEFORE_COLLECTIVE = (
+    "import time, numpy as np, flyte_hvd.core as hvd\n"
+    "hvd.init()\n"
+    "if hvd.rank() == 1: time.sleep(300)\n"
+    "hvd.allreduce(np.ones(3))\n"
+)
+HANGS_AFTER_OTHERS_RETURN = (
+    "import time, numpy as np, flyte_hvd.core as hvd\n"
+    "hvd.init()\n"
+    "hvd.allreduce(np.ones(3))\n"
+    "if hvd.rank() == 1: time.sleep(300)\n"
+)
+BARRIER_VS_ALLREDUCE = (
+    "import numpy as np, flyte_hvd.core as hvd\n"
+    "hvd.init()\n"
+    "hvd.allreduce(np.ones(3)) if hvd.rank() == 0 else hvd.barrier()\n"
+)
+RAISES = (
+    "import time, flyte_hvd.core as hvd\n"
+    "hvd.init()\n"
+    "print('step output of rank', hvd.rank())\n"
+    "if hvd.rank() == 1: raise ValueError('bad batch on rank one')\n"
+    "time.sleep(300)\n"
+)
+SLEEPS = (
+    "import time, flyte_hvd.core as hvd\nhvd.init()\nprint('ready', flush=True)\ntime.sleep(300)\n"
+)
+FAST_STALL = {stall.CHECK_TIME_ENV: "1", stall.SHUTDOWN_TIME_ENV: "3"}
+
+
+def marked_processes(mark: str) -> list[str]:
+    """Live processes (rank, mpiexec, hydra proxy) whose environment carries ``mark``."""
+    found = []
+    needle = f"{MARK}={mark}".encode()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{pid} {args}")
+        except OSError:
+            continue
+    return found
+
+
+def assert_nothing_left(mark: str, folder: str | None = None, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        procs = marked_processes(mark)
+        files = sorted(os.listdir(folder)) if folder else []
+        if not procs and not files:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"left behind: processes {procs}, files {files} in {folder}")
+        time.sleep(0.2)
+
+
+def output_log_of(text: str) -> str | None:
+    for line in text.splitlines():
+        if line.startswith("full output of every rank: "):
+            return line.split(": ", 1)[1].strip()
+    return None
+
+
+class Cli:
+    """``flyte-hvd-run`` with a private TMPDIR and a process mark."""
+
+    def __init__(self, tmp_path):
+        self.mark = uuid.uuid4().hex
+        # Short, so the run's socket path fits AF_UNIX's limit and its folder goes here.
+        self.tmp = tempfile.mkdtemp(prefix="fx-", dir="/tmp")
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        return {**os.environ, MARK: self.mark, "TMPDIR": self.tmp, **(extra or {})}
+
+    def run(self, program: str, np_: int = 2, extra_env=None, args=(), timeout: float = 60):
+        started = time.monotonic()
+        result = subprocess.run(
+            [CLI, "-np", str(np_), *args, "python", "-c", program],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+            env=self.env(extra_env),
+        )
+        return result, time.monotonic() - started
+
+    def clean(self, stderr: str) -> None:
+        """Remove the output file a failure kept (it is meant for the user), then check."""
+        log = output_log_of(stderr)
+        if log:
+            assert os.path.dirname(log) == self.tmp
+            os.remove(log)
+        assert_nothing_left(self.mark, self.tmp)
+        os.rmdir(self.tmp)
+
+
+def report(launcher: str, case: str, seconds: float) -> None:
+    print(f"\nFAULT {launcher} {case}: {seconds:.1f}s")
+
+
+# -- flyte-hvd-run ---------------------------------------------------------------------------
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "case, program",
+    [("rank returns early", EARLY_RETURN), ("one collective fewer", ONE_COLLECTIVE_FEWER)],
+)
+def test_cli_rank_ending_while_others_wait_fails_within_seconds(tmp_path, case, program):
+    cli = Cli(tmp_path)
+    result, took = cli.run(program)
+    report("flyte-hvd-run", case, took)
+    assert result.returncode == 1, result.stderr
+    assert "rank 1 ended (returned normally) while ranks [0] wait for it in `allreduce`" in (
+        result.stderr
+    )
+    assert took < 20
+    cli.clean(result.stderr)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_cli_stall_warns_then_stops_after_shutdown_time(tmp_path):
+    cli = Cli(tmp_path)
+    result, took = cli.run(HANGS_BEFORE_COLLECTIVE, np_=3, extra_env=FAST_STALL)
+    report("flyte-hvd-run", "rank hangs before a collective (stall 1s/3s)", took)
+    assert result.returncode == 1, result.stderr
+    assert "stall: ranks [" in result.stderr  # the warning, before the error
+    assert "stall: ranks [0, 2] have waited 3s in `allreduce`" in result.stderr
+    assert "ranks [1] are not there (rank 1 at <string>:3 in <module>)" in result.stderr
+    assert "The run was stopped after 3s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)" in result.stderr
+    assert "flyte-hvd-run: rank 1 failed" in result.stderr
+    assert took < 25
+    cli.clean(result.stderr)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_cli_rank_hanging_after_others_returned_is_bounded(tmp_path):
+    cli = Cli(tmp_path)
+    result, took = cli.run(HANGS_AFTER_OTHERS_RETURN, extra_env=FAST_STALL)
+    report("flyte-hvd-run", "rank hangs after the others returned (stall 1s/3s)", took)
+    assert result.returncode == 1, result.stderr
+    assert "stall: ranks [0] finished" in result.stderr
+    assert "ranks [1] are still running (rank 1 at <string>:4 in <module>)" in result.stderr
+    assert took < 25
+    cli.clean(result.stderr)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_cli_barrier_against_allreduce_raises_mismatch(tmp_path):
+    cli = Cli(tmp_path)
+    result, took = cli.run(BARRIER_VS_ALLREDUCE)
+    report("flyte-hvd-run", "barrier against allreduce", took)
+    assert result.returncode == 1, result.stderr
+    assert "CollectiveMismatchError" in result.stderr
+    assert "rank 1: barrier()" in result.stderr
+    assert took < 20
+    cli.clean(result.stderr)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_cli_failure_is_a_short_summary_with_the_output_in_a_file(tmp_path):
+    cli = Cli(tmp_path)
+    result, took = cli.run(RAISES)
+    report("flyte-hvd-run", "rank raises", took)
+    assert result.returncode == 1
+    summary = result.stderr[result.stderr.index("flyte-hvd-run: ") :]
+    assert summary.startswith("flyte-hvd-run: rank 1 failed; the run was stopped")
+    assert "ValueError: bad batch on rank one" in summary
+    assert len(summary.splitlines()) < 12, summary
+    assert result.stderr.count("ValueError: bad batch") == 1  # not once streamed, once summed
+    log = output_log_of(result.stderr)
+    assert log is not None
+    with open(log) as f:
+        full = f.read()
+    assert "[1]<stdout>:step output of rank 1" in full
+    assert "[1]<stderr>:ValueError: bad batch on rank one" in full
+    assert took < 20
+    cli.clean(result.stderr)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "sig, code, line",
+    [
+        (signal.SIGINT, 130, "flyte-hvd-run: interrupted (Ctrl-C); every rank was stopped."),
+        (signal.SIGTERM, 143, "flyte-hvd-run: terminated (SIGTERM); every rank was stopped."),
+    ],
+)
+def test_cli_signal_ends_quietly_and_leaves_nothing(tmp_path, sig, code, line):
+    cli = Cli(tmp_path)
+    proc = subprocess.Popen(
+        [CLI, "-np", "2", "python", "-c", SLEEPS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=cli.env(),
+    )
+    try:
+        for _ in range(2):  # both ranks started
+            assert "ready" in proc.stdout.readline()
+        assert os.listdir(cli.tmp), "the run's folder should exist while it runs"
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    took = time.monotonic() - sent
+    report("flyte-hvd-run", f"{signal.Signals(sig).name} to the launcher", took)
+    assert proc.returncode == code
+    assert stderr.strip() == line
+    assert took < 15
+    cli.clean(stderr)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_cli_killed_launcher_leaves_nothing(tmp_path):
+    """SIGKILL gives the launcher no chance: its orphaned ranks stop and remove its folder."""
+    cli = Cli(tmp_path)
+    proc = subprocess.Popen(
+        [CLI, "-np", "2", "python", "-c", SLEEPS + "import tempfile\n"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
+        env=cli.env(),
+    )
+    for _ in range(2):
+        assert "ready" in proc.stdout.readline()
+    assert os.listdir(cli.tmp), "the run's folder should exist while it runs"
+    sent = time.monotonic()
+    proc.kill()
+    proc.wait(30)
+    assert_nothing_left(cli.mark, cli.tmp, within=20)
+    os.rmdir(cli.tmp)
+    report("flyte-hvd-run", "SIGKILL to the launcher (until all is gone)", time.monotonic() - sent)
+
+
+@pytest.mark.timeout(60)
+def test_stale_folder_of_a_dead_supervisor_is_swept(tmp_path):
+    dead = tmp_path / f"{WORKDIR_PREFIX}dead"
+    (dead / "tmp").mkdir(parents=True)
+    (dead / "job.pkl").write_bytes(b"x")
+    live = tmp_path / f"{WORKDIR_PREFIX}young"
+    live.mkdir()
+    old = time.time() - 3600
+    os.utime(dead, (old, old))
+    assert sweep_stale(str(tmp_path)) == [str(dead)]
+    assert sorted(os.listdir(tmp_path)) == [live.name]  # too young to be judged
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "value, match",
+    [("-5", "expected seconds > 0"), ("soon", "expected seconds > 0"), ("0", "seconds > 0")],
+)
+def test_bad_stall_check_time_is_refused(value, match):
+    with pytest.raises(ValueError, match=match):
+        stall.StallConfig.from_env({stall.CHECK_TIME_ENV: value})
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_time_below_check_time_is_refused():
+    with pytest.raises(ValueError, match="is less than HOROVOD_STALL_CHECK_TIME_SECONDS=60"):
+        stall.StallConfig.from_env({stall.SHUTDOWN_TIME_ENV: "10"})
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_cli_refuses_bad_timeouts_before_starting(tmp_path):
+    cli = Cli(tmp_path)
+    result, _ = cli.run("pass", args=("--start-timeout", "-5"))
+    assert result.returncode == 2
+    assert "--start-timeout must be seconds > 0; found -5" in result.stderr
+    result, took = cli.run("pass", extra_env={stall.SHUTDOWN_TIME_ENV: "-1"})
+    assert result.returncode == 1
+    assert "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS='-1'" in result.stderr
+    assert took < 10
+    cli.clean(result.stderr)
+
+
+# -- flyte_hvd.spark.run ---------------------------------------------------------------------
+
+
+def _spark_work_dirs(spark) -> list[str]:
+    """The supervisors' folders in Spark's scratch folders (what its Python workers get as
+    ``SPARK_LOCAL_DIRS``; Spark removes them when the executor stops)."""
+    found = []
+    for d in _spark_local_dirs(spark):
+        found += [os.path.join(d, n) for n in os.listdir(d) if n.startswith(WORKDIR_PREFIX)]
+    return found
+
+
+def _spark_local_dirs(spark) -> list[str]:
+    if "dirs" not in _LOCAL_DIRS:
+        rows = spark.sparkContext.parallelize([0], 1).map(
+            lambda _: os.environ.get("SPARK_LOCAL_DIRS", "")
+        )
+        _LOCAL_DIRS["dirs"] = [d for d in rows.collect()[0].split(",") if d]
+        assert _LOCAL_DIRS["dirs"], "Spark gave its Python workers no SPARK_LOCAL_DIRS"
+    return _LOCAL_DIRS["dirs"]
+
+
+_LOCAL_DIRS: dict[str, list[str]] = {}
+
+
+def _spark_case(spark, fn, mark, env=None, **kwargs):
+    from flyte_hvd.spark import run
+
+    started = time.monotonic()
+    err = io.StringIO()
+    with pytest.raises(RanksFailedError) as info:
+        run(fn, num_proc=2, env={MARK: mark, **(env or {})}, stderr=err, **kwargs)
+    took = time.monotonic() - started
+    log = info.value.output_log
+    if log:
+        os.remove(log)
+    return info.value, err.getvalue(), took
+
+
+def _assert_spark_clean(spark, mark):
+    assert_nothing_left(mark, within=20)
+    deadline = time.monotonic() + 20
+    while _spark_work_dirs(spark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _spark_work_dirs(spark) == []
+
+
+def _early_return():
+    import sys
+
+    import numpy as np
+
+    import flyte_hvd.core as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        sys.exit(0)
+    hvd.allreduce(np.ones(3))
+
+
+def _hangs_before_collective():
+    import time
+
+    import numpy as np
+
+    import flyte_hvd.core as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        time.sleep(300)
+    hvd.allreduce(np.ones(3))
+
+
+def _raises():
+    import time
+
+    import flyte_hvd.core as hvd
+
+    hvd.init()
+    print("step output of rank", hvd.rank())
+    if hvd.rank() == 1:
+        raise ValueError("bad batch on rank one")
+    time.sleep(300)
+
+
+def _sleeps_in_tmp():
+    import tempfile
+    import time
+
+    import flyte_hvd.core as hvd
+
+    hvd.init()
+    tempfile.mkdtemp(prefix="flyte-hvd-train-")
+    time.sleep(300)
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_spark_faults(spark_local2):
+    """Early return, stall shutdown and a raising rank under ``spark.run``, on one session."""
+    mark = uuid.uuid4().hex
+    spark_local2.sparkContext.parallelize([0], 1).count()  # the session is warm
+
+    error, _, took = _spark_case(spark_local2, _early_return, mark)
+    report("spark.run", "rank returns early", took)
+    assert "rank 1 ended (returned normally) while ranks [0] wait for it in `allreduce`" in (
+        str(error)
+    )
+    assert took < 40
+    _assert_spark_clean(spark_local2, mark)
+
+    error, err, took = _spark_case(spark_local2, _hangs_before_collective, mark, FAST_STALL)
+    report("spark.run", "rank hangs before a collective (stall 1s/3s)", took)
+    assert "ranks [1] are not there (rank 1 at test_faults.py" in str(error)
+    assert "The run was stopped after 3s" in str(error)
+    assert took < 40
+    _assert_spark_clean(spark_local2, mark)
+
+    error, err, took = _spark_case(spark_local2, _raises, mark)
+    report("spark.run", "rank raises", took)
+    assert error.ranks == [1]
+    assert "ValueError: bad batch on rank one" in str(error)
+    assert "full output of every rank: " in str(error)
+    assert err.count("ValueError: bad batch") == 0  # the error carries it, not the stream
+    assert took < 40
+    _assert_spark_clean(spark_local2, mark)
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_spark_cancelled_stage_leaves_nothing(spark_local2):
+    """Spark kills the tasks' Python workers: the orphaned ranks stop and remove the folders
+    (which are in Spark's own scratch folder, the ranks' TMPDIR inside them)."""
+    from flyte_hvd.spark import run
+
+    mark = uuid.uuid4().hex
+    sc = spark_local2.sparkContext
+    errors = []
+
+    def go():
+        try:
+            run(_sleeps_in_tmp, num_proc=2, env={MARK: mark}, stderr=io.StringIO())
+        except Exception as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while len(marked_processes(mark)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1)
+    assert _spark_work_dirs(spark_local2)
+    sent = time.monotonic()
+    sc.cancelAllJobs()
+    thread.join(60)
+    assert errors and "cancelled" in str(errors[0])
+    _assert_spark_clean(spark_local2, mark)
+    report("spark.run", "Spark cancels the stage (until all is gone)", time.monotonic() - sent)
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_spark_run_from_a_worker_thread(spark_local2):
+    from flyte_hvd.spark import run
+
+    results = []
+
+    def go():
+        try:
+            results.append(run(lambda: 7, num_proc=2, verbose=0))
+        except Exception as e:
+            results.append(e)
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    thread.join(150)
+    assert results == [[7, 7]]
+
+
+def _listening_addresses() -> list[str]:
+    """Local addresses this rank process and its launcher listen on (TCP, v4 and v6)."""
+    inodes, pid = set(), os.getpid()
+    for _ in range(2):  # the rank, its mpiexec
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    found.append(cols[1].split(":")[0])
+    return found
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_single_host_run_listens_on_loopback_only(no_leftover_ranks):
+    from flyte_hvd.core.job import FunctionJob
+    from flyte_hvd.core.launcher import launch_local
+
+    def fn():
+        import numpy as np
+
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        hvd.allreduce(np.ones(3))  # the ranks' transports are up
+        return _listening_addresses()
+
+    loopback = {"0100007F", "00000000000000000000000001000000"}
+    for addresses in launch_local(FunctionJob(fn), 2):
+        assert set(addresses) <= loopback, addresses

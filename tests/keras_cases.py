@@ -254,3 +254,21 @@ def different_architectures_are_reported_with_both_shapes():
         assert "(3, 4)" in message and "(3, 5)" in message, message
     else:
         raise AssertionError("different architectures were not detected")
+
+
+@case
+def eager_apply_gradients_with_one_gradient():
+    import keras
+    import tensorflow as tf
+
+    import flyte_hvd.keras as hvd
+
+    n, r = hvd.size(), hvd.rank()
+    mean = (n + 1) / 2  # rank r sends gradient r + 1 everywhere
+    for passes in (1, 2):
+        v = tf.Variable([1.0, 2.0])
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=passes)
+        for _ in range(passes):
+            opt.apply_gradients([(tf.fill([2], float(r + 1)), v)])
+        # Accumulated gradients are summed over the passes (average_aggregated_gradients off).
+        np.testing.assert_allclose(v.numpy(), [1.0 - passes * mean, 2.0 - passes * mean])

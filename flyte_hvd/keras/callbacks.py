@@ -9,7 +9,7 @@ import keras
 import numpy as np
 
 from flyte_hvd.core import collectives, state
-from flyte_hvd.keras.optimizer import broadcast_variables
+from flyte_hvd.tensorflow.functions import broadcast_variables
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):

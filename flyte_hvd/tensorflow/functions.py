@@ -235,7 +235,7 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
     """Broadcast ``variables`` in place; returns their new values."""
     check_process_set(process_set)
     broadcast_variables(variables, root_rank)
-    return [v.read_value() for v in variables]
+    return [tf.convert_to_tensor(v) for v in variables]
 
 
 def alltoall(
@@ -343,8 +343,9 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0,
     check_process_set(process_set)
     variables = list(variables)
     if not tf.executing_eagerly():
-        return tf.group(*[v.assign(_broadcast(v.read_value(), root_rank, None))
-                          for v in variables])  # fmt: skip
+        return tf.group(
+            *[v.assign(_broadcast(tf.convert_to_tensor(v), root_rank, None)) for v in variables]
+        )
     described = [(getattr(v, "path", v.name), tuple(v.shape), str(v.dtype)) for v in variables]
     everyone = collectives.allgather_object(described)
     root = everyone[root_rank] if 0 <= root_rank < len(everyone) else None

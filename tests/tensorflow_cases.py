@@ -33,6 +33,11 @@ def run_cases(names: list[str] | None = None) -> dict[str, str | None]:
     return results
 
 
+def both_scripts(custom_loop_main, keras_fit_main) -> dict:
+    """The two TF2 example scripts' ``main``, one after the other in one rank process."""
+    return {"custom_loop": custom_loop_main(steps=12), "keras_fit": keras_fit_main(epochs=2)}
+
+
 def _both_modes(fn):
     """``fn`` run eagerly and traced in a ``tf.function``: the two results."""
     import tensorflow as tf

@@ -49,18 +49,14 @@ def test_tensorflow2_script_under_flyte_hvd_run(cli, script):
     assert float(last) < float(first)
 
 
-def _both_scripts(custom_loop_main, keras_fit_main) -> dict:
-    return {"custom_loop": custom_loop_main(steps=12), "keras_fit": keras_fit_main(epochs=2)}
-
-
 @pytest.mark.mpi
 @pytest.mark.spark
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # Spark start, and TensorFlow imported on two ranks: ~3.5 min loaded
 def test_tensorflow2_scripts_under_spark_run(spark_local2):
     from flyte_hvd.spark import run
 
     mains = (runpy.run_path(CUSTOM_LOOP)["main"], runpy.run_path(KERAS_FIT)["main"])
-    results = run(_both_scripts, args=mains, num_proc=2, verbose=0)
+    results = run(tensorflow_cases.both_scripts, args=mains, num_proc=2, verbose=0)
     for name in ("custom_loop", "keras_fit"):
         per_rank = [r[name] for r in results]
         assert [r["size"] for r in per_rank] == [2, 2]

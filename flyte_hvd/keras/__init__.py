@@ -25,13 +25,14 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from flyte_hvd.core import *  # noqa: F403 - Horovod's API is one namespace
 from flyte_hvd.core import __all__ as _core_all
 from flyte_hvd.keras import callbacks
-from flyte_hvd.keras.optimizer import DistributedOptimizer, load_model
+from flyte_hvd.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 from flyte_hvd.tensorflow import elastic
 from flyte_hvd.tensorflow.functions import broadcast_global_variables, broadcast_variables
 
 __all__ = [
     *_core_all,
     "DistributedOptimizer",
+    "PartialDistributedOptimizer",
     "broadcast_global_variables",
     "broadcast_variables",
     "callbacks",

@@ -25,7 +25,12 @@ from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.tensorflow.functions import broadcast_variables
 from flyte_hvd.tensorflow.gradients import Reduction, allreduce_gradients
 
-__all__ = ["DistributedOptimizer", "broadcast_variables", "load_model"]
+__all__ = [
+    "DistributedOptimizer",
+    "PartialDistributedOptimizer",
+    "broadcast_variables",
+    "load_model",
+]
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class _Settings:
     reduction: Reduction
     backward_passes_per_step: int
     average_aggregated_gradients: bool
+    scale_local_gradients: bool
 
 
 class _Accumulators:
@@ -62,10 +68,33 @@ class _DistributedMixin:
             acc.count = tf.Variable(0, dtype=tf.int64, trainable=False)
         return acc
 
+    def register_local_var(self, var) -> None:
+        """Keep ``var``'s gradient local to this rank: not reduced (divided by size when
+        ``scale_local_gradients``), as Horovod's ``register_local_var``."""
+        self._hvd_local.add(self._var_key(var))
+
+    def _hvd_reduce(self, grads, trainable_variables=None) -> list:
+        grads = list(grads)
+        if not self._hvd_local:
+            return _allreduce_gradients(grads, self._hvd)
+        variables = trainable_variables
+        if variables is None:
+            variables = self._trainable_variables
+        local = [self._var_key(v) in self._hvd_local for v in variables]
+        shared = [i for i, is_local in enumerate(local) if not is_local]
+        reduced = _allreduce_gradients([grads[i] for i in shared], self._hvd)
+        for i, g in zip(shared, reduced, strict=True):
+            grads[i] = g
+        if self._hvd.scale_local_gradients:
+            for i, is_local in enumerate(local):
+                if is_local and grads[i] is not None:
+                    grads[i] = tf.convert_to_tensor(grads[i]) / state.size()
+        return grads
+
     def apply(self, grads, trainable_variables=None):
         settings = self._hvd
         if settings.backward_passes_per_step == 1:
-            return super().apply(_allreduce_gradients(grads, settings), trainable_variables)
+            return super().apply(self._hvd_reduce(grads, trainable_variables), trainable_variables)
         if trainable_variables is not None and not self.built:
             self.build(list(trainable_variables))
         acc = self._hvd_accumulators(
@@ -80,7 +109,7 @@ class _DistributedMixin:
             summed = [a.read_value() for a in acc.grads]
             if settings.average_aggregated_gradients:
                 summed = [s / settings.backward_passes_per_step for s in summed]
-            reduced = _allreduce_gradients(summed, settings)
+            reduced = self._hvd_reduce(summed, trainable_variables)
             super(_DistributedMixin, self).apply(reduced, trainable_variables)  # iterations += 1
             for a in acc.grads:
                 a.assign(tf.zeros_like(a))
@@ -132,9 +161,11 @@ def DistributedOptimizer(
         backward_passes_per_step: accumulate this many local steps before one reduction;
             ``iterations`` still advances on every pass (see the module docstring).
         average_aggregated_gradients: divide the accumulated sum by ``backward_passes_per_step``.
-        name, device_dense, device_sparse, num_groups, groups, scale_local_gradients: accepted
-            for Horovod compatibility; the optimizer keeps its name, and all gradients of a
-            step are fused by size.
+        scale_local_gradients: divide the gradients of variables registered with
+            ``register_local_var`` (kept local, not reduced) by the number of ranks.
+        name, device_dense, device_sparse, num_groups, groups: accepted for Horovod
+            compatibility; the optimizer keeps its name, and all gradients of a step are
+            fused by size.
         process_set: ``None`` (all ranks); other process sets are not supported here.
     """
     if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -159,8 +190,40 @@ def DistributedOptimizer(
     # Same module and name as the base, so Keras serializes it as the base class.
     distributed = type(base.__name__, (_DistributedMixin, base), {"__module__": base.__module__})
     optimizer.__class__ = distributed
-    optimizer._hvd = _Settings(reduction, backward_passes_per_step, average_aggregated_gradients)
+    optimizer._hvd = _Settings(
+        reduction, backward_passes_per_step, average_aggregated_gradients, scale_local_gradients
+    )
     optimizer._hvd_acc = _Accumulators()
+    optimizer._hvd_local = set()
+    return optimizer
+
+
+def PartialDistributedOptimizer(
+    optimizer: keras.optimizers.Optimizer,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: type[Compressor] = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: ReduceOp = Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    groups: Any = None,
+    process_set: Any = None,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> keras.optimizers.Optimizer:
+    """``DistributedOptimizer`` whose ``local_layers``' weights keep local gradients."""
+    optimizer = DistributedOptimizer(
+        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+        gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
+        0, groups, process_set, scale_local_gradients,
+    )  # fmt: skip
+    layers = [] if local_layers is None else local_layers
+    for layer in layers if isinstance(layers, list | tuple) else [layers]:
+        for weight in layer.trainable_weights:
+            optimizer.register_local_var(weight)
     return optimizer
 
 

@@ -7,6 +7,9 @@ Two ranks train an MLP of about 5 M parameters with ``DistributedOptimizer``. In
   ``fit``), timed alone after a barrier, against the floor: one ``allreduce`` of a single
   buffer of the same bytes;
 - the same reduction as it happens inside ``model.fit`` (includes waiting for the slower rank);
+- the graph boundary: the same reduction through ``tf.py_function`` instead of
+  ``tf.numpy_function``, and called eagerly (no op: ``flyte_hvd.tensorflow`` hands the
+  tensors' numpy views straight to the core);
 - throughput: samples/s of 2 ranks x 1 thread against 1 process x 2 threads on the same
   global batch.
 Prints a table and ends with one JSON line.
@@ -95,19 +98,27 @@ def ranks_part(steps: int) -> dict:
     single = np.ones(total_bytes // 4, np.float32)
     # Traced as in fit: the tf.numpy_function boundary is part of the cost.
     reduce_step = tf.function(lambda: dist._allreduce_gradients(grads, opt._hvd))
-    sync, floor = [], []
+
+    def py_function_reduce(*tensors):
+        return collectives.grouped_allreduce([t.numpy() for t in tensors], name="py_function")
+
+    py_step = tf.function(
+        lambda: tf.py_function(py_function_reduce, grads, [g.dtype for g in grads])
+    )
+    eager_step = lambda: dist._allreduce_gradients(grads, opt._hvd)  # noqa: E731
+    sync, floor, py_sync, eager_sync = [], [], [], []
     for _ in range(3):
         reduce_step()  # warm (traces once)
+        py_step()
+        eager_step()
         hvd.allreduce(single)
-    for _ in range(15):  # interleaved, so load drift hits both alike
-        hvd.barrier()
-        start = time.perf_counter()
-        reduce_step()
-        sync.append(time.perf_counter() - start)
-        hvd.barrier()
-        start = time.perf_counter()
-        hvd.allreduce(single)
-        floor.append(time.perf_counter() - start)
+    for _ in range(15):  # interleaved, so load drift hits all alike
+        for fn, times in ((reduce_step, sync), (lambda: hvd.allreduce(single), floor),
+                          (py_step, py_sync), (eager_step, eager_sync)):  # fmt: skip
+            hvd.barrier()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
     return {
         "params": params,
         "grad_bytes": total_bytes,
@@ -116,6 +127,8 @@ def ranks_part(steps: int) -> dict:
         "sync_alone_s": statistics.median(sync),
         "floor_s": statistics.median(floor),
         "sync_in_fit_s": statistics.median(in_fit[-steps:]),
+        "py_function_s": statistics.median(py_sync),
+        "eager_s": statistics.median(eager_sync),
     }
 
 
@@ -162,6 +175,8 @@ def main() -> None:
     print(f"{'floor: one allreduce of the same bytes':<38} {ranks['floor_s'] * 1e3:8.2f} ms")
     print(f"{'sync / floor (target <= 1.3)':<38} {sync_ratio:8.2f}")
     print(f"{'gradient sync inside fit (with skew)':<38} {ranks['sync_in_fit_s'] * 1e3:8.2f} ms")
+    print(f"{'same sync via tf.py_function':<38} {ranks['py_function_s'] * 1e3:8.2f} ms")
+    print(f"{'same sync called eagerly (no op)':<38} {ranks['eager_s'] * 1e3:8.2f} ms")
     print(f"{'step, 2 ranks x 1 thread':<38} {ranks['step_s'] * 1e3:8.1f} ms "
           f"({two_ranks_sps:.0f} samples/s)")  # fmt: skip
     print(f"{'step, 1 process x 2 threads':<38} {single_step * 1e3:8.1f} ms "
@@ -177,6 +192,11 @@ def main() -> None:
                 "floor_ms": round(ranks["floor_s"] * 1e3, 3),
                 "sync_vs_floor": round(sync_ratio, 3),
                 "sync_in_fit_ms": round(ranks["sync_in_fit_s"] * 1e3, 3),
+                "py_function_ms": round(ranks["py_function_s"] * 1e3, 3),
+                "py_function_vs_numpy_function": round(
+                    ranks["py_function_s"] / ranks["sync_alone_s"], 3
+                ),
+                "eager_ms": round(ranks["eager_s"] * 1e3, 3),
                 "two_ranks_samples_per_s": round(two_ranks_sps, 1),
                 "one_process_two_threads_samples_per_s": round(one_proc_sps, 1),
                 "throughput_ratio": round(two_ranks_sps / one_proc_sps, 3),

@@ -254,3 +254,50 @@ def different_architectures_are_reported_with_both_shapes():
         assert "(3, 4)" in message and "(3, 5)" in message, message
     else:
         raise AssertionError("different architectures were not detected")
+
+
+@case
+def eager_apply_gradients_with_one_gradient():
+    import keras
+    import tensorflow as tf
+
+    import flyte_hvd.keras as hvd
+
+    n, r = hvd.size(), hvd.rank()
+    mean = (n + 1) / 2  # rank r sends gradient r + 1 everywhere
+    for passes in (1, 2):
+        v = tf.Variable([1.0, 2.0])
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=passes)
+        for _ in range(passes):
+            opt.apply_gradients([(tf.fill([2], float(r + 1)), v)])
+        # Accumulated gradients are summed over the passes (average_aggregated_gradients off).
+        np.testing.assert_allclose(v.numpy(), [1.0 - passes * mean, 2.0 - passes * mean])
+
+
+@case
+def broadcast_callback_on_unbuilt_model_keeps_local_variables():
+    import keras
+
+    import flyte_hvd.keras as hvd
+
+    r = hvd.rank()
+    keras.utils.set_random_seed(60 + r)
+    model = keras.Sequential([keras.layers.Dense(2), keras.layers.Dense(1)])  # no Input
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse")
+    x, y = _data(r, 16)
+    # Built only when the first step is traced: the broadcast follows the first batch.
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])  # fmt: skip
+    kernels = hvd.allgather_object([w.numpy() for w in model.layers[0].weights])
+    for a, b in zip(kernels[0], kernels[-1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    model.layers[1].bias.assign([float(r)])
+    model.layers[1].kernel.assign(model.layers[1].kernel * float(r + 1))
+    callback = hvd.callbacks.BroadcastGlobalVariablesCallback(
+        0, local_variables=model.layers[1].bias
+    )
+    callback.set_model(model)
+    callback.on_train_batch_end(0)  # broadcasts everything but the local bias
+    assert float(model.layers[1].bias.numpy()[0]) == r
+    kernels = hvd.allgather_object(model.layers[1].kernel.numpy())
+    np.testing.assert_array_equal(kernels[0], kernels[-1])

@@ -177,3 +177,44 @@ def test_keras_import_needs_tensorflow_backend():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.returncode != 0
     assert "TensorFlow backend" in result.stderr
+
+
+class ScaledSGD(__import__("keras").optimizers.SGD):
+    """An optimizer class Keras cannot find by name when loading."""
+
+
+def test_load_model_with_custom_optimizers(hvd, tmp_path):
+    import keras
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=ScaledSGD(0.1), loss="mse")
+    model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
+    path = str(tmp_path / "custom.keras")
+    model.save(path)
+    with pytest.raises(TypeError, match="ScaledSGD"):
+        keras.models.load_model(path)
+    loaded = hvd.load_model(path, custom_optimizers=[ScaledSGD])
+    assert isinstance(loaded.optimizer, ScaledSGD)
+    assert int(loaded.optimizer.iterations) == 1
+    loaded.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)  # distributed and still trains
+    assert hasattr(loaded.optimizer, "_hvd")
+    with pytest.raises(ValueError, match="custom_optimizers"):
+        hvd.load_model(path, custom_optimizers=["ScaledSGD"])
+
+
+def test_horovod_arguments_are_accepted(hvd):
+    import keras
+
+    opt = hvd.DistributedOptimizer(
+        keras.optimizers.SGD(), name="dist", device_dense="/cpu:0", sparse_as_dense=True,
+        groups=2, process_set=None, scale_local_gradients=True,
+    )  # fmt: skip
+    assert isinstance(opt, keras.optimizers.SGD)
+    with pytest.raises(ValueError, match="process_set"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(), process_set="odd ranks")
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        hvd.DistributedOptimizer(
+            keras.optimizers.SGD(gradient_accumulation_steps=2), backward_passes_per_step=2
+        )
+    with pytest.raises(RuntimeError, match="eager"):
+        hvd.broadcast_global_variables(0)

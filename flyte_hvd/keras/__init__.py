@@ -1,7 +1,8 @@
 """Horovod's Keras API for Keras 3 on TensorFlow: ``import flyte_hvd.keras as hvd``.
 
 Re-exports the collective core (``init``, ``rank``, ``size``, ``allreduce``, ...) and adds
-``DistributedOptimizer``, ``broadcast_variables``, ``load_model`` and ``callbacks``.
+``DistributedOptimizer``, ``broadcast_variables``, ``load_model`` and ``callbacks``. Its
+gradient reduction and variable broadcast are ``flyte_hvd.tensorflow``'s.
 """
 
 import os
@@ -24,10 +25,17 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from flyte_hvd.core import *  # noqa: F403 - Horovod's API is one namespace
 from flyte_hvd.core import __all__ as _core_all
 from flyte_hvd.keras import callbacks
-from flyte_hvd.keras.optimizer import (
-    DistributedOptimizer,
-    broadcast_variables,
-    load_model,
-)
+from flyte_hvd.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
+from flyte_hvd.tensorflow import elastic
+from flyte_hvd.tensorflow.functions import broadcast_global_variables, broadcast_variables
 
-__all__ = [*_core_all, "DistributedOptimizer", "broadcast_variables", "callbacks", "load_model"]
+__all__ = [
+    *_core_all,
+    "DistributedOptimizer",
+    "PartialDistributedOptimizer",
+    "broadcast_global_variables",
+    "broadcast_variables",
+    "callbacks",
+    "elastic",
+    "load_model",
+]

@@ -9,33 +9,61 @@ import keras
 import numpy as np
 
 from flyte_hvd.core import collectives, state
-from flyte_hvd.keras.optimizer import broadcast_variables
+from flyte_hvd.tensorflow.functions import broadcast_variables
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Start every rank from ``root_rank``'s model and optimizer state.
 
-    Keras 3 builds the optimizer before training starts, so the broadcast happens at
-    ``on_train_begin``, before the first step (Horovod had to wait for the first batch end).
+    A model that is already built is broadcast at ``on_train_begin``, before the first step
+    (the optimizer is built then, so its state is broadcast too). A model without an ``Input``
+    is built by Keras only when the first step is traced; it is broadcast at the end of the
+    first batch instead, as Horovod always did.
     """
 
-    def __init__(self, root_rank: int = 0, device: str = ""):
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables: Any = None):
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
+        self.local_variables = _refs(local_variables)
 
     def on_train_begin(self, logs=None):
-        if self.broadcast_done:
+        if self.broadcast_done or not _fully_built(self.model):
             return
-        model = self.model
-        optimizer = model.optimizer
+        optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
-            optimizer.build(model.trainable_variables)
+            optimizer.build(self.model.trainable_variables)
+        self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.broadcast_done:
+            self._broadcast()
+
+    def _broadcast(self) -> None:
+        model = self.model
         variables = list(model.variables)
-        if optimizer is not None:
-            variables += list(optimizer.variables)
+        if model.optimizer is not None:
+            variables += list(model.optimizer.variables)
+        variables = [v for v in variables if _ref(v) not in self.local_variables]
         broadcast_variables(variables, root_rank=self.root_rank)
         self.broadcast_done = True
+
+
+def _fully_built(model: keras.Model) -> bool:
+    return model.built and all(layer.built for layer in model._flatten_layers())
+
+
+def _ref(variable: Any) -> Any:
+    return getattr(variable, "path", None) or id(variable)
+
+
+def _refs(variables: Any) -> set:
+    """``local_variables``: variables (or one) that keep each rank's own value."""
+    if variables is None:
+        return set()
+    if not isinstance(variables, list | tuple | set):
+        variables = [variables]
+    return {_ref(v) for v in variables}
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

@@ -1,10 +1,14 @@
-"""``DistributedOptimizer`` for Keras 3 (TensorFlow backend) and variable broadcast.
+"""``DistributedOptimizer`` for Keras 3 (TensorFlow backend), ``load_model``.
 
-Gradients of a step are averaged across ranks before the wrapped optimizer applies them, in
-one ``grouped_allreduce`` (fused up to ``HOROVOD_FUSION_THRESHOLD``) run through
-``tf.numpy_function``, so it works in ``model.fit`` (graph mode) and in custom loops alike.
-Sparse gradients (``IndexedSlices``, from embeddings) are densified before the reduction: the
-result is exact, and on the data-parallel models this targets the dense size is small.
+Gradients of a step are averaged across ranks before the wrapped optimizer applies them, by
+the reduction ``flyte_hvd.tensorflow`` shares with ``DistributedGradientTape`` (one fused
+``grouped_allreduce``; through ``tf.numpy_function`` in graphs, so it works in ``model.fit``
+and in custom loops alike). Sparse gradients are densified before the reduction.
+
+With ``backward_passes_per_step=N`` the optimizer's ``iterations`` advances on every backward
+pass, as under Horovod and as Keras 3's own counter does under ``gradient_accumulation_steps``:
+a learning-rate schedule on ``iterations`` sees the number of batches, and the update applied
+at pass ``k*N`` uses the rate of step ``k*N - 1``.
 """
 
 from __future__ import annotations
@@ -13,21 +17,28 @@ from dataclasses import dataclass
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from flyte_hvd.core import collectives, state
-from flyte_hvd.core.collectives import Average, ReduceOp, Sum
+from flyte_hvd.core import state
+from flyte_hvd.core.collectives import Average, ReduceOp
 from flyte_hvd.core.compression import Compression, Compressor
+from flyte_hvd.tensorflow.functions import broadcast_variables
+from flyte_hvd.tensorflow.gradients import Reduction, allreduce_gradients
+
+__all__ = [
+    "DistributedOptimizer",
+    "PartialDistributedOptimizer",
+    "broadcast_variables",
+    "load_model",
+]
 
 
 @dataclass(frozen=True)
 class _Settings:
-    compression: type[Compressor]
+    reduction: Reduction
     backward_passes_per_step: int
     average_aggregated_gradients: bool
-    op: ReduceOp
-    gradient_predivide_factor: float
+    scale_local_gradients: bool
 
 
 class _Accumulators:
@@ -57,10 +68,33 @@ class _DistributedMixin:
             acc.count = tf.Variable(0, dtype=tf.int64, trainable=False)
         return acc
 
+    def register_local_var(self, var) -> None:
+        """Keep ``var``'s gradient local to this rank: not reduced (divided by size when
+        ``scale_local_gradients``), as Horovod's ``register_local_var``."""
+        self._hvd_local.add(self._var_key(var))
+
+    def _hvd_reduce(self, grads, trainable_variables=None) -> list:
+        grads = list(grads)
+        if not self._hvd_local:
+            return _allreduce_gradients(grads, self._hvd)
+        variables = trainable_variables
+        if variables is None:
+            variables = self._trainable_variables
+        local = [self._var_key(v) in self._hvd_local for v in variables]
+        shared = [i for i, is_local in enumerate(local) if not is_local]
+        reduced = _allreduce_gradients([grads[i] for i in shared], self._hvd)
+        for i, g in zip(shared, reduced, strict=True):
+            grads[i] = g
+        if self._hvd.scale_local_gradients:
+            for i, is_local in enumerate(local):
+                if is_local and grads[i] is not None:
+                    grads[i] = tf.convert_to_tensor(grads[i]) / state.size()
+        return grads
+
     def apply(self, grads, trainable_variables=None):
         settings = self._hvd
         if settings.backward_passes_per_step == 1:
-            return super().apply(_allreduce_gradients(grads, settings), trainable_variables)
+            return super().apply(self._hvd_reduce(grads, trainable_variables), trainable_variables)
         if trainable_variables is not None and not self.built:
             self.build(list(trainable_variables))
         acc = self._hvd_accumulators(
@@ -75,78 +109,64 @@ class _DistributedMixin:
             summed = [a.read_value() for a in acc.grads]
             if settings.average_aggregated_gradients:
                 summed = [s / settings.backward_passes_per_step for s in summed]
-            reduced = _allreduce_gradients(summed, settings)
-            super(_DistributedMixin, self).apply(reduced, trainable_variables)
+            reduced = self._hvd_reduce(summed, trainable_variables)
+            super(_DistributedMixin, self).apply(reduced, trainable_variables)  # iterations += 1
             for a in acc.grads:
                 a.assign(tf.zeros_like(a))
             return tf.constant(True)
 
+        def only_count():
+            self._iterations.assign_add(1)  # every backward pass counts, as in Horovod
+            return tf.constant(False)
+
         # Every rank counts the same local steps, so all take the same branch.
-        tf.cond(
-            acc.count % settings.backward_passes_per_step == 0,
-            reduce_and_apply,
-            lambda: tf.constant(False),
-        )
+        tf.cond(acc.count % settings.backward_passes_per_step == 0, reduce_and_apply, only_count)
         return None
 
 
 def _allreduce_gradients(grads, settings: _Settings) -> list:
     """Average ``grads`` (tensors, IndexedSlices or None) across ranks, in one fused call."""
-    if state.size() == 1:
-        return list(grads)
-    positions = [i for i, g in enumerate(grads) if g is not None]
-    dense = [tf.convert_to_tensor(grads[i]) for i in positions]  # densifies IndexedSlices
-    if not dense:
-        return list(grads)
-    op, pre, post = _scaling(settings)
-
-    def reduce(*arrays: np.ndarray) -> list[np.ndarray]:
-        return collectives.grouped_allreduce(
-            list(arrays),
-            op=op,
-            name="DistributedOptimizer",
-            compression=settings.compression,
-            prescale_factor=pre,
-            postscale_factor=post,
-        )
-
-    reduced = tf.numpy_function(reduce, dense, [t.dtype for t in dense], stateful=True)
-    out = list(grads)
-    for i, tensor, original in zip(positions, reduced, dense, strict=True):
-        tensor.set_shape(original.shape)
-        out[i] = tensor
-    return out
-
-
-def _scaling(settings: _Settings) -> tuple[ReduceOp, float, float]:
-    """Horovod's ``gradient_predivide_factor``: divide by f before the sum, by size/f after."""
-    f = settings.gradient_predivide_factor
-    if settings.op == Average and f != 1.0:
-        return Sum, 1.0 / f, f / state.size()
-    return settings.op, 1.0, 1.0
+    return allreduce_gradients(grads, settings.reduction, name="DistributedOptimizer")
 
 
 def DistributedOptimizer(
     optimizer: keras.optimizers.Optimizer,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
     compression: type[Compressor] = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: ReduceOp = Average,
     backward_passes_per_step: int = 1,
     average_aggregated_gradients: bool = False,
-    op: ReduceOp = Average,
-    gradient_predivide_factor: float = 1.0,
-    name: str | None = None,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: Any = None,
+    scale_local_gradients: bool = True,
 ) -> keras.optimizers.Optimizer:
     """Make ``optimizer`` average gradients across ranks before applying them.
 
     The optimizer is wrapped in place and returned: its state (iterations, slots) is kept, and
     it still saves as its own class, so checkpoints load with plain ``keras.models.load_model``.
+    Arguments are Horovod's, in Horovod's order.
 
     Args:
-        backward_passes_per_step: accumulate this many local steps before one reduction.
-        average_aggregated_gradients: divide the accumulated sum by ``backward_passes_per_step``.
-        op: ``Average`` (default) or ``Sum``.
+        compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16`` (on the wire).
+        sparse_as_dense: accepted; sparse gradients (embeddings) are always densified before
+            the reduction, which gives the same update as Horovod's sparse path.
         gradient_predivide_factor: with ``Average``, divide by this before the sum and by
             ``size / factor`` after (for numerically large gradients).
-        name: accepted for Horovod compatibility; the optimizer keeps its own name.
+        op: ``Average`` (default) or ``Sum``.
+        backward_passes_per_step: accumulate this many local steps before one reduction;
+            ``iterations`` still advances on every pass (see the module docstring).
+        average_aggregated_gradients: divide the accumulated sum by ``backward_passes_per_step``.
+        scale_local_gradients: divide the gradients of variables registered with
+            ``register_local_var`` (kept local, not reduced) by the number of ranks.
+        name, device_dense, device_sparse, num_groups, groups: accepted for Horovod
+            compatibility; the optimizer keeps its name, and all gradients of a step are
+            fused by size.
+        process_set: ``None`` (all ranks); other process sets are not supported here.
     """
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ValueError(
@@ -154,7 +174,15 @@ def DistributedOptimizer(
             f"keras.optimizers.SGD(0.01)); found {type(optimizer).__module__}."
             f"{type(optimizer).__name__}."
         )
-    collectives.check_optimizer_args(backward_passes_per_step, op, gradient_predivide_factor)
+    reduction = Reduction.checked(compression, op, gradient_predivide_factor,
+                                  backward_passes_per_step, num_groups, groups,
+                                  process_set)  # fmt: skip
+    if getattr(optimizer, "gradient_accumulation_steps", None) and backward_passes_per_step > 1:
+        raise ValueError(
+            "the optimizer already accumulates gradients (`gradient_accumulation_steps`="
+            f"{optimizer.gradient_accumulation_steps}); use either that or "
+            "`backward_passes_per_step`, not both."
+        )
     state.comm()  # fail now, with the init() message, rather than inside a traced step
     base = type(optimizer)
     if issubclass(base, _DistributedMixin):
@@ -163,66 +191,65 @@ def DistributedOptimizer(
     distributed = type(base.__name__, (_DistributedMixin, base), {"__module__": base.__module__})
     optimizer.__class__ = distributed
     optimizer._hvd = _Settings(
-        compression, backward_passes_per_step, average_aggregated_gradients, ReduceOp(op),
-        float(gradient_predivide_factor),
-    )  # fmt: skip
+        reduction, backward_passes_per_step, average_aggregated_gradients, scale_local_gradients
+    )
     optimizer._hvd_acc = _Accumulators()
+    optimizer._hvd_local = set()
     return optimizer
 
 
-def broadcast_variables(variables: list[Any], root_rank: int = 0) -> None:
-    """Set ``variables`` on every rank to ``root_rank``'s values (eager; one reduction per
-    dtype). Ranks whose variables differ in number or shape get an error naming them."""
-    variables = list(variables)
-    described = [(getattr(v, "path", v.name), tuple(v.shape), str(v.dtype)) for v in variables]
-    everyone = collectives.allgather_object(described)
-    root = everyone[root_rank] if 0 <= root_rank < len(everyone) else None
-    if root is None:
-        raise ValueError(
-            f"`root_rank`={root_rank} does not exist: expected [0, {len(everyone) - 1}]."
-        )
-    # Shapes and dtypes must agree; names may not (Keras numbers layers per process).
-    for rank, theirs in enumerate(everyone):
-        if [d[1:] for d in theirs] != [d[1:] for d in root]:
-            raise ValueError(_architecture_mismatch(root_rank, root, rank, theirs))
-    by_dtype: dict[str, list[Any]] = {}
-    for v in variables:
-        by_dtype.setdefault(str(v.dtype), []).append(v)
-    for group in by_dtype.values():
-        flat = np.concatenate([np.asarray(v.numpy()).reshape(-1) for v in group])
-        flat = collectives.broadcast(flat, root_rank=root_rank, name="broadcast_variables")
-        offset = 0
-        for v in group:
-            n = int(np.prod(v.shape))
-            v.assign(flat[offset : offset + n].reshape(tuple(v.shape)))
-            offset += n
-
-
-def _architecture_mismatch(
-    root_rank: int, root: list[tuple], rank: int, theirs: list[tuple]
-) -> str:
-    if len(root) != len(theirs):
-        detail = f"rank {root_rank} has {len(root)} variables, rank {rank} has {len(theirs)}"
-    else:
-        first = next(i for i, (a, b) in enumerate(zip(root, theirs, strict=True)) if a[1:] != b[1:])
-        detail = (
-            f"variable {first}: rank {root_rank} has {root[first][0]} {root[first][1]} "
-            f"{root[first][2]}, rank {rank} has {theirs[first][0]} {theirs[first][1]} "
-            f"{theirs[first][2]}"
-        )
-    return (
-        f"ranks built different models, so their variables cannot be broadcast: {detail}. "
-        f"Every rank must build the same architecture."
-    )
+def PartialDistributedOptimizer(
+    optimizer: keras.optimizers.Optimizer,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: type[Compressor] = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: ReduceOp = Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    groups: Any = None,
+    process_set: Any = None,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> keras.optimizers.Optimizer:
+    """``DistributedOptimizer`` whose ``local_layers``' weights keep local gradients."""
+    optimizer = DistributedOptimizer(
+        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+        gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
+        0, groups, process_set, scale_local_gradients,
+    )  # fmt: skip
+    layers = [] if local_layers is None else local_layers
+    for layer in layers if isinstance(layers, list | tuple) else [layers]:
+        for weight in layer.trainable_weights:
+            optimizer.register_local_var(weight)
+    return optimizer
 
 
 def load_model(
-    path: str,
+    filepath: str,
+    custom_optimizers: list[type] | None = None,
     custom_objects: dict[str, Any] | None = None,
     compression: type[Compressor] = Compression.none,
+    legacy_opts: bool = False,
 ) -> keras.Model:
-    """Load a ``.keras`` model and make its optimizer distributed (state kept)."""
-    model = keras.models.load_model(path, custom_objects=custom_objects)
+    """Load a ``.keras`` model and make its optimizer distributed (state kept).
+
+    Args:
+        custom_optimizers: optimizer classes the model may have been saved with that Keras
+            cannot find by name (added to ``custom_objects`` under their class names).
+        custom_objects: as for ``keras.models.load_model``.
+        legacy_opts: accepted for Horovod compatibility; Keras 3 has no legacy optimizers.
+    """
+    objects = dict(custom_objects or {})
+    for cls in custom_optimizers or []:
+        if not (isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)):
+            raise ValueError(
+                f"`custom_optimizers` takes Keras optimizer classes (e.g. [MySGD]); found {cls!r}."
+            )
+        objects.setdefault(cls.__name__, cls)
+    model = keras.models.load_model(filepath, custom_objects=objects)
     if model.optimizer is not None:
         DistributedOptimizer(model.optimizer, compression=compression)
     return model

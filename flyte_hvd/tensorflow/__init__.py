@@ -1,0 +1,148 @@
+"""Horovod's TensorFlow 2 API on the collective core: ``import flyte_hvd.tensorflow as hvd``.
+
+Re-exports the core's process API (``init``, ``rank``, ``size``, ...) with collectives that
+take and return ``tf.Tensor`` (eagerly and inside ``tf.function``, with Horovod's gradients),
+and adds ``DistributedGradientTape``, ``broadcast_variables``, ``broadcast_object`` and
+``DistributedOptimizer`` (for Keras optimizers; see ``flyte_hvd.keras``). ``hvd.elastic`` is
+not supported: every name in it raises ``NotImplementedError`` with the reason.
+"""
+
+import os
+
+if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
+    raise ImportError(
+        f"flyte_hvd.tensorflow needs Keras' TensorFlow backend; KERAS_BACKEND is "
+        f"{os.environ['KERAS_BACKEND']!r}. Unset it or set KERAS_BACKEND=tensorflow."
+    )
+
+try:
+    import tensorflow  # noqa: F401
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "flyte_hvd.tensorflow needs TensorFlow: install the extra `pip install flyte-hvd[tf]` "
+        "(or `[tf-cpu]`)."
+    ) from error
+
+from flyte_hvd.core import *  # noqa: F403 - Horovod's API is one namespace
+from flyte_hvd.core import __all__ as _core_all
+from flyte_hvd.tensorflow import elastic
+from flyte_hvd.tensorflow.functions import (
+    allgather,
+    allgather_object,
+    allreduce,
+    alltoall,
+    broadcast,
+    broadcast_,
+    broadcast_global_variables,
+    broadcast_object,
+    broadcast_object_fn,
+    broadcast_variables,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
+    join,
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
+    rank_op,
+    reducescatter,
+    size_op,
+)
+from flyte_hvd.tensorflow.gradients import (
+    DistributedGradientTape,
+    PartialDistributedGradientTape,
+)
+
+
+def DistributedOptimizer(optimizer, *args, **kwargs):
+    """Horovod's ``hvd.DistributedOptimizer`` for a Keras 3 optimizer: the same as
+    ``flyte_hvd.keras.DistributedOptimizer`` (TF1 ``tf.compat.v1.train`` optimizers are not
+    supported)."""
+    import keras
+
+    from flyte_hvd.keras.optimizer import DistributedOptimizer as keras_distributed
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(
+            f"flyte_hvd.tensorflow.DistributedOptimizer wraps a Keras 3 optimizer (e.g. "
+            f"keras.optimizers.SGD(0.01)); found {type(optimizer).__module__}."
+            f"{type(optimizer).__name__}. TF1 `tf.compat.v1.train` optimizers are not "
+            f"supported: use a Keras optimizer or `hvd.DistributedGradientTape`."
+        )
+    return keras_distributed(optimizer, *args, **kwargs)
+
+
+# What this build has, for scripts that ask (Horovod's build queries).
+def mpi_built() -> bool:
+    return True
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def nccl_built() -> int:
+    return 0
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+# The tensor collectives replace the core's numpy ones of the same names.
+__all__ = [
+    *_core_all,
+    "DistributedGradientTape",
+    "DistributedOptimizer",
+    "PartialDistributedGradientTape",
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "alltoall",
+    "broadcast",
+    "broadcast_",
+    "broadcast_global_variables",
+    "broadcast_object",
+    "broadcast_object_fn",
+    "broadcast_variables",
+    "ccl_built",
+    "cuda_built",
+    "ddl_built",
+    "elastic",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allreduce",
+    "grouped_reducescatter",
+    "join",
+    "local_rank_op",
+    "local_size_op",
+    "mpi_built",
+    "mpi_threads_supported",
+    "nccl_built",
+    "process_set_included_op",
+    "rank_op",
+    "reducescatter",
+    "rocm_built",
+    "size_op",
+]

@@ -1,0 +1,445 @@
+"""Horovod's TensorFlow collectives on ``tf.Tensor``, on the numpy core.
+
+Each collective returns ``tf.Tensor`` and works eagerly and inside ``tf.function``. Eagerly the
+tensor's numpy view goes straight to the core; in a graph the same code runs through one
+``tf.numpy_function`` op (stateful, so it is never pruned or reordered across other
+collectives). ``tf.numpy_function`` cannot be compiled by XLA: a ``tf.function`` that calls a
+collective must not set ``jit_compile=True`` (Keras' ``model.fit`` already runs the optimizer
+step outside XLA when ``DistributedOptimizer`` is used; see the README).
+
+Gradients follow Horovod's registrations: allreduce -> allreduce of the gradient (same op and
+scaling), allgather -> averaged gradient sliced back to this rank's rows, broadcast ->
+averaged gradient on the root and zeros elsewhere, alltoall -> alltoall back, reducescatter ->
+allgather of the gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from flyte_hvd.core import collectives, state
+from flyte_hvd.core.collectives import Average, ReduceOp, Sum
+from flyte_hvd.core.compression import Compression, Compressor
+
+
+def check_process_set(process_set: Any) -> None:
+    """Only the global process set is supported here; ``None`` means it."""
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
+        return
+    raise ValueError(
+        f"`process_set`={process_set!r}: flyte_hvd.tensorflow reduces over all ranks only; "
+        f"pass `process_set=None` (or hvd.global_process_set)."
+    )
+
+
+def numpy_call(
+    fn: Callable[..., Sequence[np.ndarray]],
+    tensors: Sequence[Any],
+    dtypes: Sequence[tf.DType],
+    name: str | None = None,
+) -> list[tf.Tensor]:
+    """``fn(*arrays) -> list of arrays`` on ``tensors``, as a list of tensors.
+
+    Eagerly, ``fn`` gets the tensors' numpy views directly (no op, no copy on the CPU); in a
+    graph it runs as one stateful ``tf.numpy_function``. Either way the result is a list, also
+    for one output (``tf.numpy_function`` returns a bare tensor then).
+    """
+    if tf.executing_eagerly():
+        arrays = fn(*[np.asarray(t) for t in tensors])
+        return [tf.convert_to_tensor(a, dtype=d) for a, d in zip(arrays, dtypes, strict=True)]
+    out = tf.numpy_function(
+        lambda *arrays: list(fn(*arrays)), list(tensors), list(dtypes), stateful=True,
+        name=_op_name(name),
+    )  # fmt: skip
+    return list(out) if isinstance(out, list | tuple) else [out]
+
+
+def _op_name(name: str | None) -> str | None:
+    if not name:
+        return None
+    cleaned = "".join(c if c.isalnum() or c in "_-." else "_" for c in name)
+    return cleaned if cleaned[:1].isalnum() else f"hvd_{cleaned}"
+
+
+def resolve_op(average: bool | None, op: ReduceOp | None) -> ReduceOp:
+    """Horovod's deprecated ``average=`` and ``op=`` are exclusive; neither means Average."""
+    if average is not None and op is not None:
+        raise ValueError("pass either `op` or the deprecated `average`, not both.")
+    if op is not None:
+        return ReduceOp(op)
+    return Average if average is None or average else Sum
+
+
+def _dtype(tensor: Any) -> tf.DType:
+    if tensor.dtype == tf.bfloat16:
+        raise ValueError(
+            "flyte_hvd.tensorflow collectives cannot take bfloat16 tensors (numpy has no "
+            "bfloat16); cast first, e.g. `tf.cast(x, tf.float32)`."
+        )
+    return tensor.dtype
+
+
+def allreduce(
+    tensor: Any,
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: type[Compressor] = Compression.none,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    process_set: Any = None,
+    ignore_name_scope: bool = False,
+) -> Any:
+    """Reduce ``tensor`` across ranks (``tf.IndexedSlices`` are gathered, as in Horovod)."""
+    check_process_set(process_set)
+    op = resolve_op(average, op)
+    if isinstance(tensor, tf.IndexedSlices):
+        if op not in (Average, Sum):
+            raise ValueError(
+                f"IndexedSlices allreduce supports hvd.Average and hvd.Sum; found {op!r}."
+            )
+        values = allgather(tensor.values, name=name)
+        indices = allgather(tensor.indices, name=name)
+        if op == Average:
+            values = values / tf.cast(state.size(), values.dtype)
+        return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
+    return grouped_allreduce(
+        [tensor], op=op, compression=compression, prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, name=name,
+    )[0]  # fmt: skip
+
+
+def grouped_allreduce(
+    tensors: Sequence[Any],
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: type[Compressor] = Compression.none,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    process_set: Any = None,
+    ignore_name_scope: bool = False,
+) -> list[tf.Tensor]:
+    """Reduce many tensors in as few fused reductions as ``HOROVOD_FUSION_THRESHOLD`` allows."""
+    check_process_set(process_set)
+    op = resolve_op(average, op)
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    return _grouped_allreduce(tensors, op, compression, prescale_factor, postscale_factor, name)
+
+
+def _grouped_allreduce(tensors, op, compression, prescale, postscale, name) -> list[tf.Tensor]:
+    @tf.custom_gradient
+    def forward(*xs):
+        def reduce(*arrays):
+            return collectives.grouped_allreduce(
+                list(arrays), op=op, name=name, compression=compression,
+                prescale_factor=prescale, postscale_factor=postscale,
+            )  # fmt: skip
+
+        out = numpy_call(reduce, xs, [_dtype(x) for x in xs], name or "HorovodAllreduce")
+        for y, x in zip(out, xs, strict=True):
+            y.set_shape(x.shape)
+
+        def grad(*dys):
+            dys = [tf.zeros_like(x) if d is None else d for d, x in zip(dys, xs, strict=True)]
+            return _grouped_allreduce(dys, op, Compression.none, prescale, postscale, name)
+
+        return out, grad
+
+    return list(forward(*tensors))
+
+
+def allgather(
+    tensor: Any, name: str | None = None, ignore_name_scope: bool = False, process_set: Any = None
+) -> tf.Tensor:
+    """Concatenate every rank's tensor along the first dimension (which may differ)."""
+    check_process_set(process_set)
+    return _allgather(tf.convert_to_tensor(tensor), name)
+
+
+def grouped_allgather(
+    tensors: Sequence[Any],
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: Any = None,
+) -> list[tf.Tensor]:
+    check_process_set(process_set)
+    return [_allgather(tf.convert_to_tensor(t), name) for t in tensors]
+
+
+def _allgather(tensor: tf.Tensor, name: str | None) -> tf.Tensor:
+    @tf.custom_gradient
+    def forward(x):
+        (y,) = numpy_call(
+            lambda a: [collectives.allgather(a, name=name)], [x], [_dtype(x)],
+            name or "HorovodAllgather",
+        )  # fmt: skip
+        y.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else [None])
+
+        def grad(dy):
+            rows = _allgather(tf.reshape(tf.shape(x, out_type=tf.int64)[:1], [1]), name)
+            if x.shape.rank == 0:
+                rows = tf.ones_like(rows)
+            reduced = _grouped_allreduce([dy], Average, Compression.none, 1.0, 1.0, name)[0]
+            start = tf.reduce_sum(rows[: state.rank()])
+            mine = reduced[start : start + rows[state.rank()]]
+            return tf.reshape(mine, tf.shape(x))
+
+        return y, grad
+
+    return forward(tensor)
+
+
+def broadcast(
+    tensor: Any,
+    root_rank: int,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: Any = None,
+) -> tf.Tensor:
+    """Every rank gets ``root_rank``'s tensor."""
+    check_process_set(process_set)
+    return _broadcast(tf.convert_to_tensor(tensor), root_rank, name)
+
+
+def _broadcast(tensor: tf.Tensor, root_rank: int, name: str | None) -> tf.Tensor:
+    @tf.custom_gradient
+    def forward(x):
+        (y,) = numpy_call(
+            lambda a: [collectives.broadcast(a, root_rank, name=name)], [x], [_dtype(x)],
+            name or "HorovodBroadcast",
+        )  # fmt: skip
+        y.set_shape(x.shape)
+
+        def grad(dy):
+            reduced = _grouped_allreduce([dy], Average, Compression.none, 1.0, 1.0, name)[0]
+            return reduced if state.rank() == root_rank else reduced * 0
+
+        return y, grad
+
+    return forward(tensor)
+
+
+def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
+               process_set: Any = None) -> list[tf.Tensor]:  # fmt: skip
+    """Broadcast ``variables`` in place; returns their new values."""
+    check_process_set(process_set)
+    broadcast_variables(variables, root_rank)
+    return [tf.convert_to_tensor(v) for v in variables]
+
+
+def alltoall(
+    tensor: Any,
+    splits: Any = None,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: Any = None,
+) -> Any:
+    """Send ``splits[i]`` rows to rank ``i``; returns ``(received, received_splits)`` when
+    ``splits`` is given, else the received rows only (Horovod's convention)."""
+    check_process_set(process_set)
+    tensor = tf.convert_to_tensor(tensor)
+    out, received = _alltoall(tensor, None if splits is None else tf.cast(splits, tf.int32), name)
+    return (out, received) if splits is not None else out
+
+
+def _alltoall(tensor: tf.Tensor, splits: tf.Tensor | None, name: str | None):
+    def run(x, s):
+        def exchange(a, *sp):
+            out, rows = collectives.alltoall(a, None if not sp else sp[0], name=name)
+            return [out, rows.astype(np.int32)]
+
+        inputs = [x] if s is None else [x, s]
+        y, rows = numpy_call(exchange, inputs, [_dtype(x), tf.int32], name or "HorovodAlltoall")
+        y.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+        rows.set_shape([state.size()])
+        return y, rows
+
+    @tf.custom_gradient
+    def forward(x):
+        y, rows = run(x, splits)
+
+        def grad(dy, _drows=None):
+            return _alltoall(dy, rows, name)[0]
+
+        return (y, rows), grad
+
+    return forward(tensor)
+
+
+def reducescatter(
+    tensor: Any,
+    device_dense: str = "",
+    compression: type[Compressor] = Compression.none,
+    op: ReduceOp = Average,
+    name: str | None = None,
+    process_set: Any = None,
+    ignore_name_scope: bool = False,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> tf.Tensor:
+    """Reduce across ranks and give each rank its share of the first dimension."""
+    check_process_set(process_set)
+    return _reducescatter(
+        tf.convert_to_tensor(tensor), ReduceOp(op), prescale_factor, postscale_factor, name
+    )
+
+
+def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
+                          compression: type[Compressor] = Compression.none,
+                          op: ReduceOp = Average, name: str | None = None,
+                          process_set: Any = None, ignore_name_scope: bool = False,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[tf.Tensor]:  # fmt: skip
+    check_process_set(process_set)
+    op = ReduceOp(op)
+    return [
+        _reducescatter(tf.convert_to_tensor(t), op, prescale_factor, postscale_factor, name)
+        for t in tensors
+    ]
+
+
+def _reducescatter(tensor, op, prescale, postscale, name) -> tf.Tensor:
+    @tf.custom_gradient
+    def forward(x):
+        def scatter(a):
+            scaled = a if prescale == 1.0 else a * np.asarray(prescale, a.dtype)
+            out = collectives.reducescatter(scaled, op=op, name=name)
+            return [out if postscale == 1.0 else out * np.asarray(postscale, out.dtype)]
+
+        (y,) = numpy_call(scatter, [x], [_dtype(x)], name or "HorovodReducescatter")
+        y.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+
+        def grad(dy):
+            # Rank r's output is a sum of every rank's rows (divided by size for Average):
+            # each rank's input gradient is every rank's output gradient, gathered.
+            g = _allgather(dy, name)
+            factor = prescale * postscale / (state.size() if op == Average else 1)
+            return g if factor == 1.0 else g * tf.cast(factor, g.dtype)
+
+        return y, grad
+
+    return forward(tensor)
+
+
+def broadcast_variables(variables: Sequence[Any], root_rank: int = 0,
+                        process_set: Any = None, inplace: bool = False) -> Any:  # fmt: skip
+    """Set ``variables`` on every rank to ``root_rank``'s values.
+
+    Eagerly: one broadcast per dtype, after checking that every rank passes the same shapes
+    (an error names both ranks' variables). Inside ``tf.function``: one broadcast per
+    variable, returned as a grouped op.
+    """
+    check_process_set(process_set)
+    variables = list(variables)
+    if not tf.executing_eagerly():
+        return tf.group(
+            *[v.assign(_broadcast(tf.convert_to_tensor(v), root_rank, None)) for v in variables]
+        )
+    described = [(getattr(v, "path", v.name), tuple(v.shape), str(v.dtype)) for v in variables]
+    everyone = collectives.allgather_object(described)
+    root = everyone[root_rank] if 0 <= root_rank < len(everyone) else None
+    if root is None:
+        raise ValueError(
+            f"`root_rank`={root_rank} does not exist: expected [0, {len(everyone) - 1}]."
+        )
+    # Shapes and dtypes must agree; names may not (Keras numbers layers per process).
+    for rank, theirs in enumerate(everyone):
+        if [d[1:] for d in theirs] != [d[1:] for d in root]:
+            raise ValueError(_architecture_mismatch(root_rank, root, rank, theirs))
+    by_dtype: dict[str, list[Any]] = {}
+    for v in variables:
+        by_dtype.setdefault(str(v.dtype), []).append(v)
+    for group in by_dtype.values():
+        flat = np.concatenate([np.asarray(v.numpy()).reshape(-1) for v in group])
+        flat = collectives.broadcast(flat, root_rank=root_rank, name="broadcast_variables")
+        offset = 0
+        for v in group:
+            n = int(np.prod(v.shape))
+            v.assign(flat[offset : offset + n].reshape(tuple(v.shape)))
+            offset += n
+    return None
+
+
+def _architecture_mismatch(
+    root_rank: int, root: list[tuple], rank: int, theirs: list[tuple]
+) -> str:
+    if len(root) != len(theirs):
+        detail = f"rank {root_rank} has {len(root)} variables, rank {rank} has {len(theirs)}"
+    else:
+        first = next(i for i, (a, b) in enumerate(zip(root, theirs, strict=True)) if a[1:] != b[1:])
+        detail = (
+            f"variable {first}: rank {root_rank} has {root[first][0]} {root[first][1]} "
+            f"{root[first][2]}, rank {rank} has {theirs[first][0]} {theirs[first][1]} "
+            f"{theirs[first][2]}"
+        )
+    return (
+        f"ranks built different models, so their variables cannot be broadcast: {detail}. "
+        f"Every rank must build the same architecture."
+    )
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Broadcast ``tf.compat.v1.global_variables()`` (TF1 graphs only, as in Horovod)."""
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "hvd.broadcast_global_variables() does not support eager execution (TF2 keeps no "
+            "global variable collection); use `hvd.broadcast_variables(model.variables, "
+            "root_rank)` or `hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank)`."
+        )
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
+                     process_set: Any = None) -> Any:  # fmt: skip
+    """Every rank gets ``root_rank``'s Python object (cloudpickled)."""
+    check_process_set(process_set)
+    return collectives.broadcast_object(obj, root_rank=root_rank, name=name)
+
+
+def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
+                        process_set: Any = None) -> Callable[[Any], Any]:  # fmt: skip
+    check_process_set(process_set)
+    return lambda obj: collectives.broadcast_object(obj, root_rank=root_rank, name=name)
+
+
+def allgather_object(obj: Any, session: Any = None, name: str | None = None,
+                     process_set: Any = None) -> list[Any]:  # fmt: skip
+    """Every rank's Python object, in rank order."""
+    check_process_set(process_set)
+    return collectives.allgather_object(obj, name=name)
+
+
+def join() -> tf.Tensor:
+    """Wait for every rank; returns the rank that arrived last, as a tensor."""
+    return tf.constant(collectives.join(), dtype=tf.int32)
+
+
+def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    return tf.constant(state.size(), dtype=tf.int32, name=name)
+
+
+def local_size_op(name: str | None = None) -> tf.Tensor:
+    return tf.constant(state.local_size(), dtype=tf.int32, name=name)
+
+
+def rank_op(name: str | None = None) -> tf.Tensor:
+    return tf.constant(state.rank(), dtype=tf.int32, name=name)
+
+
+def local_rank_op(name: str | None = None) -> tf.Tensor:
+    return tf.constant(state.local_rank(), dtype=tf.int32, name=name)
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    return tf.constant(1 if process_set_id == 0 else 0, dtype=tf.int32, name=name)

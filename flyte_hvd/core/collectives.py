@@ -94,9 +94,6 @@ def mpi_op(op: Any) -> tuple[ReduceOp, Any]:
     return ReduceOp(op), found
 
 
-_mpi_op = mpi_op  # the name earlier releases used
-
-
 def fusion_threshold() -> int:
     """Bytes per fusion buffer, from ``HOROVOD_FUSION_THRESHOLD`` (Horovod's default 128 MiB)."""
     raw = os.environ.get(FUSION_THRESHOLD_ENV)
@@ -141,10 +138,6 @@ def packed_offsets(counts: Sequence[int], itemsize: int) -> tuple[list[int], int
         offsets.append(total)
         total += -(-n // step) * step
     return offsets, total
-
-
-def _fusion_groups(arrays: list[np.ndarray], threshold: int) -> list[list[int]]:
-    return fusion_buckets([(a.dtype, a.nbytes) for a in arrays], threshold)
 
 
 def _as_array(value: Any, what: str) -> np.ndarray:
@@ -221,9 +214,6 @@ def check_same(
         _meet_joined(comm, same, describe, reduction)
     elif not same:
         _raise_mismatch(comm.allgather(describe()))
-
-
-_check_same = check_same  # the name earlier releases used
 
 
 def _raise_mismatch(descriptions: list[str | None]) -> None:
@@ -350,7 +340,7 @@ def _scaled(array: np.ndarray, factor: float) -> np.ndarray:
     return array * np.asarray(factor, dtype=array.dtype)
 
 
-def _scale(array: np.ndarray, factor: float, what: str = "") -> np.ndarray:
+def _scale(array: np.ndarray, factor: float) -> np.ndarray:
     return array if factor == 1.0 else _scaled(array, factor)
 
 
@@ -364,10 +354,6 @@ def scale_in_place(array: np.ndarray, factor: float) -> None:
         array[...] = _scaled(array, factor)
 
 
-def _scale_in_place(array: np.ndarray, factor: float, what: str = "") -> None:
-    scale_in_place(array, factor)
-
-
 def finish_average(buf: np.ndarray, size: int, op: ReduceOp) -> None:
     """Divide a summed ``buf`` by ``size`` if ``op`` is Average (integers round toward zero,
     as Horovod's do)."""
@@ -378,9 +364,6 @@ def finish_average(buf: np.ndarray, size: int, op: ReduceOp) -> None:
     else:
         buf -= np.fmod(buf, size)
         buf //= size
-
-
-_finish_average = finish_average
 
 
 def average_as_sum(op: ReduceOp, gradient_predivide_factor: float, size: int, floating: bool):

@@ -79,17 +79,17 @@ def comm_of(process_set: ProcessSet) -> Any:
     """The communicator a collective on ``process_set`` runs on (this thread's)."""
     if process_set is global_process_set:
         return state.comm()
-    return _member_comm(process_set, process_set.comm)
+    return _member_comm(process_set, "comm")
 
 
 def async_comm_of(process_set: ProcessSet) -> Any:
     """The communicator the background thread uses for ``process_set``."""
     if process_set is global_process_set:
         return state.async_comm()
-    return _member_comm(process_set, process_set.async_comm)
+    return _member_comm(process_set, "async_comm")
 
 
-def _member_comm(process_set: Any, comm: Any) -> Any:
+def _member_comm(process_set: Any, which: str) -> Any:
     if not isinstance(process_set, ProcessSet):
         raise ValueError(
             f"`process_set` must be a hvd.ProcessSet (hvd.global_process_set or one from "
@@ -101,6 +101,7 @@ def _member_comm(process_set: Any, comm: Any) -> Any:
             f"{process_set!r} is not registered: pass it to hvd.add_process_set() on every rank "
             f"first (or it was removed)."
         )
+    comm = getattr(process_set, which)
     if comm is None:
         raise ValueError(
             f"rank {state.rank()} is not in {process_set!r}; only its members may call "

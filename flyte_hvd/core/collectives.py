@@ -182,37 +182,42 @@ def check_optimizer_args(backward_passes_per_step: Any, op: Any,
 
 # -- agreement between ranks, and joined ranks -------------------------------------------------
 
-# What a rank inside join() contributes to the agreement reduction: below every fingerprint.
+# Agreement is one MAX reduction of [fingerprint, -fingerprint] (fingerprints are >= 0): equal
+# fingerprints come back unchanged. A rank inside join() sends [_ABSENT, 1] instead: below every
+# fingerprint, and above every -fingerprint, so the others see a positive second slot.
 _ABSENT = np.iinfo(np.int64).min
 
 # A reduction's wire buffers, for joined ranks to match: [(dtype str, element count, op)].
 ReductionSpec = list[tuple[str, int, int]]
+# What a collective tells ``check_same`` about the reduction that follows: its (op, wire
+# array), or a function returning its ``ReductionSpec`` (several buffers).
+Reduction = tuple[ReduceOp, np.ndarray] | Callable[[], ReductionSpec] | None
 
 
 def check_same(
     comm: Any,
     fields: tuple,
     describe: Callable[[], str],
-    reduction: Callable[[], ReductionSpec] | None = None,
+    reduction: Reduction = None,
 ) -> None:
-    """Agree with the other ranks of ``comm`` before a collective: one 32-byte MAX reduction.
+    """Agree with the other ranks of ``comm`` before a collective: one 16-byte MAX reduction.
 
     Raises ``CollectiveMismatchError`` on every rank if any rank's ``fields`` (ints and tuples
     of ints) differ; ``describe`` renders this rank's call for the message and runs only then.
-    If some ranks have called ``join()``, a collective with a ``reduction`` (the wire buffers
-    the reduction that follows will use) goes ahead with them contributing the op's identity;
-    any other collective raises on every rank.
+    If some ranks have called ``join()``, a collective with a ``reduction`` (``(op, wire
+    array)`` or a function returning the wire buffers' ``ReductionSpec``) goes ahead with them
+    contributing the op's identity; any other collective raises on every rank.
     """
     if comm.Get_size() == 1 or not state.checks_collectives():
         return
     fp = _fingerprint(fields)
-    # [max fingerprint, -min fingerprint, some rank is active, some rank has joined]
-    buf = np.array([fp, -fp, 1, 0], dtype=np.int64)
-    comm.Allreduce(_in_place(), buf, _mpi_ops()[ReduceOp.MAX])
-    same = buf[0] == fp and -buf[1] == fp
-    if buf[3]:
-        _meet_joined(comm, same, describe, reduction)
-    elif not same:
+    pair = np.array([fp, -fp], dtype=np.int64)
+    comm.Allreduce(_in_place(), pair, _mpi_ops()[ReduceOp.MAX])
+    if pair[0] == fp and -pair[1] == fp:
+        return
+    if pair[1] > 0:
+        _meet_joined(comm, fp, describe, reduction)
+    else:
         _raise_mismatch(comm.allgather(describe()))
 
 
@@ -226,14 +231,21 @@ def _raise_mismatch(descriptions: list[str | None]) -> None:
     )
 
 
-def _meet_joined(comm: Any, same: bool, describe: Callable[[], str], reduction) -> None:
+def _reduction_spec(reduction: Reduction) -> ReductionSpec | None:
+    if reduction is None or callable(reduction):
+        return None if reduction is None else reduction()
+    op, wire = reduction
+    return [(wire.dtype.str, int(wire.size), int(op))]
+
+
+def _meet_joined(comm: Any, fp: int, describe: Callable[[], str], reduction: Reduction) -> None:
     """The active ranks' side of a collective while some ranks are inside ``join()``."""
     description = describe()
-    spec = reduction() if same and reduction is not None else None
-    entries = comm.allgather((description, spec))  # joined ranks send None
-    if not same:
-        _raise_mismatch([None if e is None else e[0] for e in entries])
-    if spec is None:
+    entries = comm.allgather((fp, description, _reduction_spec(reduction)))  # joined: None
+    active = [e for e in entries if e is not None]
+    if len({e[0] for e in active}) > 1:
+        _raise_mismatch([None if e is None else e[1] for e in entries])
+    if reduction is None:
         joined = [r for r, e in enumerate(entries) if e is None]
         kind = description.split("(", 1)[0]
         raise CollectiveMismatchError(
@@ -246,10 +258,10 @@ def _meet_joined(comm: Any, same: bool, describe: Callable[[], str], reduction) 
 def _serve_joined_round(comm: Any) -> int:
     """A joined rank's side of one collective of the active ranks: contribute the identity of
     the op to each of its reductions. Returns 1 if a reduction was served."""
-    entries = [e for e in comm.allgather(None) if e is not None]
-    if not entries or any(e[1] is None for e in entries):
+    active = [e for e in comm.allgather(None) if e is not None]
+    if len({e[0] for e in active}) != 1 or active[0][2] is None:
         return 0  # the active ranks raise
-    for dtype_str, count, op in entries[0][1]:
+    for dtype_str, count, op in active[0][2]:
         rop, mop = mpi_op(op)
         buf = _identity(np.dtype(dtype_str), rop, count)
         comm.Allreduce(_in_place(), buf, mop)
@@ -271,18 +283,14 @@ def _serve_until_all_joined(comm: Any) -> int:
     """Take part in the active ranks' collectives on ``comm`` until every rank has joined;
     returns how many reductions this rank served."""
     served = 0
-    buf = np.empty(4, dtype=np.int64)
+    pair = np.empty(2, dtype=np.int64)
     max_op = _mpi_ops()[ReduceOp.MAX]
     while True:
-        buf[:] = (_ABSENT, _ABSENT, 0, 1)
-        comm.Allreduce(_in_place(), buf, max_op)
-        if buf[2] == 0:  # no rank is active any more
+        pair[:] = (_ABSENT, 1)
+        comm.Allreduce(_in_place(), pair, max_op)
+        if pair[0] == _ABSENT:  # no rank is active any more
             return served
         served += _serve_joined_round(comm)
-
-
-def _spec(arrays: Sequence[np.ndarray], op: ReduceOp) -> Callable[[], ReductionSpec]:
-    return lambda: [(a.dtype.str, int(a.size), int(op)) for a in arrays]
 
 
 def join(device: int = -1) -> int:
@@ -443,7 +451,7 @@ def allreduce_on(
             f"allreduce(op={op.name}, dtype={arr.dtype}, shape={arr.shape}, "
             f"compression={compression.__name__})"
         ),
-        _spec([wire], op),
+        (op, wire),
     )
     wire = np.asarray(_scale(wire, prescale_factor), order="C")
     out = pool.empty(wire.shape, wire.dtype)
@@ -555,7 +563,7 @@ def reduce_in_place(
         comm,
         (8, op, flat.dtype.num, flat.shape, _compression_id(compression)),
         describe,
-        _spec([wire], op),
+        (op, wire),
     )
     start = _begin()
     comm.Allreduce(_in_place(), wire, mop)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 HOSTNAME_ENV = "FLYTE_HVD_HOSTNAME"
-# "0" skips the argument check before each collective (one 32-byte reduction, about 5 us on
+# "0" skips the argument check before each collective (one 16-byte reduction, about 5 us on
 # two local ranks); mismatched calls then behave as in raw MPI: they hang or corrupt memory.
 CHECK_ENV = "FLYTE_HVD_CHECK_COLLECTIVES"
 

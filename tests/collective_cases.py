@@ -61,7 +61,7 @@ def allreduce_ops():
             avg = hvd.allreduce(mine, op=hvd.Average)
             if np.dtype(dtype).kind == "f":
                 np.testing.assert_allclose(avg, base * (n + 1) / 2, rtol=1e-6)
-            else:  # integer average rounds down
+            else:  # integer average rounds toward zero
                 np.testing.assert_array_equal(avg, (base * (n * (n + 1) // 2)) // n)
             # The input is left untouched.
             np.testing.assert_array_equal(mine, base * (r + 1))
@@ -211,6 +211,7 @@ def mismatched_shapes_raise_on_every_rank():
         try:
             call()
         except hvd.CollectiveMismatchError as e:
+            assert isinstance(e, RuntimeError) and isinstance(e, ValueError)
             assert "rank 0:" in str(e) and "rank 1:" in str(e), str(e)
         else:
             raise AssertionError("mismatch was not detected")
@@ -221,16 +222,22 @@ def mismatched_shapes_raise_on_every_rank():
 @case
 def bad_arguments_raise():
     n = hvd.size()
-    for bad in (
-        lambda: hvd.allreduce(np.ones(2), op=42),
+    try:
+        hvd.allreduce(np.ones(2), op=42)
+    except ValueError as e:
+        assert "op" in str(e).lower()
+    else:
+        raise AssertionError("bad op accepted")
+    for adasum in (
         lambda: hvd.allreduce(np.ones(2), op=hvd.Adasum),
+        lambda: hvd.reducescatter(np.ones(2), op=hvd.Adasum),
     ):
         try:
-            bad()
-        except ValueError as e:
-            assert "op" in str(e).lower()
+            adasum()
+        except NotImplementedError as e:  # a RuntimeError, as Horovod raises
+            assert "Adasum" in str(e) and "not supported" in str(e)
         else:
-            raise AssertionError("bad op accepted")
+            raise AssertionError("Adasum accepted")
     for root in (n, -1, "0"):
         try:
             hvd.broadcast(np.ones(2), root_rank=root)
@@ -266,3 +273,116 @@ def timeline_records_each_collective():
         assert {"grad.0", "allgather", "broadcast"} <= names
         assert all(e["dur"] >= 0 and e["args"]["bytes"] > 0 for e in events)
     hvd.barrier()
+
+
+@case
+def integer_average_rounds_toward_zero():
+    r, n = hvd.rank(), hvd.size()
+    mine = np.array([-3, 3, -1], np.int64) * (r + 1)
+    total = np.array([-3, 3, -1], np.int64) * (n * (n + 1) // 2)
+    expected = np.trunc(total / n).astype(np.int64)
+    np.testing.assert_array_equal(hvd.allreduce(mine), expected)
+
+
+@case
+def join_serves_reductions_of_the_other_ranks():
+    r, n = hvd.rank(), hvd.size()
+    for early in range(n):
+        if r == early:
+            last = hvd.join()
+        else:
+            got = hvd.allreduce(np.ones(3, np.float32), op=hvd.Sum, name="rows")
+            np.testing.assert_array_equal(got, np.full(3, n - 1, np.float32))
+            lo = hvd.allreduce(np.array([r + 1.0]), op=hvd.Min)  # the joined rank adds +inf
+            assert lo[0] == (2.0 if early == 0 else 1.0), lo
+            fused = hvd.grouped_allreduce([np.ones(2), np.ones(5, np.int32)], op=hvd.Sum)
+            assert fused[0].tolist() == [n - 1] * 2 and fused[1].tolist() == [n - 1] * 5
+            handle = hvd.allreduce_async(np.full(2, 2.0), op=hvd.Average)
+            np.testing.assert_allclose(hvd.synchronize(handle), np.full(2, 2.0 * (n - 1) / n))
+            for refused in (
+                lambda: hvd.allgather(np.ones(1)),
+                lambda early=early: hvd.broadcast(np.ones(1), root_rank=early),
+            ):
+                try:
+                    refused()
+                except hvd.CollectiveMismatchError as e:
+                    assert f"rank(s) [{early}] are inside hvd.join()" in str(e), str(e)
+                else:
+                    raise AssertionError("a collective other than allreduce ran with a joined rank")
+            last = hvd.join()
+        if n > 1:
+            assert last != early
+        assert hvd.allgather_object(last) == [last] * n
+
+
+@case
+def process_set_of_some_ranks():
+    r, n = hvd.rank(), hvd.size()
+    ranks = [0, n - 1] if n > 2 else [n - 1]  # never all ranks: that is the global set
+    if n == 1:
+        try:
+            hvd.add_process_set(ranks)
+        except ValueError as e:
+            assert "already registered" in str(e)
+        else:
+            raise AssertionError("a set of all ranks was accepted")
+        return
+    k = len(ranks)
+    ends = hvd.add_process_set(ranks)
+    try:
+        assert ends.ranks == ranks and ends.size() == k and ends.included() == (r in ranks)
+        if ends.included():
+            got = hvd.allreduce(np.full(2, float(r)), op=hvd.Sum, process_set=ends)
+            np.testing.assert_array_equal(got, np.full(2, float(sum(ranks))))
+            assert hvd.allgather(np.array([r]), process_set=ends).tolist() == ranks
+            # root_rank is a global rank
+            assert hvd.broadcast(np.array([r]), root_rank=n - 1, process_set=ends)[0] == n - 1
+            out, received = hvd.alltoall(np.array([r] * k), process_set=ends)
+            assert out.tolist() == ranks and received.tolist() == [1] * k
+            rs = hvd.reducescatter(np.ones(2 * k), op=hvd.Sum, process_set=ends)
+            assert rs.tolist() == [k, k]
+            h = hvd.allreduce_async(np.ones(1), op=hvd.Sum, process_set=ends)
+            assert hvd.synchronize(h).tolist() == [float(k)]
+            hvd.barrier(process_set=ends)
+        else:
+            try:
+                hvd.allreduce(np.ones(1), process_set=ends)
+            except ValueError as e:
+                assert "is not in" in str(e)
+            else:
+                raise AssertionError("a non-member ran a collective on the set")
+        assert hvd.allreduce(np.ones(1), op=hvd.Sum)[0] == n  # the global set still works
+    finally:
+        assert hvd.remove_process_set(ends)
+    for bad in ([], [0, 0], [n]):
+        try:
+            hvd.add_process_set(bad)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"process set {bad} accepted")
+
+
+@case
+def async_ops_return_handles():
+    r, n = hvd.rank(), hvd.size()
+    handles = [
+        hvd.allreduce_async(np.ones(3) * r, op=hvd.Sum, name="a"),
+        hvd.allgather_async(np.array([r]), name="g"),
+        hvd.broadcast_async(np.array([r]), root_rank=n - 1),
+        hvd.reducescatter_async(np.ones(n), op=hvd.Sum),
+        hvd.grouped_allgather_async([np.array([r]), np.array([r, r])]),
+        hvd.grouped_reducescatter_async([np.ones(n)], op=hvd.Sum),
+        hvd.alltoall_async(np.arange(n) + 10 * r),
+    ]
+    a, g, b, rs, gg, grs, (a2a, _) = [hvd.synchronize(h) for h in handles]
+    assert a.tolist() == [n * (n - 1) / 2] * 3 and g.tolist() == list(range(n))
+    assert b.tolist() == [n - 1] and rs.tolist() == [float(n)]
+    assert gg[0].tolist() == list(range(n)) and grs[0].tolist() == [float(n)]
+    assert a2a.tolist() == [r + 10 * k for k in range(n)]
+    try:
+        hvd.synchronize(object())
+    except ValueError as e:
+        assert "takes the handle" in str(e)
+    else:
+        raise AssertionError("synchronize accepted a non-handle")

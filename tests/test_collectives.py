@@ -73,14 +73,31 @@ def test_bad_fusion_threshold(monkeypatch):
         fusion_threshold()
 
 
-def test_fusion_groups_respect_threshold_and_dtype():
-    from flyte_hvd.core.collectives import _fusion_groups
+def test_fusion_buckets_respect_threshold_and_dtype():
+    from flyte_hvd.core.collectives import fusion_buckets
 
     # Five float32[4] (16 bytes each), one int64[2], one float32[100] (400 bytes).
     arrays = [np.zeros(4, np.float32)] * 5 + [np.zeros(2, np.int64), np.zeros(100, np.float32)]
-    assert _fusion_groups(arrays, threshold=40) == [[0, 1], [2, 3], [4], [6], [5]]
-    assert _fusion_groups(arrays, threshold=1 << 20) == [[0, 1, 2, 3, 4, 6], [5]]
-    assert _fusion_groups(arrays, threshold=0) == [[0], [1], [2], [3], [4], [6], [5]]
+    items = [(a.dtype, a.nbytes) for a in arrays]
+    assert fusion_buckets(items, threshold=40) == [[0, 1], [2, 3], [4], [6], [5]]
+    assert fusion_buckets(items, threshold=1 << 20) == [[0, 1, 2, 3, 4, 6], [5]]
+    assert fusion_buckets(items, threshold=0) == [[0], [1], [2], [3], [4], [6], [5]]
+
+
+def test_packed_offsets_start_every_part_on_64_bytes():
+    from flyte_hvd.core.collectives import packed_offsets
+
+    assert packed_offsets([3, 16, 1], itemsize=4) == ([0, 16, 32], 48)
+    assert packed_offsets([], itemsize=8) == ([], 0)
+
+
+def test_require_int_names_the_argument():
+    from flyte_hvd.core.checks import require_int
+
+    assert require_int("n", 3, 1) == 3
+    for bad in (0, True, 1.5, "2"):
+        with pytest.raises(ValueError, match=r"`n` must be an int >= 1"):
+            require_int("n", bad, 1)
 
 
 def test_timeline_needs_existing_directory(tmp_path):

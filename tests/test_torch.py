@@ -150,3 +150,75 @@ def test_importing_without_torch_names_the_extra():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60
     ).stdout
     assert "pip install flyte-hvd[torch]" in out
+
+
+def test_fp16_compression_takes_tensors(hvd):
+    for dtype in (torch.float32, torch.float64):
+        wire, ctx = hvd.Compression.fp16.compress(torch.ones(2, 3, dtype=dtype))
+        assert wire.dtype == torch.float16
+        back = hvd.Compression.fp16.decompress(wire, ctx)
+        assert back.dtype == dtype and torch.equal(back, torch.ones(2, 3, dtype=dtype))
+    for dtype in (torch.uint8, torch.int32, torch.int64, torch.float16):
+        wire, ctx = hvd.Compression.fp16.compress(torch.ones(4, dtype=dtype))
+        assert wire.dtype == dtype and hvd.Compression.fp16.decompress(wire, ctx).dtype == dtype
+
+
+def test_build_queries_describe_this_build(hvd):
+    assert hvd.mpi_built() and hvd.mpi_enabled() and hvd.mpi_threads_supported()
+    assert hvd.nccl_built() == 0
+    others = (hvd.gloo_built, hvd.gloo_enabled, hvd.cuda_built, hvd.rocm_built)
+    assert not any(q() for q in (*others, hvd.ccl_built, hvd.ddl_built))
+
+
+def test_zero_dim_tensor_on_one_rank(hvd):
+    step = torch.tensor(3.0)
+    assert hvd.allreduce(step).shape == ()
+    assert hvd.broadcast_(step, root_rank=0) is step and step.shape == ()
+
+
+def test_bad_process_set_arguments(hvd):
+    with pytest.raises(ValueError, match=r"must be a hvd\.ProcessSet"):
+        hvd.allreduce(torch.ones(1), process_set=[0])
+    with pytest.raises(ValueError, match="is not registered"):
+        hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0]))
+    with pytest.raises(ValueError, match="distinct non-negative ranks"):
+        hvd.ProcessSet([1, 1])
+    with pytest.raises(ValueError, match="list of global ranks"):
+        hvd.ProcessSet(["a"])
+    with pytest.raises(ValueError, match="already registered"):
+        hvd.add_process_set([0])  # all ranks: the global set
+    with pytest.raises(ValueError, match="do not exist"):
+        hvd.add_process_set([0, 5])
+
+
+def test_bad_async_and_sparse_arguments(hvd):
+    with pytest.raises(ValueError, match="takes the handle"):
+        hvd.poll(42)
+    with pytest.raises(ValueError, match="sparse COO tensor"):
+        hvd.sparse_allreduce_async(torch.ones(2), "x", hvd.Average)
+    with pytest.raises(ValueError, match=r"hvd\.Average and hvd\.Sum"):
+        hvd.sparse_allreduce_async(torch.ones(2).to_sparse(), "x", hvd.Max)
+    with pytest.raises(ValueError, match="integers"):
+        hvd.alltoall_async(torch.ones(2), splits=torch.tensor([2.0]))
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.DistributedOptimizer(
+            torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), op=hvd.Adasum
+        )
+    with pytest.raises(ValueError, match="at least 2-D"):
+        hvd.SyncBatchNorm(3)(torch.ones(3))
+
+
+def test_sparse_allreduce_on_one_rank(hvd):
+    dense = torch.tensor([[0.0, 2.0], [0.0, 0.0], [4.0, 0.0]])
+    reduced = hvd.sparse_allreduce_async(dense.to_sparse(), "s", hvd.Average)()
+    assert reduced.is_sparse and torch.equal(reduced.to_dense(), dense)
+
+
+def test_dynamic_timeline_env_writes_no_file(monkeypatch, tmp_path):
+    from flyte_hvd.core import timeline
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOROVOD_TIMELINE", "DYNAMIC")
+    timeline.start_from_env(0)
+    assert timeline.current() is None
+    assert not os.path.exists(tmp_path / "DYNAMIC")

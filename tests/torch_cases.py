@@ -354,9 +354,11 @@ def tensor_collectives():
     assert hvd.broadcast(b, root_rank=1).tolist() == [0.0, 2.0, 4.0, 6.0]
     hvd.broadcast_(b, root_rank=0)
     assert b.tolist() == [0.0, 1.0, 2.0, 3.0]
-    rows, splits = hvd.alltoall(torch.arange(4) + 10 * rank)
+    rows = hvd.alltoall(torch.arange(4) + 10 * rank)
     assert rows.tolist() == ([0, 1, 10, 11] if rank == 0 else [2, 3, 12, 13])
-    assert splits.tolist() == [2, 2]
+    rows, splits = hvd.alltoall(torch.arange(3) + 10 * rank, splits=torch.tensor([1, 2]))
+    assert rows.tolist() == ([0, 10] if rank == 0 else [1, 2, 11, 12])
+    assert splits.tolist() == ([1, 1] if rank == 0 else [2, 2])
     assert hvd.reducescatter(torch.ones(4, 2) * (rank + 1), op=hvd.Sum).tolist() == [[3.0] * 2] * 2
     grouped = hvd.grouped_allreduce([torch.ones(2) * rank, torch.ones(3, dtype=torch.float64)])
     assert grouped[0].tolist() == [0.5, 0.5] and grouped[1].dtype == torch.float64
@@ -388,3 +390,318 @@ def ranks_with_different_models_get_a_clear_error():
         assert "ranks hold different models" in str(error), error
     else:
         raise AssertionError("broadcast_parameters of different models did not raise")
+
+
+@case
+def zero_dim_tensors_stay_zero_dim():
+    import torch
+
+    import flyte_hvd.torch as hvd
+
+    rank = hvd.rank()
+    scalar = torch.tensor(float(rank + 1))
+    out = hvd.allreduce(scalar, op=hvd.Sum)
+    assert out.shape == () and out.item() == 3.0
+    hvd.allreduce_(scalar, op=hvd.Max)
+    assert scalar.shape == () and scalar.item() == 2.0
+    step = torch.tensor(float(rank))
+    hvd.broadcast_(step, root_rank=1)
+    assert step.shape == () and step.item() == 1.0
+    assert hvd.allgather(torch.tensor(rank)).tolist() == [0, 1]
+
+
+@case
+def mismatches_are_runtime_errors_on_every_rank():
+    import torch
+
+    import flyte_hvd.torch as hvd
+
+    rank = hvd.rank()
+    calls = (
+        lambda: hvd.allreduce(torch.ones(3 + rank)),
+        lambda: hvd.allgather(torch.ones(2, 1 + rank)),
+        lambda: hvd.broadcast(torch.ones(2), root_rank=rank),
+        lambda: hvd.reducescatter(torch.ones(4, dtype=torch.float32 if rank else torch.float64)),
+    )
+    for call in calls:
+        try:
+            call()
+        except RuntimeError as error:
+            assert isinstance(error, hvd.CollectiveMismatchError), error
+        else:
+            raise AssertionError("a mismatch did not raise")
+    assert issubclass(hvd.HorovodInternalError, RuntimeError)
+
+
+@case
+def alltoall_refuses_fractional_splits():
+    import torch
+
+    import flyte_hvd.torch as hvd
+
+    for splits in (torch.tensor([1.0, 1.0]), [0.5, 1.5]):
+        try:
+            hvd.alltoall(torch.ones(2), splits=splits)
+        except ValueError as error:
+            assert "integers" in str(error), error
+        else:
+            raise AssertionError(f"splits={splits!r} accepted")
+
+
+@case
+def gradients_flow_through_collectives():
+    import torch
+
+    import flyte_hvd.torch as hvd
+
+    rank, size = hvd.rank(), hvd.size()
+    x = torch.full((2, 3), float(rank), requires_grad=True)
+    hvd.allreduce(x, op=hvd.Sum).sum().backward()
+    assert x.grad.tolist() == [[float(size)] * 3] * 2
+    x.grad = None
+    hvd.allreduce(x).sum().backward()  # Average: the gradient is averaged too
+    assert x.grad.tolist() == [[1.0] * 3] * 2
+
+    # allgather: each rank gets the (rank-averaged) gradient of its own rows
+    rows = torch.ones(rank + 1, 2, requires_grad=True)
+    gathered = hvd.allgather(rows)
+    weights = torch.arange(gathered.shape[0], dtype=torch.float32).unsqueeze(1)
+    (gathered * weights).sum().backward()
+    mine = list(range(rank, 2 * rank + 1)) if rank else [0]
+    assert rows.grad[:, 0].tolist() == [float(i) for i in mine]
+
+    # broadcast: only the root's input receives a gradient
+    b = torch.ones(3, requires_grad=True)
+    hvd.broadcast(b, root_rank=1).sum().backward()
+    assert b.grad.tolist() == ([1.0] * 3 if rank == 1 else [0.0] * 3)
+
+    # alltoall: the gradient goes back to the rows that were sent
+    a = torch.arange(4.0, requires_grad=True)
+    (hvd.alltoall(a) * 2).sum().backward()
+    assert a.grad.tolist() == [2.0] * 4
+
+    # reducescatter (Sum): Horovod's convention, the output gradient times the set size
+    r = torch.ones(4, 2, requires_grad=True)
+    hvd.reducescatter(r, op=hvd.Sum).sum().backward()
+    assert r.grad.tolist() == [[float(size)] * 2] * 4
+
+    grouped = [torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)]
+    sum(t.sum() for t in hvd.grouped_allreduce(grouped, op=hvd.Sum)).backward()
+    assert [t.grad.tolist() for t in grouped] == [[2.0] * 2, [2.0] * 3]
+
+
+@case
+def async_collectives_and_duplicate_names():
+    import torch
+
+    import flyte_hvd.torch as hvd
+
+    rank = hvd.rank()
+    handles = [
+        hvd.allgather_async(torch.full((1, 2), rank)),
+        hvd.broadcast_async(torch.full((2,), float(rank)), root_rank=1),
+        hvd.alltoall_async(torch.arange(2) + 10 * rank),
+        hvd.reducescatter_async(torch.ones(4) * (rank + 1), op=hvd.Sum),
+        hvd.grouped_allreduce_async([torch.ones(1) * rank, torch.ones(2)], op=hvd.Sum),
+    ]
+    hvd.barrier()  # the calling thread's collectives go on while those are in flight
+    gathered, bcast, a2a, rs, grouped = [hvd.synchronize(h) for h in handles]
+    assert gathered.tolist() == [[0, 0], [1, 1]] and bcast.tolist() == [1.0, 1.0]
+    assert a2a.tolist() == ([0, 10] if rank == 0 else [1, 11]) and rs.tolist() == [3.0, 3.0]
+    assert [g.tolist() for g in grouped] == [[1.0], [2.0, 2.0]]
+    assert all(hvd.poll(h) for h in handles)
+    inplace = torch.ones(3) * rank
+    assert hvd.synchronize(hvd.broadcast_async_(inplace, root_rank=1)) is inplace
+    assert inplace.tolist() == [1.0] * 3
+
+    # A name still in flight on this rank is refused there and then.
+    if rank == 0:
+        first = hvd.allreduce_async(torch.ones(2), name="same")
+        try:
+            hvd.allreduce_async(torch.ones(2), name="same")
+        except ValueError as error:
+            assert "still in flight" in str(error)
+        else:
+            raise AssertionError("a duplicate name in flight was accepted")
+        hvd.barrier()
+    else:
+        hvd.barrier()
+        first = hvd.allreduce_async(torch.ones(2), name="same")
+    assert hvd.synchronize(first).tolist() == [1.0, 1.0]
+    hvd.synchronize(hvd.allreduce_async(torch.ones(2), name="same"))  # reusable once done
+
+
+@case
+def joined_rank_serves_allreduces_until_all_join():
+    import torch
+
+    import flyte_hvd.torch as hvd
+
+    rank, size = hvd.rank(), hvd.size()
+    model = _mlp(3)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for early in range(size):
+        if rank == early:
+            last = hvd.join()
+        else:
+            # Uneven data: this rank has more batches; the joined rank adds zeros.
+            total = hvd.allreduce(torch.tensor([4.0, -3.0]), op=hvd.Sum)
+            avg = hvd.synchronize(hvd.allreduce_async(torch.tensor([4, -3]), name="avg"))
+            opt.zero_grad()
+            _mse(model, *_data(4)).backward()
+            opt.step()
+            try:
+                hvd.allgather(torch.ones(1))
+            except RuntimeError as error:
+                assert "inside hvd.join()" in str(error), error
+            else:
+                raise AssertionError("allgather with a joined rank did not raise")
+            last = hvd.join()
+            assert total.tolist() == [4.0 * (size - 1), -3.0 * (size - 1)]
+            assert avg.tolist() == [4 * (size - 1) // size, -(3 * (size - 1) // size)]
+        assert last != early
+        assert hvd.allgather_object(last) == [last] * size
+
+
+@case
+def process_sets_run_on_their_ranks_only():
+    import torch
+
+    import flyte_hvd.torch as hvd
+
+    rank = hvd.rank()
+    first = hvd.add_process_set([0])  # every rank adds every set, in the same order
+    second = hvd.add_process_set(hvd.ProcessSet([1]))
+    mine, theirs = (first, second) if rank == 0 else (second, first)
+    try:
+        assert mine.included() and mine.rank() == 0 and mine.size() == 1
+        assert not theirs.included() and theirs.rank() == -1
+        out = hvd.allreduce(torch.ones(2) * (rank + 1), op=hvd.Sum, process_set=mine)
+        assert out.tolist() == [float(rank + 1)] * 2
+        assert hvd.broadcast(torch.ones(1) * rank, rank, process_set=mine).tolist() == [rank]
+        handle = hvd.allgather_async(torch.ones(1, 2), process_set=mine)
+        assert hvd.synchronize(handle).shape == (1, 2)
+        for bad, match in (
+            (lambda: hvd.allreduce(torch.ones(1), process_set=theirs), "is not in"),
+            (lambda: hvd.broadcast(torch.ones(1), 1 - rank, process_set=mine), "not in"),
+            (lambda: hvd.add_process_set([0]), "already registered"),
+            (lambda: hvd.remove_process_set(hvd.global_process_set), "cannot be removed"),
+        ):
+            try:
+                bad()
+            except ValueError as error:
+                assert match in str(error), error
+            else:
+                raise AssertionError(f"expected an error containing {match!r}")
+
+        # An optimizer on the set {0}: rank 1 is outside it and steps on its own gradient.
+        model, plain = _mlp(4), _mlp(4)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), process_set=first
+        )
+        plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+        x, y = _data(4, seed=rank)
+        for m, o in ((model, opt), (plain, plain_opt)):
+            o.zero_grad()
+            _mse(m, x, y).backward()
+            o.step()
+        _assert_close(_params(model), _params(plain))
+    finally:
+        assert hvd.remove_process_set(second) and hvd.remove_process_set(first)
+    assert not hvd.remove_process_set(first)
+
+
+@case
+def sparse_gradients_stay_sparse():
+    import torch
+
+    import flyte_hvd.torch as hvd
+
+    rank = hvd.rank()
+    ids = torch.tensor([[1, 2], [2, 5]]) if rank == 0 else torch.tensor([[2, 7]])
+    for sparse_as_dense in (False, True):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(8, 3, sparse=True)
+        dense = torch.nn.Embedding(8, 3)
+        dense.load_state_dict(emb.state_dict())
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SparseAdam(list(emb.parameters()), lr=0.1),
+            sparse_as_dense=sparse_as_dense,
+        )
+        emb(ids).sum().backward()
+        opt.step()
+        assert emb.weight.grad.is_sparse
+        dense(ids).sum().backward()
+        expected = hvd.allreduce(dense.weight.grad)  # the average of the dense gradients
+        np.testing.assert_allclose(emb.weight.grad.to_dense().numpy(), expected.numpy(), 1e-6)
+        np.testing.assert_allclose(  # every rank applied the same update
+            *hvd.allgather_object(emb.weight.detach().numpy().copy()), rtol=0, atol=0
+        )
+
+
+@case
+def optimizer_state_is_created_before_broadcast():
+    import torch
+
+    import flyte_hvd.torch as hvd
+
+    model = _mlp(5)
+    before = _params(model)
+    sgd = torch.optim.SGD(
+        model.parameters(), lr=0.1 * (hvd.rank() + 1), momentum=0.9, weight_decay=0.1
+    )
+    opt = hvd.DistributedOptimizer(sgd)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert len(opt.state_dict()["state"]) == len(before)  # momentum buffers exist now
+    assert opt.param_groups[0]["lr"] == 0.1
+    _assert_close(_params(model), before, 0, 0)  # the zero-gradient step changed nothing
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@case
+def sync_batch_norm_matches_batch_norm_on_the_whole_batch():
+    import torch
+
+    import flyte_hvd.torch as hvd
+
+    rank, size = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    full = torch.randn(4 * size, 3, 5)
+    mine = full[4 * rank : 4 * (rank + 1)].clone().requires_grad_()
+    whole = full.clone().requires_grad_()
+    sync, plain = hvd.SyncBatchNorm(3), torch.nn.BatchNorm1d(3)
+    out = sync(mine)
+    ref = plain(whole)
+    np.testing.assert_allclose(out.detach(), ref[4 * rank : 4 * (rank + 1)].detach(), atol=1e-5)
+    np.testing.assert_allclose(sync.running_mean, plain.running_mean, atol=1e-6)
+    np.testing.assert_allclose(sync.running_var, plain.running_var, atol=1e-5)
+    weights = torch.arange(4.0 * size * 15).reshape(4 * size, 3, 5)
+    (out * weights[4 * rank : 4 * (rank + 1)]).sum().backward()
+    (ref * weights).sum().backward()
+    np.testing.assert_allclose(mine.grad, whole.grad[4 * rank : 4 * (rank + 1)], atol=1e-3)
+    grad = hvd.allreduce(sync.weight.grad, op=hvd.Sum)
+    np.testing.assert_allclose(grad, plain.weight.grad, rtol=1e-4)
+
+
+@case
+def grouped_allgather_and_reducescatter_with_scaling():
+    import torch
+
+    import flyte_hvd.torch as hvd
+
+    rank = hvd.rank()
+    gathered = hvd.grouped_allgather([torch.full((1,), rank), torch.full((rank + 1, 2), 1.0)])
+    assert gathered[0].tolist() == [0, 1] and gathered[1].shape == (3, 2)
+    ints = torch.tensor([7, -7, 5, 3], dtype=torch.int32)
+    # Integers are scaled in float64 and truncated toward zero, before and after the sum.
+    pre = hvd.reducescatter(ints, op=hvd.Sum, prescale_factor=0.5)
+    assert pre.tolist() == ([6, -6] if rank == 0 else [4, 2]) and pre.dtype == torch.int32
+    post = hvd.grouped_reducescatter([ints], op=hvd.Sum, postscale_factor=0.25)[0]
+    assert post.tolist() == ([3, -3] if rank == 0 else [2, 1])
+    assert hvd.allreduce(ints, op=hvd.Sum, prescale_factor=0.5).tolist() == [6, -6, 4, 2]
+    try:
+        hvd.grouped_reducescatter([torch.ones(2), torch.tensor(1.0)])
+    except ValueError as error:
+        assert "scalar" in str(error)
+    else:
+        raise AssertionError("a 0-dim tensor was accepted by grouped_reducescatter")

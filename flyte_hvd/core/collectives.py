@@ -3,7 +3,13 @@
 Arrays travel through mpi4py's buffer (uppercase) methods, never pickled. Before each
 collective the ranks compare a fingerprint of what they were called with (op, dtype, shape,
 root) in one tiny reduction, so a mismatch raises the same clear error on every rank instead
-of hanging or corrupting memory.
+of hanging or corrupting memory. The same reduction tells the ranks whether some of them have
+called ``join()``: those then take part in reductions with the op's identity (zeros for a sum)
+and every other collective raises on every rank.
+
+Every collective takes ``process_set=`` (default: all ranks; see ``process_sets.py``); each
+has an ``*_async`` twin that runs on the background thread and returns a handle for
+``synchronize``/``poll`` (``background.py``).
 """
 
 from __future__ import annotations
@@ -18,10 +24,18 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from flyte_hvd.core import state, timeline
+from flyte_hvd.core import background, state, timeline
 from flyte_hvd.core.buffers import ALIGNMENT, pool
+from flyte_hvd.core.checks import require_int
 from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.core.errors import CollectiveMismatchError
+from flyte_hvd.core.process_sets import (
+    ProcessSet,
+    async_comm_of,
+    comm_of,
+    global_process_set,
+    translate_root,
+)
 
 FUSION_THRESHOLD_ENV = "HOROVOD_FUSION_THRESHOLD"
 DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024
@@ -64,16 +78,20 @@ def _mpi_ops() -> dict[int, Any]:
     return _MPI_OPS
 
 
-def _mpi_op(op: Any) -> tuple[ReduceOp, Any]:
-    mpi_op = _mpi_ops().get(op) if isinstance(op, int) else None
-    if mpi_op is None:
+def mpi_op(op: Any) -> tuple[ReduceOp, Any]:
+    """``(ReduceOp, MPI op)`` for a Horovod op; ``NotImplementedError`` for ``Adasum``,
+    ``ValueError`` for anything else unknown."""
+    found = _mpi_ops().get(op) if isinstance(op, int) else None
+    if found is None:
         if op == ReduceOp.ADASUM:
-            raise ValueError("`op=Adasum` is not supported; use hvd.Average or hvd.Sum.")
+            raise NotImplementedError(
+                "`op=hvd.Adasum` is not supported by flyte-hvd; use hvd.Average or hvd.Sum."
+            )
         raise ValueError(
             f"unknown reduction op {op!r}: expected one of hvd.Average, hvd.Sum, hvd.Min, "
             f"hvd.Max, hvd.Product."
         )
-    return ReduceOp(op), mpi_op
+    return ReduceOp(op), found
 
 
 def fusion_threshold() -> int:
@@ -92,6 +110,34 @@ def fusion_threshold() -> int:
             f"{FUSION_THRESHOLD_ENV}={value}: expected bytes >= 0 (0 disables fusion)."
         )
     return value
+
+
+def fusion_buckets(items: Sequence[tuple[Any, int]], threshold: int) -> list[list[int]]:
+    """Indices of ``items`` (``(dtype, nbytes)`` pairs) grouped into fusion buffers: one dtype
+    each, at most ``threshold`` bytes (a larger item gets a buffer of its own), order kept
+    within a dtype. Buffers are listed in the order they close, then the open ones."""
+    groups: list[list[int]] = []
+    open_group: dict[Any, tuple[list[int], int]] = {}
+    for i, (dtype, nbytes) in enumerate(items):
+        members, used = open_group.get(dtype, ([], 0))
+        if members and used + nbytes > threshold:
+            groups.append(members)
+            members, used = [], 0
+        members.append(i)
+        open_group[dtype] = (members, used + nbytes)
+    groups.extend(members for members, _ in open_group.values() if members)
+    return groups
+
+
+def packed_offsets(counts: Sequence[int], itemsize: int) -> tuple[list[int], int]:
+    """Where each of ``counts`` elements starts in a fusion buffer, and the buffer's length:
+    every part starts on a 64-byte boundary, so TensorFlow can adopt a result without a copy."""
+    step = max(1, ALIGNMENT // itemsize)
+    offsets, total = [], 0
+    for n in counts:
+        offsets.append(total)
+        total += -(-n // step) * step
+    return offsets, total
 
 
 def _as_array(value: Any, what: str) -> np.ndarray:
@@ -121,14 +167,9 @@ def _fingerprint(fields: tuple) -> int:
 def check_optimizer_args(backward_passes_per_step: Any, op: Any,
                          gradient_predivide_factor: float) -> None:  # fmt: skip
     """The checks every framework's ``DistributedOptimizer`` makes of its reduction args."""
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
-        raise ValueError(
-            f"`backward_passes_per_step` must be an int >= 1; found {backward_passes_per_step!r}."
-        )
-    if backward_passes_per_step < 1:
-        raise ValueError(
-            f"`backward_passes_per_step` must be >= 1; found {backward_passes_per_step}."
-        )
+    require_int("backward_passes_per_step", backward_passes_per_step, 1)
+    if op == Adasum:
+        mpi_op(op)  # the not-supported error
     if op not in (Average, Sum):
         raise ValueError(f"DistributedOptimizer `op` must be hvd.Average or hvd.Sum; found {op!r}.")
     if gradient_predivide_factor <= 0:
@@ -139,10 +180,33 @@ def check_optimizer_args(backward_passes_per_step: Any, op: Any,
         raise ValueError("`gradient_predivide_factor` applies only with op=hvd.Average.")
 
 
-def _check_same(comm: Any, fields: tuple, describe: Callable[[], str]) -> None:
-    """Raise on every rank if any rank's ``fields`` differ: one 16-byte MAX reduction.
+# -- agreement between ranks, and joined ranks -------------------------------------------------
 
-    ``describe`` renders this rank's call for the error message; it runs only on a mismatch.
+# Agreement is one MAX reduction of [fingerprint, -fingerprint] (fingerprints are >= 0): equal
+# fingerprints come back unchanged. A rank inside join() sends [_ABSENT, 1] instead: below every
+# fingerprint, and above every -fingerprint, so the others see a positive second slot.
+_ABSENT = np.iinfo(np.int64).min
+
+# A reduction's wire buffers, for joined ranks to match: [(dtype str, element count, op)].
+ReductionSpec = list[tuple[str, int, int]]
+# What a collective tells ``check_same`` about the reduction that follows: its (op, wire
+# array), or a function returning its ``ReductionSpec`` (several buffers).
+Reduction = tuple[ReduceOp, np.ndarray] | Callable[[], ReductionSpec] | None
+
+
+def check_same(
+    comm: Any,
+    fields: tuple,
+    describe: Callable[[], str],
+    reduction: Reduction = None,
+) -> None:
+    """Agree with the other ranks of ``comm`` before a collective: one 16-byte MAX reduction.
+
+    Raises ``CollectiveMismatchError`` on every rank if any rank's ``fields`` (ints and tuples
+    of ints) differ; ``describe`` renders this rank's call for the message and runs only then.
+    If some ranks have called ``join()``, a collective with a ``reduction`` (``(op, wire
+    array)`` or a function returning the wire buffers' ``ReductionSpec``) goes ahead with them
+    contributing the op's identity; any other collective raises on every rank.
     """
     if comm.Get_size() == 1 or not state.checks_collectives():
         return
@@ -151,18 +215,118 @@ def _check_same(comm: Any, fields: tuple, describe: Callable[[], str]) -> None:
     comm.Allreduce(_in_place(), pair, _mpi_ops()[ReduceOp.MAX])
     if pair[0] == fp and -pair[1] == fp:
         return
-    _raise_mismatch(comm, describe())
+    if pair[1] > 0:
+        _meet_joined(comm, fp, describe, reduction)
+    else:
+        _raise_mismatch(comm.allgather(describe()))
 
 
-def _raise_mismatch(comm: Any, description: str) -> None:
-    descriptions = comm.allgather(description)
-    lines = "\n".join(f"  rank {r}: {d}" for r, d in enumerate(descriptions))
-    kind = description.split("(", 1)[0]
+def _raise_mismatch(descriptions: list[str | None]) -> None:
+    lines = "\n".join(f"  rank {r}: {d}" for r, d in enumerate(descriptions) if d is not None)
+    kind = next(d for d in descriptions if d is not None).split("(", 1)[0]
     raise CollectiveMismatchError(
         f"ranks called `{kind}` with different arguments; every rank must pass the same "
         f"op, dtype and shape (except where the collective allows a ragged first dimension). "
         f"Found:\n{lines}"
     )
+
+
+def _reduction_spec(reduction: Reduction) -> ReductionSpec | None:
+    if reduction is None or callable(reduction):
+        return None if reduction is None else reduction()
+    op, wire = reduction
+    return [(wire.dtype.str, int(wire.size), int(op))]
+
+
+def _meet_joined(comm: Any, fp: int, describe: Callable[[], str], reduction: Reduction) -> None:
+    """The active ranks' side of a collective while some ranks are inside ``join()``."""
+    description = describe()
+    entries = comm.allgather((fp, description, _reduction_spec(reduction)))  # joined: None
+    active = [e for e in entries if e is not None]
+    if len({e[0] for e in active}) > 1:
+        _raise_mismatch([None if e is None else e[1] for e in entries])
+    if reduction is None:
+        joined = [r for r, e in enumerate(entries) if e is None]
+        kind = description.split("(", 1)[0]
+        raise CollectiveMismatchError(
+            f"`{kind}` cannot run while rank(s) {joined} are inside hvd.join(): only "
+            f"allreduce (and grouped_allreduce, the optimizers' reductions) goes on with "
+            f"joined ranks. Call `{kind}` before hvd.join() on every rank."
+        )
+
+
+def _serve_joined_round(comm: Any) -> int:
+    """A joined rank's side of one collective of the active ranks: contribute the identity of
+    the op to each of its reductions. Returns 1 if a reduction was served."""
+    active = [e for e in comm.allgather(None) if e is not None]
+    if len({e[0] for e in active}) != 1 or active[0][2] is None:
+        return 0  # the active ranks raise
+    for dtype_str, count, op in active[0][2]:
+        rop, mop = mpi_op(op)
+        buf = _identity(np.dtype(dtype_str), rop, count)
+        comm.Allreduce(_in_place(), buf, mop)
+    return 1
+
+
+def _identity(dtype: np.dtype, op: ReduceOp, count: int) -> np.ndarray:
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        return np.zeros(count, dtype)
+    if op == ReduceOp.PRODUCT:
+        return np.ones(count, dtype)
+    info = np.finfo(dtype) if dtype.kind in "fc" else np.iinfo(dtype)
+    if dtype.kind == "f":
+        return np.full(count, np.inf if op == ReduceOp.MIN else -np.inf, dtype)
+    return np.full(count, info.max if op == ReduceOp.MIN else info.min, dtype)
+
+
+def _serve_until_all_joined(comm: Any) -> int:
+    """Take part in the active ranks' collectives on ``comm`` until every rank has joined;
+    returns how many reductions this rank served."""
+    served = 0
+    pair = np.empty(2, dtype=np.int64)
+    max_op = _mpi_ops()[ReduceOp.MAX]
+    while True:
+        pair[:] = (_ABSENT, 1)
+        comm.Allreduce(_in_place(), pair, max_op)
+        if pair[0] == _ABSENT:  # no rank is active any more
+            return served
+        served += _serve_joined_round(comm)
+
+
+def join(device: int = -1) -> int:
+    """Declare that this rank has no more data; returns the rank that joined last (the same
+    on every rank).
+
+    Until every rank has joined, a joined rank takes part in the other ranks' allreduces
+    (synchronous, ``*_async`` and optimizer reductions) with the op's identity (zeros for
+    ``Sum``/``Average``, so an average is over all ranks); their other collectives raise
+    ``CollectiveMismatchError`` on every rank. Collectives on process sets are not served.
+    ``device`` is accepted for Horovod compatibility.
+
+    With ``FLYTE_HVD_CHECK_COLLECTIVES=0`` there is no agreement step to serve from: every
+    rank must then call ``join()`` with no collectives in between.
+    """
+    comm = state.comm()
+    size = comm.Get_size()
+    start = _begin()
+    entered = time.time_ns()
+    served = 0
+    if size > 1 and state.checks_collectives():
+        # Blocking and nonblocking collectives do not match in MPI, so each communicator is
+        # served with blocking calls from its own thread: the background thread serves the
+        # others' background collectives (after finishing this rank's own), this one the rest.
+        handle = background.submit(_serve_until_all_joined, state.async_comm())
+        served = _serve_until_all_joined(comm) + background.synchronize(handle)
+    everyone = np.empty((size, 2), dtype=np.int64)
+    comm.Allgather(np.array([served, entered], dtype=np.int64), everyone)
+    _end("join", None, everyone.nbytes, start)
+    # The last rank to join served nothing; among ranks that served equally, the latest.
+    fewest = everyone[:, 0].min()
+    candidates = [r for r in range(size) if everyone[r, 0] == fewest]
+    return int(max(candidates, key=lambda r: everyone[r, 1]))
+
+
+# -- helpers ---------------------------------------------------------------------------------
 
 
 def _begin() -> int:
@@ -175,33 +339,76 @@ def _end(kind: str, name: str | None, nbytes: int, start_ns: int) -> None:
         tl.record(kind, name, nbytes, start_ns)
 
 
-def _scale(array: np.ndarray, factor: float, what: str) -> np.ndarray:
-    if factor == 1.0:
-        return array
-    _check_floating(array, factor, what)
+def _scaled(array: np.ndarray, factor: float) -> np.ndarray:
+    """``array * factor`` in ``array``'s dtype: float16 is scaled in float32 and integers in
+    float64 (then truncated toward zero), as Horovod does on the CPU."""
+    if array.dtype.kind in "iu" or array.dtype == np.float16:
+        math_dtype = np.float64 if array.dtype.kind in "iu" else np.float32
+        return (array.astype(math_dtype) * math_dtype(factor)).astype(array.dtype)
     return array * np.asarray(factor, dtype=array.dtype)
 
 
-def _scale_in_place(array: np.ndarray, factor: float, what: str) -> None:
-    if factor != 1.0:
-        _check_floating(array, factor, what)
+def _scale(array: np.ndarray, factor: float) -> np.ndarray:
+    return array if factor == 1.0 else _scaled(array, factor)
+
+
+def scale_in_place(array: np.ndarray, factor: float) -> None:
+    """Multiply ``array`` by ``factor`` in place (dtype rules of ``_scaled``)."""
+    if factor == 1.0:
+        return
+    if array.dtype.kind in "fc" and array.dtype != np.float16:
         array *= np.asarray(factor, dtype=array.dtype)
+    else:
+        array[...] = _scaled(array, factor)
 
 
-def _check_floating(array: np.ndarray, factor: float, what: str) -> None:
-    if array.dtype.kind not in "fc":
-        raise ValueError(
-            f"`{what}`={factor} applies only to floating arrays; found dtype {array.dtype}."
-        )
-
-
-def _finish_average(buf: np.ndarray, size: int, op: ReduceOp) -> None:
+def finish_average(buf: np.ndarray, size: int, op: ReduceOp) -> None:
+    """Divide a summed ``buf`` by ``size`` if ``op`` is Average (integers round toward zero,
+    as Horovod's do)."""
     if op is not ReduceOp.AVERAGE or size == 1:
         return
     if buf.dtype.kind in "fc":
         buf /= size
     else:
-        buf //= size  # integer average rounds down, as integer division does
+        buf -= np.fmod(buf, size)
+        buf //= size
+
+
+def average_as_sum(op: ReduceOp, gradient_predivide_factor: float, size: int, floating: bool):
+    """``(op, prescale, postscale)`` for a reduction, folding ``Average`` into the scale
+    factors for floating data so no extra pass divides the result.
+
+    Horovod's ``gradient_predivide_factor`` f divides by f before the sum and by size/f after.
+    """
+    if op is not ReduceOp.AVERAGE or not floating:
+        return op, 1.0, 1.0
+    f = gradient_predivide_factor
+    if f == 1.0:
+        return ReduceOp.SUM, 1.0 / size, 1.0
+    return ReduceOp.SUM, 1.0 / f, f / size
+
+
+def _in_place():
+    from mpi4py import MPI
+
+    return MPI.IN_PLACE
+
+
+def _mpi_type(dtype: np.dtype):
+    from mpi4py import MPI
+
+    return MPI._typedict[dtype.char]
+
+
+def _displacements(counts: np.ndarray) -> np.ndarray:
+    return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+
+
+def _submit(process_set: ProcessSet, name: str | None, fn: Callable[[Any], Any]):
+    return background.submit(fn, async_comm_of(process_set), name)
+
+
+# -- allreduce -------------------------------------------------------------------------------
 
 
 def allreduce(
@@ -211,36 +418,53 @@ def allreduce(
     compression: type[Compressor] = Compression.none,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> np.ndarray:
     """Reduce ``array`` across ranks; every rank gets the result as a new array.
 
-    ``Average`` on integer arrays rounds down. ``prescale_factor``/``postscale_factor`` multiply
-    the input before and the result after the reduction (floating arrays only).
+    ``Average`` on integer arrays rounds toward zero. ``prescale_factor``/``postscale_factor``
+    multiply the input before and the result after the reduction (integers in float64,
+    truncated back).
     """
-    comm = state.comm()
+    return allreduce_on(
+        comm_of(process_set), array, op, name, compression, prescale_factor, postscale_factor
+    )
+
+
+def allreduce_on(
+    comm: Any,
+    array: Any,
+    op: ReduceOp = Average,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> np.ndarray:
+    """``allreduce`` on the given communicator (what the process-set and async forms run)."""
     arr = _as_array(array, "allreduce")
-    op, mpi_op = _mpi_op(op)
-    _check_same(
+    op, mop = mpi_op(op)
+    wire, ctx = compression.compress(arr)
+    check_same(
         comm,
         (1, op, arr.dtype.num, arr.shape, _compression_id(compression)),
         lambda: (
             f"allreduce(op={op.name}, dtype={arr.dtype}, shape={arr.shape}, "
             f"compression={compression.__name__})"
         ),
+        (op, wire),
     )
-    wire, ctx = compression.compress(arr)
-    wire = np.asarray(_scale(wire, prescale_factor, "prescale_factor"), order="C")
+    wire = np.asarray(_scale(wire, prescale_factor), order="C")
     out = pool.empty(wire.shape, wire.dtype)
     start = _begin()
     if out.nbytes >= _IN_PLACE_BYTES:
         # Copy, then reduce in place: measured faster than MPICH's out-of-place path.
         np.copyto(out, wire)
-        comm.Allreduce(_in_place(), out, mpi_op)
+        comm.Allreduce(_in_place(), out, mop)
     else:
-        comm.Allreduce(wire, out, mpi_op)
+        comm.Allreduce(wire, out, mop)
     _end("allreduce", name, out.nbytes, start)
-    _finish_average(out, comm.Get_size(), op)
-    _scale_in_place(out, postscale_factor, "postscale_factor")
+    finish_average(out, comm.Get_size(), op)
+    scale_in_place(out, postscale_factor)
     return compression.decompress(out, ctx)
 
 
@@ -251,6 +475,7 @@ def grouped_allreduce(
     compression: type[Compressor] = Compression.none,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> list[np.ndarray]:
     """Reduce many arrays with as few reductions as the fusion threshold allows.
 
@@ -258,39 +483,56 @@ def grouped_allreduce(
     ``HOROVOD_FUSION_THRESHOLD`` bytes (an array larger than that travels alone), each buffer
     is reduced in place with one MPI call, and the results are views into those buffers.
     """
-    comm = state.comm()
+    return grouped_allreduce_on(
+        comm_of(process_set), arrays, op, name, compression, prescale_factor, postscale_factor
+    )
+
+
+def grouped_allreduce_on(
+    comm: Any,
+    arrays: Sequence[Any],
+    op: ReduceOp = Average,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[np.ndarray]:
+    """``grouped_allreduce`` on the given communicator."""
     arrs = [_as_array(a, "grouped_allreduce") for a in arrays]
-    op, mpi_op = _mpi_op(op)
-    _check_same(
+    op, mop = mpi_op(op)
+    compressed = [compression.compress(a) for a in arrs]
+    wires = [c[0] for c in compressed]
+    buckets = fusion_buckets([(w.dtype, w.nbytes) for w in wires], fusion_threshold())
+    layouts = [
+        (members, *packed_offsets([wires[i].size for i in members], wires[members[0]].itemsize))
+        for members in buckets
+    ]
+
+    def spec() -> ReductionSpec:
+        return [(wires[m[0]].dtype.str, total, int(op)) for m, _, total in layouts]
+
+    check_same(
         comm,
         (2, op, _compression_id(compression), tuple((a.dtype.num, a.shape) for a in arrs)),
         lambda: (
             f"grouped_allreduce(op={op.name}, compression={compression.__name__}, "
             f"arrays={[(str(a.dtype), a.shape) for a in arrs]})"
         ),
+        spec,
     )
-    compressed = [compression.compress(a) for a in arrs]
     results: list[np.ndarray | None] = [None] * len(arrs)
-    for members in _fusion_groups([c[0] for c in compressed], fusion_threshold()):
-        dtype = compressed[members[0]][0].dtype
-        # Each array starts on a 64-byte boundary, so TensorFlow can adopt its result
-        # without a copy.
-        step = max(1, ALIGNMENT // dtype.itemsize)
-        offsets, total = [], 0
-        for i in members:
-            offsets.append(total)
-            total += -(-compressed[i][0].size // step) * step
-        buf = pool.empty((total,), dtype)
-        for i, offset in zip(members, offsets, strict=True):
-            part = compressed[i][0]
+    for members, offsets, total in layouts:
+        buf = pool.empty((total,), wires[members[0]].dtype)
+        for i, offset, end in zip(members, offsets, [*offsets[1:], total], strict=True):
+            part = wires[i]
             buf[offset : offset + part.size] = part.reshape(-1)
-            buf[offset + part.size : offset + -(-part.size // step) * step] = 0
-        _scale_in_place(buf, prescale_factor, "prescale_factor")
+            buf[offset + part.size : end] = 0
+        scale_in_place(buf, prescale_factor)
         start = _begin()
-        comm.Allreduce(_in_place(), buf, mpi_op)
+        comm.Allreduce(_in_place(), buf, mop)
         _end("grouped_allreduce", name, buf.nbytes, start)
-        _finish_average(buf, comm.Get_size(), op)
-        _scale_in_place(buf, postscale_factor, "postscale_factor")
+        finish_average(buf, comm.Get_size(), op)
+        scale_in_place(buf, postscale_factor)
         for i, offset in zip(members, offsets, strict=True):
             part, ctx = compressed[i]
             view = buf[offset : offset + part.size].reshape(part.shape)
@@ -298,58 +540,96 @@ def grouped_allreduce(
     return results  # type: ignore[return-value]
 
 
-def _in_place():
-    from mpi4py import MPI
+def reduce_in_place(
+    comm: Any,
+    flat: np.ndarray,
+    op: ReduceOp,
+    compression: type[Compressor],
+    postscale_factor: float,
+    name: str | None,
+    describe: Callable[[], str],
+) -> None:
+    """Reduce the 1-D ``flat`` across the ranks of ``comm`` in place, with one MPI call: the
+    primitive under the optimizers' gradient buckets and ``allreduce_async_``.
 
-    return MPI.IN_PLACE
+    Any prescaling has already been applied by the caller (folded into the copy that filled
+    ``flat``). The ranks first agree on (op, dtype, length, compression); ``describe`` renders
+    this rank's call for the error raised on a mismatch.
+    """
+    op, mop = mpi_op(op)
+    wire, ctx = compression.compress(flat)
+    wire = np.ascontiguousarray(wire)
+    check_same(
+        comm,
+        (8, op, flat.dtype.num, flat.shape, _compression_id(compression)),
+        describe,
+        (op, wire),
+    )
+    start = _begin()
+    comm.Allreduce(_in_place(), wire, mop)
+    _end("allreduce", name, wire.nbytes, start)
+    finish_average(wire, comm.Get_size(), op)
+    scale_in_place(wire, postscale_factor)
+    if wire is not flat:
+        flat[...] = compression.decompress(wire, ctx)
 
 
-def _fusion_groups(arrays: list[np.ndarray], threshold: int) -> list[list[int]]:
-    """Indices of ``arrays`` grouped into fusion buffers: same dtype, at most ``threshold``
-    bytes each, order kept within a dtype."""
-    groups: list[list[int]] = []
-    open_group: dict[np.dtype, tuple[list[int], int]] = {}
-    for i, a in enumerate(arrays):
-        members, used = open_group.get(a.dtype, ([], 0))
-        if members and used + a.nbytes > threshold:
-            groups.append(members)
-            members, used = [], 0
-        members.append(i)
-        open_group[a.dtype] = (members, used + a.nbytes)
-    groups.extend(members for members, _ in open_group.values() if members)
-    return groups
+# -- allgather, broadcast, alltoall, reducescatter ----------------------------------------------
 
 
-def allgather(array: Any, name: str | None = None) -> np.ndarray:
+def allgather(
+    array: Any, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> np.ndarray:
     """Concatenate every rank's array along the first dimension, in rank order.
 
     The first dimension may differ between ranks (ragged); the others and the dtype may not.
+    A 0-dim array counts as one row.
     """
-    comm = state.comm()
+    return allgather_on(comm_of(process_set), array, name)
+
+
+def allgather_on(comm: Any, array: Any, name: str | None = None) -> np.ndarray:
+    """``allgather`` on the given communicator."""
     arr = np.asarray(_as_array(array, "allgather"), order="C")
     if arr.ndim == 0:
         arr = arr.reshape(1)
-    fp = _fingerprint((3, arr.dtype.num, arr.shape[1:]))
+    check_same(
+        comm,
+        (3, arr.dtype.num, arr.shape[1:]),
+        lambda: f"allgather(dtype={arr.dtype}, shape=(*, {arr.shape[1:]}))",
+    )
     size = comm.Get_size()
-    meta = np.empty((size, 2), dtype=np.int64)
-    comm.Allgather(np.array([fp, arr.shape[0]], dtype=np.int64), meta)
-    if not (meta[:, 0] == fp).all():
-        _raise_mismatch(comm, f"allgather(dtype={arr.dtype}, shape=(*, {arr.shape[1:]}))")
-    rows = meta[:, 1]
+    rows = np.empty(size, dtype=np.int64)
+    comm.Allgather(np.array([arr.shape[0]], dtype=np.int64), rows)
     row_items = int(np.prod(arr.shape[1:], dtype=np.int64))
     out = pool.empty((int(rows.sum()), *arr.shape[1:]), arr.dtype)
     counts = rows * row_items
-    displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
     start = _begin()
-    comm.Allgatherv(arr, [out, counts, displs, _mpi_type(arr.dtype)])
+    comm.Allgatherv(arr, [out, counts, _displacements(counts), _mpi_type(arr.dtype)])
     _end("allgather", name, out.nbytes, start)
     return out
 
 
-def _mpi_type(dtype: np.dtype):
-    from mpi4py import MPI
+def grouped_allgather(
+    arrays: Sequence[Any], name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[np.ndarray]:
+    """``allgather`` of each array, in order."""
+    comm = comm_of(process_set)
+    return [allgather_on(comm, a, name) for a in arrays]
 
-    return MPI._typedict[dtype.char]
+
+def broadcast(
+    array: Any,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> np.ndarray:
+    """Every rank gets ``root_rank``'s array (same shape and dtype on every rank).
+
+    ``root_rank`` is a global rank, also with a ``process_set``.
+    """
+    root = translate_root(process_set, _check_root(root_rank, "broadcast"))
+    return broadcast_on(comm_of(process_set), array, root, name)
 
 
 def _check_root(root_rank: Any, what: str) -> int:
@@ -362,12 +642,10 @@ def _check_root(root_rank: Any, what: str) -> int:
     return int(root_rank)
 
 
-def broadcast(array: Any, root_rank: int, name: str | None = None) -> np.ndarray:
-    """Every rank gets ``root_rank``'s array (same shape and dtype on every rank)."""
-    comm = state.comm()
-    root = _check_root(root_rank, "broadcast")
+def broadcast_on(comm: Any, array: Any, root: int, name: str | None = None) -> np.ndarray:
+    """``broadcast`` on the given communicator (``root`` is a rank of ``comm``)."""
     arr = _as_array(array, "broadcast")
-    _check_same(
+    check_same(
         comm,
         (4, arr.dtype.num, arr.shape, root),
         lambda: f"broadcast(dtype={arr.dtype}, shape={arr.shape}, root_rank={root})",
@@ -381,17 +659,7 @@ def broadcast(array: Any, root_rank: int, name: str | None = None) -> np.ndarray
     return out
 
 
-def alltoall(
-    array: Any, splits: Sequence[int] | None = None, name: str | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Send ``splits[i]`` rows (first dimension) of ``array`` to rank ``i``.
-
-    Without ``splits`` the first dimension is divided evenly. Returns the rows received from
-    every rank, concatenated in rank order, and how many rows came from each rank.
-    """
-    comm = state.comm()
-    size = comm.Get_size()
-    arr = np.asarray(_as_array(array, "alltoall"), order="C")
+def _send_rows(arr: np.ndarray, splits: Any, size: int) -> np.ndarray:
     if arr.ndim == 0:
         raise ValueError("`alltoall` needs an array with at least one dimension; found a scalar.")
     if splits is None:
@@ -400,15 +668,44 @@ def alltoall(
                 f"`alltoall` without `splits` divides the first dimension evenly, but "
                 f"{arr.shape[0]} rows do not divide by size {size}; pass `splits`."
             )
-        send_rows = np.full(size, arr.shape[0] // size, dtype=np.int64)
-    else:
-        send_rows = np.asarray(splits, dtype=np.int64).reshape(-1)
-        if send_rows.size != size or (send_rows < 0).any() or send_rows.sum() != arr.shape[0]:
-            raise ValueError(
-                f"`alltoall` splits={list(splits)}: expected {size} non-negative ints summing "
-                f"to the first dimension ({arr.shape[0]})."
-            )
-    _check_same(
+        return np.full(size, arr.shape[0] // size, dtype=np.int64)
+    raw = np.asarray(splits).reshape(-1)
+    if raw.dtype.kind not in "iu":
+        raise ValueError(
+            f"`alltoall` splits must be integers (rows per rank); found dtype {raw.dtype}: "
+            f"{raw.tolist()}."
+        )
+    send_rows = raw.astype(np.int64)
+    if send_rows.size != size or (send_rows < 0).any() or send_rows.sum() != arr.shape[0]:
+        raise ValueError(
+            f"`alltoall` splits={send_rows.tolist()}: expected {size} non-negative ints summing "
+            f"to the first dimension ({arr.shape[0]})."
+        )
+    return send_rows
+
+
+def alltoall(
+    array: Any,
+    splits: Sequence[int] | None = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Send ``splits[i]`` rows (first dimension) of ``array`` to rank ``i`` of the set.
+
+    Without ``splits`` the first dimension is divided evenly. Returns the rows received from
+    every rank, concatenated in rank order, and how many rows came from each rank.
+    """
+    return alltoall_on(comm_of(process_set), array, splits, name)
+
+
+def alltoall_on(
+    comm: Any, array: Any, splits: Sequence[int] | None = None, name: str | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``alltoall`` on the given communicator."""
+    size = comm.Get_size()
+    arr = np.asarray(_as_array(array, "alltoall"), order="C")
+    send_rows = _send_rows(arr, splits, size)
+    check_same(
         comm,
         (5, arr.dtype.num, arr.shape[1:]),
         lambda: f"alltoall(dtype={arr.dtype}, shape=(*, {arr.shape[1:]}))",
@@ -428,69 +725,97 @@ def alltoall(
     return out, recv_rows
 
 
-def _displacements(counts: np.ndarray) -> np.ndarray:
-    return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-
-
-def reducescatter(array: Any, op: ReduceOp = Average, name: str | None = None) -> np.ndarray:
+def reducescatter(
+    array: Any,
+    op: ReduceOp = Average,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> np.ndarray:
     """Reduce across ranks, then give rank ``i`` its slice of the first dimension.
 
     Rows are divided as evenly as possible; the first ``rows % size`` ranks get one more.
     """
-    comm = state.comm()
+    return reducescatter_on(
+        comm_of(process_set), array, op, name, prescale_factor, postscale_factor
+    )
+
+
+def reducescatter_on(
+    comm: Any,
+    array: Any,
+    op: ReduceOp = Average,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> np.ndarray:
+    """``reducescatter`` on the given communicator."""
     size, rank = comm.Get_size(), comm.Get_rank()
     arr = np.asarray(_as_array(array, "reducescatter"), order="C")
-    op, mpi_op = _mpi_op(op)
+    op, mop = mpi_op(op)
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(f"`reducescatter` supports hvd.Average and hvd.Sum; found {op.name}.")
     if arr.ndim == 0:
         raise ValueError("`reducescatter` needs at least one dimension; found a scalar.")
-    _check_same(
+    check_same(
         comm,
         (6, op, arr.dtype.num, arr.shape),
         lambda: f"reducescatter(op={op.name}, dtype={arr.dtype}, shape={arr.shape})",
     )
+    arr = np.ascontiguousarray(_scale(arr, prescale_factor))
     base, extra = divmod(arr.shape[0], size)
     rows = np.array([base + (1 if r < extra else 0) for r in range(size)], dtype=np.int64)
     row_items = int(np.prod(arr.shape[1:], dtype=np.int64))
     out = np.empty((int(rows[rank]), *arr.shape[1:]), dtype=arr.dtype)
     start = _begin()
-    comm.Reduce_scatter(arr, out, recvcounts=(rows * row_items).tolist(), op=mpi_op)
+    comm.Reduce_scatter(arr, out, recvcounts=(rows * row_items).tolist(), op=mop)
     _end("reducescatter", name, out.nbytes, start)
-    _finish_average(out, size, op)
+    finish_average(out, size, op)
+    scale_in_place(out, postscale_factor)
     return out
 
 
-def barrier() -> None:
-    """Block until every rank reaches this call."""
-    comm = state.comm()
-    _check_same(comm, (8,), lambda: "barrier()")
+def grouped_reducescatter(
+    arrays: Sequence[Any],
+    op: ReduceOp = Average,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[np.ndarray]:
+    """``reducescatter`` of each array, in order (every array checked before any is sent)."""
+    arrs = [np.asarray(_as_array(a, "grouped_reducescatter")) for a in arrays]
+    if any(a.ndim == 0 for a in arrs):
+        raise ValueError(
+            "`grouped_reducescatter` needs arrays with at least one dimension; found a scalar."
+        )
+    comm = comm_of(process_set)
+    return [reducescatter_on(comm, a, op, name, prescale_factor, postscale_factor) for a in arrs]
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank (of ``process_set``) reaches this call."""
+    comm = comm_of(process_set)
+    check_same(comm, (8,), lambda: "barrier()")
     start = _begin()
     comm.Barrier()
     _end("barrier", None, 0, start)
 
 
-def join() -> int:
-    """Wait for every rank to reach ``join()``; return the rank that arrived last.
-
-    Arrival is each rank's wall clock when it entered. Ranks here always run the same number
-    of steps (the data loaders equalize shards), so unlike Horovod a joined rank does not
-    stand in for collectives of the others.
-    """
-    comm = state.comm()
-    arrived = np.array([time.time_ns()], dtype=np.int64)
-    everyone = np.empty(comm.Get_size(), dtype=np.int64)
-    start = _begin()
-    comm.Allgather(arrived, everyone)
-    _end("join", None, everyone.nbytes, start)
-    return int(np.argmax(everyone))
+# -- objects -------------------------------------------------------------------------------------
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+def broadcast_object(
+    obj: Any,
+    root_rank: int = 0,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
     """Every rank gets ``root_rank``'s object (cloudpickled, so lambdas travel too)."""
-    comm = state.comm()
-    root = _check_root(root_rank, "broadcast_object")
-    _check_same(comm, (7, root), lambda: f"broadcast_object(root_rank={root})")
+    root = translate_root(process_set, _check_root(root_rank, "broadcast_object"))
+    comm = comm_of(process_set)
+    check_same(comm, (7, root), lambda: f"broadcast_object(root_rank={root_rank})")
     payload = cloudpickle.dumps(obj) if comm.Get_rank() == root else b""
     length = np.array([len(payload)], dtype=np.int64)
     comm.Bcast(length, root=root)
@@ -501,9 +826,11 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
     return obj if comm.Get_rank() == root else cloudpickle.loads(bytes(buf))
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+def allgather_object(
+    obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[Any]:
     """Every rank's object, in rank order (cloudpickled)."""
-    comm = state.comm()
+    comm = comm_of(process_set)
     payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8)
     size = comm.Get_size()
     lengths = np.empty(size, dtype=np.int64)
@@ -516,3 +843,129 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     return [
         cloudpickle.loads(out[o : o + n].tobytes()) for o, n in zip(offsets, lengths, strict=True)
     ]
+
+
+# -- async ---------------------------------------------------------------------------------------
+
+
+def _copy(array: Any, what: str) -> np.ndarray:
+    return np.array(_as_array(array, what), copy=True, order="C")
+
+
+def allreduce_async(
+    array: Any,
+    op: ReduceOp = Average,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> background.Handle:
+    """``allreduce`` on the background thread: returns a handle; ``synchronize(handle)``
+    gives the result. The input is copied first, so it may change meanwhile."""
+    arr = _copy(array, "allreduce_async")
+    mpi_op(op)
+    return _submit(
+        process_set, name,
+        lambda c: allreduce_on(c, arr, op, name, compression, prescale_factor, postscale_factor),
+    )  # fmt: skip
+
+
+def grouped_allreduce_async(
+    arrays: Sequence[Any],
+    op: ReduceOp = Average,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> background.Handle:
+    """``grouped_allreduce`` on the background thread (see ``allreduce_async``)."""
+    arrs = [_copy(a, "grouped_allreduce_async") for a in arrays]
+    mpi_op(op)
+    return _submit(
+        process_set, name,
+        lambda c: grouped_allreduce_on(
+            c, arrs, op, name, compression, prescale_factor, postscale_factor
+        ),
+    )  # fmt: skip
+
+
+def allgather_async(
+    array: Any, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> background.Handle:
+    """``allgather`` on the background thread (see ``allreduce_async``)."""
+    arr = _copy(array, "allgather_async")
+    return _submit(process_set, name, lambda c: allgather_on(c, arr, name))
+
+
+def grouped_allgather_async(
+    arrays: Sequence[Any], name: str | None = None, process_set: ProcessSet = global_process_set
+) -> background.Handle:
+    """``grouped_allgather`` on the background thread (see ``allreduce_async``)."""
+    arrs = [_copy(a, "grouped_allgather_async") for a in arrays]
+    return _submit(process_set, name, lambda c: [allgather_on(c, a, name) for a in arrs])
+
+
+def broadcast_async(
+    array: Any,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> background.Handle:
+    """``broadcast`` on the background thread (see ``allreduce_async``)."""
+    arr = _copy(array, "broadcast_async")
+    root = translate_root(process_set, _check_root(root_rank, "broadcast_async"))
+    return _submit(process_set, name, lambda c: broadcast_on(c, arr, root, name))
+
+
+def alltoall_async(
+    array: Any,
+    splits: Sequence[int] | None = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> background.Handle:
+    """``alltoall`` on the background thread (see ``allreduce_async``)."""
+    arr = _copy(array, "alltoall_async")
+    _send_rows(arr, splits, process_set.size())  # bad splits fail here, not on the thread
+    return _submit(process_set, name, lambda c: alltoall_on(c, arr, splits, name))
+
+
+def reducescatter_async(
+    array: Any,
+    op: ReduceOp = Average,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> background.Handle:
+    """``reducescatter`` on the background thread (see ``allreduce_async``)."""
+    arr = _copy(array, "reducescatter_async")
+    mpi_op(op)
+    return _submit(
+        process_set, name,
+        lambda c: reducescatter_on(c, arr, op, name, prescale_factor, postscale_factor),
+    )  # fmt: skip
+
+
+def grouped_reducescatter_async(
+    arrays: Sequence[Any],
+    op: ReduceOp = Average,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> background.Handle:
+    """``grouped_reducescatter`` on the background thread (see ``allreduce_async``)."""
+    arrs = [_copy(a, "grouped_reducescatter_async") for a in arrays]
+    mpi_op(op)
+    return _submit(
+        process_set, name,
+        lambda c: [
+            reducescatter_on(c, a, op, name, prescale_factor, postscale_factor) for a in arrs
+        ],
+    )  # fmt: skip
+
+
+synchronize = background.synchronize
+poll = background.poll

@@ -53,5 +53,16 @@ class RendezvousTimeoutError(TimeoutError):
         return (type(self), self.args)
 
 
-class CollectiveMismatchError(ValueError):
-    """Ranks called a collective with different shapes, dtypes or arguments."""
+class HorovodInternalError(RuntimeError):
+    """A collective could not complete on this rank (an earlier one failed, the communicator
+    was shut down while it was in flight): Horovod's name, so ``except hvd.HorovodInternalError``
+    in elastic-style retry loops works unchanged."""
+
+
+class CollectiveMismatchError(RuntimeError, ValueError):
+    """Ranks called a collective with different shapes, dtypes or arguments, or one that cannot
+    run while some ranks have joined (``hvd.join()``).
+
+    A ``RuntimeError``, as Horovod raises for these; also a ``ValueError``, as earlier releases
+    of flyte-hvd raised, so existing ``except ValueError`` handlers keep working.
+    """

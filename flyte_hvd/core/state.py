@@ -62,6 +62,7 @@ def host_name() -> str:
 
 class _State:
     comm: Any = None
+    async_comm: Any = None  # the background thread's duplicate (``*_async``, optimizers)
     topology: Topology | None = None
     owns_comm: bool = False
     launcher_comm: Any = None
@@ -93,6 +94,9 @@ def init(comm: Any = None) -> None:
     own = comm.Dup()
     hosts = own.allgather(host_name())
     _state.comm = own
+    # Made here, while every rank is in init(): a rank that has joined must be able to serve
+    # the others' background collectives on it (see ``collectives.join``).
+    _state.async_comm = own.Dup()
     _state.owns_comm = True
     _state.topology = Topology.from_hosts(hosts, own.Get_rank())
     # Read once here: an environment lookup per call costs a tenth of a small reduction.
@@ -104,7 +108,13 @@ def shutdown() -> None:
     """Release the communicator; ``init()`` may be called again afterwards."""
     if _state.comm is None:
         return
+    from flyte_hvd.core import background, process_sets
+
     timeline.stop(_state.comm)
+    background.stop()
+    process_sets.release_all()
+    _state.async_comm.Free()
+    _state.async_comm = None
     if _state.owns_comm:
         _state.comm.Free()
     _state.comm = None
@@ -136,6 +146,12 @@ def comm() -> Any:
             "before using rank(), size() or any collective."
         )
     return _state.comm
+
+
+def async_comm() -> Any:
+    """The communicator of the background thread (a duplicate of ``comm()``)."""
+    comm()
+    return _state.async_comm
 
 
 def _topology() -> Topology:

@@ -62,7 +62,8 @@ def start(file_path: str, rank: int) -> None:
 def start_from_env(rank: int) -> None:
     global _active
     path = os.environ.get(TIMELINE_ENV)
-    if path and _active is None:
+    # "DYNAMIC" is Horovod's "no file yet: start_timeline() will be called" setting.
+    if path and path != "DYNAMIC" and _active is None:
         _active = Timeline(path, rank)
 
 

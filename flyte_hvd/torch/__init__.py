@@ -1,9 +1,10 @@
 """Horovod's PyTorch API on the collective core: ``import flyte_hvd.torch as hvd``.
 
-Re-exports the core (``init``, ``rank``, ``size``, ...) with tensor-aware collectives in place
-of the numpy ones, and adds ``DistributedOptimizer``, ``broadcast_parameters``,
-``broadcast_optimizer_state``, the ``*_async`` ops with ``synchronize``/``poll``, and (with
-Lightning installed) ``HorovodStrategy``.
+Re-exports the core (``init``, ``rank``, ``size``, process sets, ``join``, the build queries,
+...) with tensor-aware collectives in place of the numpy ones (autograd flows through them),
+and adds ``DistributedOptimizer``, ``broadcast_parameters``, ``broadcast_optimizer_state``,
+``SyncBatchNorm``, the ``*_async`` ops with ``synchronize``/``poll``, and (with Lightning
+installed) ``HorovodStrategy``.
 """
 
 try:
@@ -18,43 +19,67 @@ from flyte_hvd.core import *  # noqa: F403 - Horovod's API is one namespace
 from flyte_hvd.core import __all__ as _core_all
 from flyte_hvd.torch.functions import (
     allgather,
+    allgather_async,
     allreduce,
     allreduce_,
     allreduce_async,
     allreduce_async_,
     alltoall,
+    alltoall_async,
     broadcast,
     broadcast_,
+    broadcast_async,
+    broadcast_async_,
     broadcast_optimizer_state,
     broadcast_parameters,
+    grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
     poll,
     reducescatter,
-    shutdown,
+    reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from flyte_hvd.torch.optimizer import DistributedOptimizer
+from flyte_hvd.torch.sync_batch_norm import SyncBatchNorm
 
 # The tensor-aware collectives replace the core's numpy ones of the same names.
 __all__ = [
     *_core_all,
     "DistributedOptimizer",
+    "SyncBatchNorm",
     "allgather",
+    "allgather_async",
     "allreduce",
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
     "alltoall",
+    "alltoall_async",
     "broadcast",
     "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "poll",
     "reducescatter",
-    "shutdown",
+    "reducescatter_async",
+    "sparse_allreduce_async",
     "synchronize",
 ]
 

@@ -25,11 +25,10 @@ from typing import Any
 
 import torch
 
-from flyte_hvd.core import collectives, state
-from flyte_hvd.core.buffers import ALIGNMENT
+from flyte_hvd.core import background, collectives, state
 from flyte_hvd.core.collectives import Average, ReduceOp
 from flyte_hvd.core.compression import Compression, Compressor
-from flyte_hvd.torch import background
+from flyte_hvd.core.process_sets import ProcessSet, async_comm_of, global_process_set
 
 
 @dataclass(frozen=True)
@@ -38,6 +37,8 @@ class _Settings:
     backward_passes_per_step: int
     op: ReduceOp
     gradient_predivide_factor: float
+    sparse_as_dense: bool
+    process_set: ProcessSet
 
 
 def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -46,6 +47,8 @@ def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.is_sparse or b.is_sparse:
+        return False
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
 
@@ -57,11 +60,8 @@ class _Bucket:
         self.params = params
         self.names = names
         dtype = _wire_dtype(params[0].dtype)
-        step = max(1, ALIGNMENT // torch.empty((), dtype=dtype).element_size())
-        offsets, total = [], 0
-        for p in params:
-            offsets.append(total)
-            total += -(-p.numel() // step) * step
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        offsets, total = collectives.packed_offsets([p.numel() for p in params], itemsize)
         self.buffer = torch.zeros(total, dtype=dtype)
         self.array = self.buffer.numpy()
         self.views = [
@@ -84,7 +84,8 @@ class _Reducer:
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], settings: _Settings):
         self.settings = settings
-        self.size = state.size()
+        ps = settings.process_set
+        self.size = ps.size() if ps.included() else 1
         self.names = {p: n for n, p in named}
         self.buckets = _layout(named, collectives.fusion_threshold())
         self.where = {p: b for b in self.buckets for p in b.params}
@@ -93,7 +94,8 @@ class _Reducer:
         self.fired = False  # a gradient arrived since the last synchronize
         self.synchronized = False  # synchronize() ran since the last step()
         self.should_synchronize = True
-        self.engine = background.engine() if self.size > 1 else None
+        # Ranks outside the process set (and lone ranks) step on their own gradients.
+        self.comm = async_comm_of(ps) if self.size > 1 else None
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
 
     def remove_hooks(self) -> None:
@@ -120,7 +122,7 @@ class _Reducer:
             )
         self.delay[p] = left
         self.fired = True
-        if left == 0 and self.engine is not None:
+        if left == 0 and self.comm is not None:
             bucket = self.where[p]
             bucket.pending -= 1
             if bucket.pending == 0:
@@ -134,7 +136,7 @@ class _Reducer:
     def _submit(self, bucket: _Bucket) -> None:
         settings = self.settings
         floating = bucket.buffer.is_floating_point() or bucket.buffer.is_complex()
-        op, pre, post = background.average_as_sum(
+        op, pre, post = collectives.average_as_sum(
             settings.op, settings.gradient_predivide_factor, self.size, floating
         )
         grads = [p.grad for p in bucket.params]
@@ -142,8 +144,8 @@ class _Reducer:
         def run(comm: Any) -> None:
             with torch.no_grad():
                 for grad, view in zip(grads, bucket.views, strict=True):
-                    if grad is None:
-                        view.zero_()
+                    if grad is None or (grad.is_sparse and not settings.sparse_as_dense):
+                        view.zero_()  # sparse ones travel on their own, at synchronize()
                         continue
                     if grad.is_sparse:
                         grad = grad.to_dense()
@@ -154,17 +156,17 @@ class _Reducer:
                         torch.mul(grad.to(view.device), pre, out=view)
                     else:
                         view.copy_(grad)
-            background.reduce_in_place(
+            collectives.reduce_in_place(
                 comm, bucket.array, op, settings.compression, post,
                 f"DistributedOptimizer.bucket{bucket.index}", lambda: bucket.describe(op),
             )  # fmt: skip
 
-        bucket.handle = self.engine.submit(run, f"bucket{bucket.index}")
+        bucket.handle = background.submit(run, self.comm)
 
     # -- at step -------------------------------------------------------------------------------
 
     def synchronize(self) -> None:
-        if self.engine is not None:
+        if self.comm is not None:
             while self.next_submit < len(self.buckets):
                 self._submit(self.buckets[self.next_submit])
                 self.next_submit += 1
@@ -180,9 +182,23 @@ class _Reducer:
                 raise error
             for bucket in self.buckets:
                 for p, view in zip(bucket.params, bucket.views, strict=True):
-                    _adopt(p, view)
+                    if p.grad is not None and p.grad.is_sparse:
+                        self._reduce_sparse(p, view)
+                    else:
+                        _adopt(p, view)
         self._reset()
         self.synchronized = True
+
+    def _reduce_sparse(self, p: torch.Tensor, view: torch.Tensor) -> None:
+        """A sparse gradient stays sparse: with ``sparse_as_dense`` its bucket slice (reduced
+        dense) is made sparse again; otherwise every rank's indices and values are gathered."""
+        if self.settings.sparse_as_dense:
+            p.grad = view.to(device=p.device, dtype=p.dtype).to_sparse()
+            return
+        from flyte_hvd.torch.functions import sparse_allreduce_async
+
+        op = self.settings.op
+        p.grad = sparse_allreduce_async(p.grad, None, op, self.settings.process_set)().coalesce()
 
     def _reset(self) -> None:
         n = self.settings.backward_passes_per_step
@@ -210,20 +226,15 @@ def _adopt(p: torch.Tensor, view: torch.Tensor) -> None:
 def _layout(named: list[tuple[str, torch.Tensor]], threshold: int) -> list[_Bucket]:
     """Buckets in the order backward fills them (reverse registration), one wire dtype each,
     at most ``threshold`` bytes (a larger gradient gets a bucket of its own)."""
-    closed: list[tuple[list, list]] = []
-    open_: dict[torch.dtype, tuple[list, list, int]] = {}
-    for name, p in reversed(named):
+    ordered = list(reversed(named))
+    items = []
+    for _, p in ordered:
         dtype = _wire_dtype(p.dtype)
-        nbytes = p.numel() * torch.empty((), dtype=dtype).element_size()
-        params, names, used = open_.get(dtype, ([], [], 0))
-        if params and used + nbytes > threshold:
-            closed.append((params, names))
-            params, names, used = [], [], 0
-        params.append(p)
-        names.append(name)
-        open_[dtype] = (params, names, used + nbytes)
-    closed.extend((params, names) for params, names, _ in open_.values() if params)
-    return [_Bucket(i, params, names) for i, (params, names) in enumerate(closed)]
+        items.append((dtype, p.numel() * torch.empty((), dtype=dtype).element_size()))
+    return [
+        _Bucket(i, [ordered[k][1] for k in members], [ordered[k][0] for k in members])
+        for i, members in enumerate(collectives.fusion_buckets(items, threshold))
+    ]
 
 
 class _DistributedOptimizer:
@@ -258,10 +269,10 @@ class _DistributedOptimizer:
         if reducer.should_synchronize:
             if reducer.synchronized and not reducer.fired:
                 warnings.warn(
-                    "optimizer.step() was called after optimizer.synchronize() without "
-                    "optimizer.skip_synchronize(); the gradients were already reduced and are "
-                    "used as they are. Write `with optimizer.skip_synchronize(): "
-                    "optimizer.step()` after synchronize().",
+                    "optimizer.step() called without optimizer.skip_synchronize() after "
+                    "optimizer.synchronize(); the gradients were already reduced and are used "
+                    "as they are. Write `with optimizer.skip_synchronize(): optimizer.step()` "
+                    "after synchronize().",
                     stacklevel=2,
                 )
             else:
@@ -307,6 +318,7 @@ def DistributedOptimizer(
     num_groups: int = 0,
     groups: Any = None,
     sparse_as_dense: bool = False,
+    process_set: ProcessSet = global_process_set,
 ) -> torch.optim.Optimizer:
     """Make ``optimizer`` average gradients across ranks (collective: call on every rank).
 
@@ -323,8 +335,11 @@ def DistributedOptimizer(
             ``size / factor`` after.
         num_groups, groups: accepted for Horovod compatibility; grouping follows the fusion
             threshold (``HOROVOD_FUSION_THRESHOLD``).
-        sparse_as_dense: accepted for Horovod compatibility; sparse gradients are always
-            reduced as dense.
+        sparse_as_dense: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense
+            tensors, made sparse again for the step; by default their indices and values
+            are gathered from every rank (cheaper when few rows are touched).
+        process_set: reduce among these ranks only; ranks outside it step on their own
+            gradients.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(
@@ -338,10 +353,12 @@ def DistributedOptimizer(
         unwrap(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     named = _names(params, named_parameters)
-    _check_same_parameters(named)
+    if process_set.included():
+        _check_same_parameters(named, process_set)
     settings = _Settings(
-        compression, backward_passes_per_step, ReduceOp(op), float(gradient_predivide_factor)
-    )
+        compression, backward_passes_per_step, ReduceOp(op), float(gradient_predivide_factor),
+        bool(sparse_as_dense), process_set,
+    )  # fmt: skip
     reducer = _Reducer(named, settings)
     base = type(optimizer)
     # Same name and module as the base, so it reads (and reprs) as the optimizer it wraps.
@@ -349,8 +366,18 @@ def DistributedOptimizer(
         base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__}
     )
     optimizer._hvd = reducer
+    # Horovod's attribute: {parameter: name}; some scripts read it.
+    optimizer._parameter_names = {p: n for n, p in named}
     _rewrap_scheduler_step(optimizer)
     return optimizer
+
+
+def local_step(optimizer: torch.optim.Optimizer) -> None:
+    """``step()`` of the optimizer's own class: no reduction, even when it is wrapped."""
+    if isinstance(optimizer, _DistributedOptimizer):
+        type(optimizer).__mro__[2].step(optimizer)
+    else:
+        optimizer.step()
 
 
 def unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -358,6 +385,7 @@ def unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     if isinstance(optimizer, _DistributedOptimizer):
         optimizer._hvd.remove_hooks()
         del optimizer._hvd
+        optimizer.__dict__.pop("_parameter_names", None)
         optimizer.__class__ = type(optimizer).__mro__[2]
         _rewrap_scheduler_step(optimizer)
     return optimizer
@@ -407,12 +435,12 @@ def _names(
     return [(by_param[p], p) for p in params]
 
 
-def _check_same_parameters(named: list[tuple[str, torch.Tensor]]) -> None:
+def _check_same_parameters(named: list[tuple[str, torch.Tensor]], process_set: ProcessSet) -> None:
     """Every rank must reduce the same gradients, or the buckets would not match."""
-    if state.size() == 1:
+    if process_set.size() == 1:
         return
     mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-    everyone = collectives.allgather_object(mine)
+    everyone = collectives.allgather_object(mine, process_set=process_set)
     root = everyone[0]
     for rank, theirs in enumerate(everyone):
         if [d[1:] for d in theirs] == [d[1:] for d in root]:

@@ -19,7 +19,7 @@ from pyspark.ml.util import MLReadable, MLWritable
 
 from flyte_hvd.data.loader import BaseDataLoader
 from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, MODEL_PARAMS, with_params
-from flyte_hvd.spark.runner import launch
+from flyte_hvd.spark.dispatch import active_session, default_parallelism, launch
 
 
 class SparkBackend:
@@ -33,9 +33,7 @@ class SparkBackend:
 
     def num_processes(self) -> int:
         if self._num_proc is None:
-            from flyte_hvd.spark.runner import active_spark_context
-
-            return active_spark_context().defaultParallelism
+            return default_parallelism(active_session())
         return self._num_proc
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,

@@ -157,7 +157,9 @@ def pytest_sessionfinish(session, exitstatus):
 def _uses_connect(item) -> bool:
     names = getattr(item, "fixturenames", ())
     params = getattr(getattr(item, "callspec", None), "params", {})
-    return "spark_connect" in names or params.get("spark") == "connect"
+    return bool({"spark_connect", "spark_connect_url"} & set(names)) or params.get("spark") == (
+        "connect"
+    )
 
 
 class _ConnectServer:
@@ -219,6 +221,18 @@ def spark_connect():
     session = _connect_server.client()
     ConnectSession._set_default_and_active_session(session)
     yield session
+    ConnectSession._active_session.session = None
+    ConnectSession._default_session = None
+
+
+@pytest.fixture
+def spark_connect_url():
+    """The URL (with its token) of the test session's Spark Connect server; whatever Connect
+    session a test makes active stops being active after it."""
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    _connect_server.client()
+    yield f"sc://localhost:{_connect_server.port}/;token={_connect_server.token}"
     ConnectSession._active_session.session = None
     ConnectSession._default_session = None
 

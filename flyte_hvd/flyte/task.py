@@ -58,6 +58,14 @@ class HorovodSpark:
     in your Spark image) in ``spark_conf``. Locally the GPU settings are left out unless
     ``spark_conf`` names them, so a laptop without GPUs runs the same task.
 
+    With ``connect_url`` the task runs on an existing cluster through Spark Connect
+    (``sc://host:15002``) instead of starting a session: locally and in its pod alike it
+    connects there, and the ranks run in that cluster's executors. The cluster's settings are
+    fixed when its server starts, so the derived settings are not applied; ``spark_conf`` may
+    name only runtime settings (``spark.sql.*``) there. Pass the token through the
+    ``SPARK_CONNECT_AUTHENTICATE_TOKEN`` environment variable rather than in the URL, which is
+    part of the task's serialized config.
+
     Attributes:
         num_proc: number of ranks (Spark barrier tasks).
         spark_conf: Spark settings; override the derived ones.
@@ -66,6 +74,8 @@ class HorovodSpark:
         start_timeout: seconds for scheduling plus rendezvous (``flyte_hvd.spark.run``).
         cores_per_rank: CPU cores reserved per rank.
         gpus_per_rank: GPUs per rank; 0 requests none.
+        connect_url: a Spark Connect endpoint (``sc://...``) to run on instead of a session
+            of the task's own.
     """
 
     num_proc: int
@@ -78,6 +88,7 @@ class HorovodSpark:
     start_timeout: float | None = None
     cores_per_rank: int = 1
     gpus_per_rank: int = 0
+    connect_url: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("num_proc", self.num_proc, minimum=1)
@@ -102,6 +113,12 @@ class HorovodSpark:
                     f"`{name}` must be a flytekit.PodTemplate or None; found "
                     f"{type(value).__name__}."
                 )
+        url = self.connect_url
+        if url is not None and (not isinstance(url, str) or not url.startswith("sc://")):
+            raise ValueError(
+                f"`connect_url` must be a Spark Connect URL such as 'sc://host:15002' or None; "
+                f"found {url!r}."
+            )
         # Frozen: normalize through object.__setattr__, on copies the caller cannot mutate.
         object.__setattr__(self, "spark_conf", _string_map("spark_conf", self.spark_conf))
         object.__setattr__(self, "hadoop_conf", _string_map("hadoop_conf", self.hadoop_conf))
@@ -246,6 +263,9 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
         ``pre_execute`` picks the session up."""
         ctx = FlyteContextManager.current_context()
         state = ctx.execution_state
+        if self.task_config.connect_url is not None:
+            self.sess = _connect_session(self.task_config, ctx)
+            return user_params.builder().add_attr("SPARK_SESSION", self.sess).build()
         if not (state and state.mode == ExecutionState.Mode.TASK_EXECUTION):
             _start_local_session(f"FlyteSpark: {user_params.execution_id}", self.task_config)
         return super().pre_execute(user_params)
@@ -255,13 +275,17 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
         from flyte_hvd.spark import run
 
         ctx = FlyteContextManager.current_context()
-        payload = _pickle_body(self, kwargs, _RankSpec.of(self, ctx))
-        results = run(
-            _run_rank,
-            args=(payload, _import_paths()),
-            num_proc=self.task_config.num_proc,
-            start_timeout=self.task_config.start_timeout,
-        )
+        try:
+            payload = _pickle_body(self, kwargs, _RankSpec.of(self, ctx))
+            results = run(
+                _run_rank,
+                args=(payload, _import_paths()),
+                num_proc=self.task_config.num_proc,
+                start_timeout=self.task_config.start_timeout,
+            )
+        finally:
+            if self.task_config.connect_url is not None:
+                _deactivate(self.sess)
         return _literal_map_from_bytes(results[0])
 
 
@@ -289,6 +313,48 @@ def _import_paths() -> list[str]:
         if not path.startswith(own) and path not in paths:
             paths.append(path)
     return paths
+
+
+def _connect_session(config: HorovodSpark, ctx: FlyteContext) -> Any:
+    """The Spark Connect session of ``config.connect_url``, active in this thread, with the
+    task's runtime settings and, in a fast-registered pod, the task's code as an artifact
+    (Connect's ``addPyFile``)."""
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    session = ConnectSession.builder.remote(config.connect_url).getOrCreate()
+    ConnectSession._set_default_and_active_session(session)
+    fixed = []
+    for key, value in (config.spark_conf or {}).items():
+        if session.conf.isModifiable(key):
+            session.conf.set(key, value)
+        else:
+            fixed.append(key)
+    if fixed:
+        raise RuntimeError(
+            f"`spark_conf` sets {sorted(fixed)}, which a Spark Connect session cannot change: "
+            f"the cluster behind {config.connect_url} fixed them when its server started. Set "
+            f"them on that server, or remove them from `spark_conf` (only runtime settings "
+            f"such as spark.sql.* apply over Spark Connect)."
+        )
+    fast = ctx.serialization_settings and ctx.serialization_settings.fast_serialization_settings
+    state = ctx.execution_state
+    if fast and fast.enabled and state and state.mode == ExecutionState.Mode.TASK_EXECUTION:
+        archive = shutil.make_archive(
+            os.path.join(tempfile.mkdtemp(), "flyte_wf"), "zip", os.getcwd()
+        )
+        session.addArtifacts(archive, pyfile=True)
+    return session
+
+
+def _deactivate(session: Any) -> None:
+    """The Connect session a task made active stops being this thread's active one, so a
+    later task in this process launches on its own session."""
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    if getattr(ConnectSession._active_session, "session", None) is session:
+        ConnectSession._active_session.session = None
+    if ConnectSession._default_session is session:
+        ConnectSession._default_session = None
 
 
 def _start_local_session(app_name: str, config: HorovodSpark) -> None:

@@ -141,9 +141,9 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    _connect_server.stop()
     if _spark["session"] is not None:
         _spark["session"].stop()
-    _connect_server.stop()
 
 
 # -- Spark Connect -----------------------------------------------------------------------------

@@ -263,8 +263,9 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
         ``pre_execute`` picks the session up."""
         ctx = FlyteContextManager.current_context()
         state = ctx.execution_state
-        if self.task_config.connect_url is not None:
-            self.sess = _connect_session(self.task_config, ctx)
+        url = self.task_config.connect_url
+        if url is not None:
+            self.sess = _connect_session(url, self.task_config, ctx)
             return user_params.builder().add_attr("SPARK_SESSION", self.sess).build()
         if not (state and state.mode == ExecutionState.Mode.TASK_EXECUTION):
             _start_local_session(f"FlyteSpark: {user_params.execution_id}", self.task_config)
@@ -315,13 +316,13 @@ def _import_paths() -> list[str]:
     return paths
 
 
-def _connect_session(config: HorovodSpark, ctx: FlyteContext) -> Any:
-    """The Spark Connect session of ``config.connect_url``, active in this thread, with the
+def _connect_session(url: str, config: HorovodSpark, ctx: FlyteContext) -> Any:
+    """The Spark Connect session of ``url``, active in this thread, with the
     task's runtime settings and, in a fast-registered pod, the task's code as an artifact
     (Connect's ``addPyFile``)."""
     from pyspark.sql.connect.session import SparkSession as ConnectSession
 
-    session = ConnectSession.builder.remote(config.connect_url).getOrCreate()
+    session = ConnectSession.builder.remote(url).getOrCreate()
     ConnectSession._set_default_and_active_session(session)
     fixed = []
     for key, value in (config.spark_conf or {}).items():
@@ -332,7 +333,7 @@ def _connect_session(config: HorovodSpark, ctx: FlyteContext) -> Any:
     if fixed:
         raise RuntimeError(
             f"`spark_conf` sets {sorted(fixed)}, which a Spark Connect session cannot change: "
-            f"the cluster behind {config.connect_url} fixed them when its server started. Set "
+            f"the cluster behind {url} fixed them when its server started. Set "
             f"them on that server, or remove them from `spark_conf` (only runtime settings "
             f"such as spark.sql.* apply over Spark Connect)."
         )

@@ -136,7 +136,10 @@ def spark_cluster(tmp_path_factory):
 
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: "spark_cluster" in getattr(item, "fixturenames", ()))
-    if any(_uses_connect(item) for item in items):
+
+
+def pytest_collection_finish(session):
+    if any(_uses_connect(item) for item in session.items):  # those left after `-k`/`-m`
         _connect_server.start()  # in the background: it starts while other tests run
 
 

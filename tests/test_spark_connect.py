@@ -109,6 +109,7 @@ def test_interrupting_the_session_stops_every_rank(spark_connect, no_leftover_ra
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(900)  # four 2-rank fits, on two sessions
 def test_keras_fit_transform_resume_give_the_classic_weights(spark_local2, request, tmp_path):
     """The same seed and data give the same trained weights, the same predictions and the
     same resumed run on Spark Connect as on a classic session."""
@@ -154,6 +155,7 @@ def test_keras_fit_transform_resume_give_the_classic_weights(spark_local2, reque
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(600)
 def test_torch_fit_and_transform(spark_connect, tmp_path, no_leftover_ranks):
     torch = pytest.importorskip("torch")
     from flyte_hvd.estimators.torch import TorchEstimator
@@ -172,3 +174,63 @@ def test_torch_fit_and_transform(spark_connect, tmp_path, no_leftover_ranks):
     rows = fitted.transform(df).select("label", "label__output").collect()
     truth, guess = np.array([(r[0], r[1]) for r in rows]).T
     assert len(rows) == 400 and np.corrcoef(truth, guess)[0, 1] > 0.95
+
+
+# -- preflight arithmetic, through its seam: a session that only answers `conf.getAll` and the
+# plan text of `range` (what the Connect preflight reads) ------------------------------------
+
+
+class _Plan:
+    def __init__(self, text):
+        self.text = text
+
+    def _explain_string(self, extended=False):
+        return self.text
+
+
+class _ConfOnly:
+    def __init__(self, conf, splits):
+        self.conf = type("Conf", (), {"getAll": dict(conf)})()
+        self.plan = f"*(1) Range (0, 1073741824, step=1, splits={splits})" if splits else "?"
+
+    def range(self, *args):
+        return _Plan(self.plan)
+
+
+CLUSTER = {"spark.master": "k8s://https://api:6443", "spark.executor.instances": "2"}
+
+
+@pytest.mark.parametrize(
+    ("conf", "splits", "slots"),
+    [
+        ({"spark.master": "local[4]"}, 4, 4),
+        ({"spark.master": "local[4]", "spark.task.cpus": "2"}, 4, 2),
+        ({**CLUSTER, "spark.executor.cores": "4"}, 8, 8),
+        # GPUs cap the slots: 2 executors x 1 GPU, one per task
+        (
+            {
+                **CLUSTER, "spark.executor.cores": "4", "spark.executor.resource.gpu.amount": "1",
+                "spark.task.resource.gpu.amount": "1",
+            },
+            8, 2,
+        ),
+        # spark.default.parallelism overrides the planned splits: count executors x cores
+        ({**CLUSTER, "spark.executor.cores": "3", "spark.default.parallelism": "100"}, 100, 6),
+    ],
+)  # fmt: skip
+def test_connect_slot_count(conf, splits, slots):
+    assert dataframe_stage.task_slots(_ConfOnly(conf, splits)) == slots
+
+
+def test_connect_preflight_refusals():
+    local = _ConfOnly({"spark.master": "local[2]"}, 2)
+    conf = dataframe_stage.SessionConf(local)
+    with pytest.raises(RuntimeError, match=r"`num_proc`=3 but the cluster has 2 free task slot"):
+        dataframe_stage.wait_for_slots(local, conf, 3, time.monotonic() + 60, 60)
+    dynamic = _ConfOnly({**CLUSTER, "spark.dynamicAllocation.enabled": "true"}, 2)
+    with pytest.raises(RuntimeError, match=r"spark\.dynamicAllocation\.enabled=false"):
+        dataframe_stage.wait_for_slots(
+            dynamic, dataframe_stage.SessionConf(dynamic), 2, time.monotonic() + 60, 60
+        )
+    with pytest.raises(RuntimeError, match=r"names no splits.*pass `num_proc`"):
+        dataframe_stage.default_parallelism(_ConfOnly({"spark.master": "local[2]"}, None))

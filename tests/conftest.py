@@ -217,12 +217,15 @@ _connect_server = _ConnectServer()
 
 
 @pytest.fixture
-def spark_connect():
-    """A Spark Connect session on a local[2] server, active for this test only."""
+def spark_connect(monkeypatch):
+    """A Spark Connect session on a local[2] server, active for this test only. As
+    `SparkSession.builder.remote(...)` does for a user, the process is in Connect mode
+    meanwhile: `pyspark.sql.functions` build Connect columns."""
     from pyspark.sql.connect.session import SparkSession as ConnectSession
 
     session = _connect_server.client()
     ConnectSession._set_default_and_active_session(session)
+    monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "1")
     yield session
     ConnectSession._active_session.session = None
     ConnectSession._default_session = None

@@ -28,6 +28,20 @@ def _ours(pid: str) -> bool:
         return False
 
 
+# Every process this test session starts (Spark's JVMs, their Python workers, the ranks)
+# inherits this marker, so the leftover check below ignores other test runs on the machine.
+_SESSION_MARKER = f"FLYTE_HVD_TEST_SESSION={os.getpid()}"
+os.environ["FLYTE_HVD_TEST_SESSION"] = str(os.getpid())
+
+
+def _ours(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return _SESSION_MARKER.encode() in f.read().split(b"\0")
+    except OSError:  # gone, or not ours to read
+        return False
+
+
 def rank_processes() -> list[str]:
     """Command lines of rank processes (and their mpiexec) this test session started."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
@@ -137,9 +151,117 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: "spark_cluster" in getattr(item, "fixturenames", ()))
 
 
+def pytest_collection_finish(session):
+    if any(_uses_connect(item) for item in session.items):  # those left after `-k`/`-m`
+        _connect_server.start()  # in the background: it starts while other tests run
+
+
 def pytest_sessionfinish(session, exitstatus):
+    _connect_server.stop()
     if _spark["session"] is not None:
         _spark["session"].stop()
+
+
+# -- Spark Connect -----------------------------------------------------------------------------
+# One Spark Connect server (local[2]) per test session, in its own process: a Connect server
+# started in this process (`SparkSession.builder.remote("local[2]")`) would be a second
+# SparkContext in this JVM, which the classic fixtures above already own. Clients connect
+# through Connect's own builder, which leaves the classic session alone; the `spark_connect`
+# fixture makes its session the active one for one test only.
+
+
+def _uses_connect(item) -> bool:
+    names = getattr(item, "fixturenames", ())
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return bool({"spark_connect", "spark_connect_url"} & set(names)) or params.get("spark") == (
+        "connect"
+    )
+
+
+class _ConnectServer:
+    def __init__(self):
+        self.process = None
+        self.port = None
+        self.token = None
+        self.session = None
+
+    def start(self) -> None:
+        if self.process is not None:
+            return
+        import secrets
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.token = secrets.token_hex(16)
+        env = dict(os.environ, SPARK_CONNECT_AUTHENTICATE_TOKEN=self.token)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.join(REPO, "tests", "connect_server.py"), str(self.port)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
+        )  # fmt: skip
+
+    def client(self):
+        """The test process's Connect session (created once)."""
+        if self.session is None:
+            self.start()
+            line = self.process.stdout.readline()  # blocks until the server is up
+            if line.strip() != "ready":
+                raise RuntimeError(f"the Spark Connect test server did not start: {line!r}")
+            from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+            url = f"sc://localhost:{self.port}/;token={self.token}"
+            self.session = ConnectSession.builder.remote(url).getOrCreate()
+        return self.session
+
+    def stop(self) -> None:
+        if self.session is not None:
+            self.session.stop()
+        if self.process is not None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+_connect_server = _ConnectServer()
+
+
+@pytest.fixture
+def spark_connect(monkeypatch):
+    """A Spark Connect session on a local[2] server, active for this test only. As
+    `SparkSession.builder.remote(...)` does for a user, the process is in Connect mode
+    meanwhile: `pyspark.sql.functions` build Connect columns."""
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    session = _connect_server.client()
+    ConnectSession._set_default_and_active_session(session)
+    monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "1")
+    yield session
+    ConnectSession._active_session.session = None
+    ConnectSession._default_session = None
+
+
+@pytest.fixture
+def spark_connect_url():
+    """The URL (with its token) of the test session's Spark Connect server; whatever Connect
+    session a test makes active stops being active after it."""
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    _connect_server.client()
+    yield f"sc://localhost:{_connect_server.port}/;token={_connect_server.token}"
+    ConnectSession._active_session.session = None
+    ConnectSession._default_session = None
+
+
+@pytest.fixture(params=["classic", "connect"])
+def spark(request):
+    """The Run API's tests on both kinds of session: classic local[2] and Spark Connect."""
+    return request.getfixturevalue(
+        "spark_local2" if request.param == "classic" else "spark_connect"
+    )
 
 
 # -- S3 (moto server) ------------------------------------------------------------------------

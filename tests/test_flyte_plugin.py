@@ -352,3 +352,40 @@ def test_pyflyte_run_starts_a_session_and_files_travel_through_the_object_store(
     listed = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix)
     keys = [item["Key"] for item in listed.get("Contents", [])]
     assert any(key.endswith("/result.txt") for key in keys), keys
+
+
+@pytest.mark.spark
+def test_a_task_runs_on_a_spark_connect_endpoint(spark_connect_url, no_leftover_ranks):
+    """`connect_url`: the task connects to an existing cluster instead of starting a session;
+    the ranks run in that cluster and the outputs are rank 0's, as on a session of its own."""
+
+    @task(task_config=HorovodSpark(num_proc=2, connect_url=spark_connect_url))
+    def on_connect(offset: int) -> RankInfo:
+        import numpy as np
+
+        import flyte_hvd.core as hvd
+
+        seen = hvd.allgather(np.array([hvd.rank() + offset])).tolist()
+        return RankInfo(hvd.rank(), hvd.size(), seen, hvd.is_initialized())
+
+    assert on_connect(offset=5) == RankInfo(0, 2, [5, 6], True)
+    # The Connect session stops being the active one with the task.
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    assert ConnectSession.getActiveSession() is None
+
+    @task(
+        task_config=HorovodSpark(
+            num_proc=2, connect_url=spark_connect_url, spark_conf={"spark.executor.memory": "2g"}
+        )
+    )
+    def fixed_setting() -> int:
+        return 0
+
+    with pytest.raises(RuntimeError, match=r"\['spark\.executor\.memory'\].*cannot change"):
+        fixed_setting()
+
+
+def test_connect_url_must_be_a_spark_connect_url():
+    with pytest.raises(ValueError, match=r"`connect_url` must be a Spark Connect URL"):
+        HorovodSpark(num_proc=2, connect_url="http://spark:15002")

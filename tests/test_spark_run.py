@@ -1,4 +1,5 @@
-"""``flyte_hvd.spark.run`` and ``HorovodRunner`` on a local[2] SparkSession."""
+"""``flyte_hvd.spark.run`` and ``HorovodRunner`` on a local[2] SparkSession, classic and Spark
+Connect (the ``spark`` fixture runs a test on both)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ import pytest
 
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.spark import HorovodRunner, get_available_devices, run
+from flyte_hvd.spark.dispatch import is_connect_session
 
 pytestmark = [pytest.mark.spark, pytest.mark.mpi]
 
 
-def test_results_in_rank_order_and_allgather_agrees(spark_local2, no_leftover_ranks):
+def test_results_in_rank_order_and_allgather_agrees(spark, no_leftover_ranks):
     scale = 7  # captured: travels with the function
 
     def fn(offset):
@@ -36,14 +38,14 @@ def test_results_in_rank_order_and_allgather_agrees(spark_local2, no_leftover_ra
     ]
 
 
-def test_env_and_kwargs_reach_fn(spark_local2):
+def test_env_and_kwargs_reach_fn(spark):
     def fn(suffix=""):
         return os.environ["MY_SETTING"] + suffix
 
     assert run(fn, kwargs={"suffix": "!"}, num_proc=2, env={"MY_SETTING": "on"}) == ["on!"] * 2
 
 
-def test_ranks_import_code_added_with_add_py_file(spark_local2, tmp_path):
+def test_ranks_import_code_added_with_add_py_file(spark, tmp_path):
     """Code shipped with SparkContext.addPyFile (how Flyte ships fast-registered code) is
     importable in the rank processes, not only in Spark's Python workers; and AWS_* settings
     the driver made after Spark started reach a local master's ranks."""
@@ -52,7 +54,10 @@ def test_ranks_import_code_added_with_add_py_file(spark_local2, tmp_path):
     bundle = tmp_path / "bundle.zip"
     with zipfile.ZipFile(bundle, "w") as zf:
         zf.writestr("flyte_hvd_shipped_code.py", "VALUE = 7\n")
-    spark_local2.sparkContext.addPyFile(str(bundle))
+    if is_connect_session(spark):
+        spark.addArtifacts(str(bundle), pyfile=True)  # Connect's addPyFile
+    else:
+        spark.sparkContext.addPyFile(str(bundle))
     os.environ["AWS_FLYTE_HVD_PROBE"] = "set-after-start"
     try:
         results = run(
@@ -64,17 +69,17 @@ def test_ranks_import_code_added_with_add_py_file(spark_local2, tmp_path):
     assert results == [(7, "set-after-start"), (7, "set-after-start")]
 
 
-def test_num_proc_defaults_to_default_parallelism(spark_local2):
+def test_num_proc_defaults_to_default_parallelism(spark):
     def fn():
         import flyte_hvd.core as hvd
 
         hvd.init()
         return hvd.size()
 
-    assert run(fn) == [spark_local2.sparkContext.defaultParallelism] * 2
+    assert run(fn) == [2, 2]  # local[2]
 
 
-def test_rank_output_reaches_driver_with_prefix(spark_local2, caplog):
+def test_rank_output_reaches_driver_with_prefix(spark, caplog):
     out, err = io.StringIO(), io.StringIO()
 
     def fn():
@@ -95,14 +100,18 @@ def test_rank_output_reaches_driver_with_prefix(spark_local2, caplog):
 
     out, err = io.StringIO(), io.StringIO()
     run(fn, num_proc=1, stdout=out, stderr=err, verbose=1, prefix_output_with_timestamp=True)
-    launcher = [r for r in caplog.records if r.name == "flyte_hvd.spark.runner"]
+    connect = is_connect_session(spark)
+    module = "dataframe_stage" if connect else "runner"
+    launcher = [r for r in caplog.records if r.name == f"flyte_hvd.spark.{module}"]
     assert [r.levelno for r in launcher] == [logging.INFO, logging.INFO]
-    assert launcher[0].getMessage() == "running 1 ranks in a Spark barrier stage"
+    assert launcher[0].getMessage() == "running 1 ranks in a Spark barrier stage" + (
+        " (DataFrame API)" if connect else ""
+    )
     line = out.getvalue().splitlines()[0]
     assert line.endswith("[0]<stdout>:epoch done on 0") and line[:4].isdigit()
 
 
-def test_too_many_ranks_fail_fast_with_slot_count(spark_local2):
+def test_too_many_ranks_fail_fast_with_slot_count(spark):
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"`num_proc`=3 but the cluster has 2 free task slot"):
         run(print, num_proc=3, start_timeout=120)
@@ -119,7 +128,7 @@ def test_dynamic_allocation_is_refused(spark_local2):
         conf.set("spark.dynamicAllocation.enabled", "false")
 
 
-def test_failing_rank_is_named_with_its_traceback(spark_local2, no_leftover_ranks):
+def test_failing_rank_is_named_with_its_traceback(spark, no_leftover_ranks):
     def fn():
         import time
 
@@ -141,7 +150,7 @@ def test_failing_rank_is_named_with_its_traceback(spark_local2, no_leftover_rank
     assert "in fn\n    raise KeyError" in message
 
 
-def test_killed_rank_reports_the_signal(spark_local2, no_leftover_ranks):
+def test_killed_rank_reports_the_signal(spark, no_leftover_ranks):
     def fn():
         import os
         import signal
@@ -158,7 +167,7 @@ def test_killed_rank_reports_the_signal(spark_local2, no_leftover_ranks):
         run(fn, num_proc=2, verbose=0, stderr=io.StringIO())
 
 
-def test_horovod_runner_returns_rank_zero_value(spark_local2, no_leftover_ranks):
+def test_horovod_runner_returns_rank_zero_value(spark, no_leftover_ranks):
     def main(word="x"):
         import flyte_hvd.core as hvd
 

@@ -556,14 +556,18 @@ def _write_split(part: Any, store: Store, path: str, infos: list[ColumnInfo]) ->
         )
         part.write.mode("overwrite").option("compression", "snappy").parquet(url)
         return
-    task = _StagedWriteTask(
-        store, path, infos, local_storage_env(part.sparkSession.sparkContext.master)
-    )
+    task = _StagedWriteTask(store, path, infos, local_storage_env(_master(spark)))
     written = part.mapInArrow(task, "file string, rows long").collect()
     expected = {r["file"] for r in written}
     for stray in set(store.fs.find(store.fs_path(path))) - expected:  # from retried tasks
         if stray.endswith(".parquet"):
             store.fs.rm(stray)
+
+
+def _master(spark: Any) -> str:
+    """The master URL of a classic or a Spark Connect session (``spark.conf`` works on both;
+    ``sparkContext`` does not exist on Connect)."""
+    return str(spark.conf.get("spark.master", "") or "")
 
 
 def _spark_can_write(spark: Any, url: str) -> bool:

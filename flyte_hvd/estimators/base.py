@@ -11,6 +11,7 @@ import time
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import cloudpickle
@@ -19,7 +20,12 @@ from pyspark.ml.util import MLReadable, MLWritable
 
 from flyte_hvd.data.loader import BaseDataLoader
 from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, MODEL_PARAMS, with_params
-from flyte_hvd.spark.runner import launch
+from flyte_hvd.spark.dispatch import (
+    active_session,
+    default_parallelism,
+    is_connect_session,
+    launch,
+)
 
 
 class SparkBackend:
@@ -33,9 +39,7 @@ class SparkBackend:
 
     def num_processes(self) -> int:
         if self._num_proc is None:
-            from flyte_hvd.spark.runner import active_spark_context
-
-            return active_spark_context().defaultParallelism
+            return default_parallelism(active_session())
         return self._num_proc
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
@@ -300,7 +304,7 @@ class HorovodModel(Model, MLWritable, MLReadable):
         result_type = StructType(
             [StructField(n, t, True) for n, t in zip(names, self._output_types(), strict=True)]
         )
-        predict = self._batch_predictor(df.sparkSession.sparkContext)
+        predict = self._batch_predictor(_broadcaster(df.sparkSession))
 
         def predict_batches(batches: Iterator[Any]) -> Iterator[Any]:
             for batch in batches:
@@ -398,6 +402,25 @@ class ModelReader:
             params = cloudpickle.loads(archive.read(_PARAMS_FILE))
             model_bytes = archive.read(cls._model_file)
         return cls(model_bytes=model_bytes, **params)
+
+
+def _broadcaster(spark: Any) -> Any:
+    """What ``_batch_predictor`` ships the model bytes with: the SparkContext's broadcast on a
+    classic session; on Spark Connect, which has no broadcast, the bytes travel inside the
+    UDF's pickled closure, sent once with the query plan (mind Connect's message size limit,
+    `spark.connect.grpc.maxInboundMessageSize`, for very large models)."""
+    return _InlineBroadcast() if is_connect_session(spark) else spark.sparkContext
+
+
+@dataclass(frozen=True)
+class _Inline:
+    value: bytes
+
+
+class _InlineBroadcast:
+    @staticmethod
+    def broadcast(value: bytes) -> _Inline:
+        return _Inline(value)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -11,7 +11,9 @@ return values. This module is the driver half; ``rank.py`` is what runs on the r
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,7 +22,7 @@ from typing import Any
 import cloudpickle
 from flytekit import FlyteContextManager, PodTemplate
 from flytekit.configuration import SerializationSettings
-from flytekit.core.context_manager import ExecutionParameters, ExecutionState
+from flytekit.core.context_manager import ExecutionParameters, ExecutionState, FlyteContext
 from flytekit.extend import TaskPlugins
 from flytekit.models.literals import LiteralMap
 from flytekitplugins.spark.task import PysparkFunctionTask
@@ -59,6 +61,14 @@ class HorovodSpark:
     copies no volumes from ``executor_pod``. Locally the GPU settings are left out unless
     ``spark_conf`` names them, so a laptop without GPUs runs the same task.
 
+    With ``connect_url`` the task runs on an existing cluster through Spark Connect
+    (``sc://host:15002``) instead of starting a session: locally and in its pod alike it
+    connects there, and the ranks run in that cluster's executors. The cluster's settings are
+    fixed when its server starts, so the derived settings are not applied; ``spark_conf`` may
+    name only runtime settings (``spark.sql.*``) there. Pass the token through the
+    ``SPARK_CONNECT_AUTHENTICATE_TOKEN`` environment variable rather than in the URL, which is
+    part of the task's serialized config.
+
     Attributes:
         num_proc: number of ranks (Spark barrier tasks).
         spark_conf: Spark settings; override the derived ones.
@@ -67,6 +77,8 @@ class HorovodSpark:
         start_timeout: seconds for scheduling plus rendezvous (``flyte_hvd.spark.run``).
         cores_per_rank: CPU cores reserved per rank.
         gpus_per_rank: GPUs per rank; 0 requests none.
+        connect_url: a Spark Connect endpoint (``sc://...``) to run on instead of a session
+            of the task's own.
     """
 
     num_proc: int
@@ -79,6 +91,7 @@ class HorovodSpark:
     start_timeout: float | None = None
     cores_per_rank: int = 1
     gpus_per_rank: int = 0
+    connect_url: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("num_proc", self.num_proc, minimum=1)
@@ -103,6 +116,12 @@ class HorovodSpark:
                     f"`{name}` must be a flytekit.PodTemplate or None; found "
                     f"{type(value).__name__}."
                 )
+        url = self.connect_url
+        if url is not None and (not isinstance(url, str) or not url.startswith("sc://")):
+            raise ValueError(
+                f"`connect_url` must be a Spark Connect URL such as 'sc://host:15002' or None; "
+                f"found {url!r}."
+            )
         # Frozen: normalize through object.__setattr__, on copies the caller cannot mutate.
         object.__setattr__(self, "spark_conf", _string_map("spark_conf", self.spark_conf))
         object.__setattr__(self, "hadoop_conf", _string_map("hadoop_conf", self.hadoop_conf))
@@ -248,6 +267,10 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
         ``pre_execute`` picks the session up."""
         ctx = FlyteContextManager.current_context()
         state = ctx.execution_state
+        url = self.task_config.connect_url
+        if url is not None:
+            self.sess = _connect_session(url, self.task_config, ctx)
+            return user_params.builder().add_attr("SPARK_SESSION", self.sess).build()
         if not (state and state.mode == ExecutionState.Mode.TASK_EXECUTION):
             _start_local_session(f"FlyteSpark: {user_params.execution_id}", self.task_config)
         return super().pre_execute(user_params)
@@ -257,13 +280,17 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
         from flyte_hvd.spark import run
 
         ctx = FlyteContextManager.current_context()
-        payload = _pickle_body(self, kwargs, RankSpec.of(self, ctx))
-        results = run(
-            run_rank,
-            args=(payload,),
-            num_proc=self.task_config.num_proc,
-            start_timeout=self.task_config.start_timeout,
-        )
+        try:
+            payload = _pickle_body(self, kwargs, RankSpec.of(self, ctx))
+            results = run(
+                run_rank,
+                args=(payload,),
+                num_proc=self.task_config.num_proc,
+                start_timeout=self.task_config.start_timeout,
+            )
+        finally:
+            if self.task_config.connect_url is not None:
+                _deactivate(self.sess)
         return literal_map_from_bytes(results[0])
 
 
@@ -278,6 +305,48 @@ def _pickle_body(task: HorovodSparkFunctionTask, kwargs: dict[str, Any], spec: R
             f"({type(error).__name__}: {error}); they travel to the ranks with cloudpickle. "
             f"Create objects such as locks, sockets, sessions or open files inside the task."
         ) from error
+
+
+def _connect_session(url: str, config: HorovodSpark, ctx: FlyteContext) -> Any:
+    """The Spark Connect session of ``url``, active in this thread, with the
+    task's runtime settings and, in a fast-registered pod, the task's code as an artifact
+    (Connect's ``addPyFile``)."""
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    session = ConnectSession.builder.remote(url).getOrCreate()
+    ConnectSession._set_default_and_active_session(session)
+    fixed = []
+    for key, value in (config.spark_conf or {}).items():
+        if session.conf.isModifiable(key):
+            session.conf.set(key, value)
+        else:
+            fixed.append(key)
+    if fixed:
+        raise RuntimeError(
+            f"`spark_conf` sets {sorted(fixed)}, which a Spark Connect session cannot change: "
+            f"the cluster behind {url} fixed them when its server started. Set "
+            f"them on that server, or remove them from `spark_conf` (only runtime settings "
+            f"such as spark.sql.* apply over Spark Connect)."
+        )
+    fast = ctx.serialization_settings and ctx.serialization_settings.fast_serialization_settings
+    state = ctx.execution_state
+    if fast and fast.enabled and state and state.mode == ExecutionState.Mode.TASK_EXECUTION:
+        archive = shutil.make_archive(
+            os.path.join(tempfile.mkdtemp(), "flyte_wf"), "zip", os.getcwd()
+        )
+        session.addArtifacts(archive, pyfile=True)
+    return session
+
+
+def _deactivate(session: Any) -> None:
+    """The Connect session a task made active stops being this thread's active one, so a
+    later task in this process launches on its own session."""
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    if getattr(ConnectSession._active_session, "session", None) is session:
+        ConnectSession._active_session.session = None
+    if ConnectSession._default_session is session:
+        ConnectSession._default_session = None
 
 
 def _start_local_session(app_name: str, config: HorovodSpark) -> None:

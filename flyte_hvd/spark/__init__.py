@@ -1,4 +1,5 @@
-"""Run Horovod-style ranks inside Spark: ``run``, ``HorovodRunner``, ``get_available_devices``.
+"""Run Horovod-style ranks inside Spark: ``run``, ``HorovodRunner``, ``get_available_devices``,
+on a classic SparkSession or a Spark Connect one.
 
 pyspark is imported only when a function needs it.
 """
@@ -6,8 +7,9 @@ pyspark is imported only when a function needs it.
 import importlib
 from typing import Any
 
+from flyte_hvd.spark.dispatch import launch, run
 from flyte_hvd.spark.horovod_runner import HorovodRunner
-from flyte_hvd.spark.runner import RunReport, get_available_devices, launch, run
+from flyte_hvd.spark.runner import RunReport, get_available_devices
 
 __all__ = ["HorovodRunner", "RunReport", "get_available_devices", "launch", "run"]
 

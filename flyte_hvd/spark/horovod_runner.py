@@ -7,7 +7,7 @@ from typing import Any
 
 from flyte_hvd.core.job import FunctionJob
 from flyte_hvd.core.launcher import launch_local
-from flyte_hvd.spark.runner import active_spark_context, run, task_slots
+from flyte_hvd.spark.dispatch import active_session, run, task_slots
 
 
 class HorovodRunner:
@@ -47,5 +47,5 @@ class HorovodRunner:
             return launch_local(
                 FunctionJob(main, (), kwargs), -self.num_processor, self.start_timeout
             )[0]
-        num_proc = self.num_processor or task_slots(active_spark_context())
+        num_proc = self.num_processor or task_slots(active_session())
         return run(main, kwargs=kwargs, num_proc=num_proc, start_timeout=self.start_timeout)[0]

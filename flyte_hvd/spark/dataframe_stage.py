@@ -1,0 +1,248 @@
+"""Ranks in a barrier stage launched through the DataFrame API: the launch path for Spark Connect.
+
+A Spark Connect session has no ``SparkContext``, RDDs or py4j, so ``run`` cannot build its
+barrier stage with ``rdd.barrier().mapPartitions``. The same stage is reachable through the
+DataFrame API: ``spark.range(0, n, numPartitions=n).mapInArrow(task, schema, barrier=True)``;
+inside, ``BarrierTaskContext`` (``allGather``, ``partitionId``, ``resources``) works as in an RDD
+stage, so each task supervises one rank exactly as on a classic session. What differs is
+around the stage:
+
+- results come back as rows: each rank's pickled return value, cut into chunks small enough
+  for Connect's Arrow batches, reassembled in rank order on the client;
+- the free task slots are counted from what a Connect session can read (the session's
+  configuration, and the parallelism the server plans a ``range`` with), not from the
+  scheduler through py4j;
+- the stage is cancelled through the session's operation tags (``addTag``/``interruptTag``);
+- rank output comes back over the same ``DriverLink`` as on a classic session, to a server on
+  the client host, at the address through which the client reaches the Connect server.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import cloudpickle
+
+from flyte_hvd.core.environment import local_driver_env
+from flyte_hvd.core.errors import RanksFailedError
+from flyte_hvd.core.launcher import new_secret
+from flyte_hvd.core.log import get_logger, verbosity_level
+from flyte_hvd.spark import runner
+
+logger = get_logger(__name__)
+
+# Rows of at most this many bytes: Connect ships results in Arrow batches of at most
+# `spark.connect.grpc.arrow.maxBatchSize` (4 MiB by default); a row must fit in one.
+CHUNK_BYTES = 1 << 20
+_SCHEMA = "rank int, chunk int, data binary"
+_SLOT_POLL_S = 1.0
+
+
+class SessionConf:
+    """A Connect session's settings, read once (one round trip), with the two members of
+    ``SparkContext`` that ``runner``'s preflight helpers read: ``master`` and
+    ``getConf().get``."""
+
+    def __init__(self, spark: Any):
+        self._conf: dict[str, str] = dict(spark.conf.getAll)
+        self.master = self._conf.get("spark.master", "")
+
+    def getConf(self) -> SessionConf:
+        return self
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        return self._conf.get(key, default)
+
+
+def default_parallelism(spark: Any) -> int:
+    """The cluster's default parallelism as the server plans it: the number of splits of a
+    ``range`` without ``numPartitions`` (an analysis round trip, no job). Spark sets it to the
+    cores of the executors registered now (the N of ``local[N]``), unless
+    ``spark.default.parallelism`` overrides it."""
+    plan = spark.range(0, 1 << 30)._explain_string(extended=False)
+    match = re.search(r"splits=(\d+)", plan)
+    if match is None:
+        raise RuntimeError(
+            f"cannot count the cluster's task slots: the plan of `spark.range` names no "
+            f"splits ({plan.strip()[:200]!r}); pass `num_proc` explicitly."
+        )
+    return int(match.group(1))
+
+
+def task_slots(spark: Any, conf: SessionConf | None = None) -> int:
+    """How many tasks the cluster can run at once now, as far as a Connect session can tell:
+    executor cores (the default parallelism) over ``spark.task.cpus``, and, when tasks ask
+    for GPUs, no more than the executors' GPUs allow."""
+    conf = conf or SessionConf(spark)
+    if conf.get("spark.default.parallelism") is not None and not runner._is_local(conf):
+        # The planned parallelism is the setting, not the cores; count from the executors.
+        cores = _int(conf, "spark.executor.instances", 0) * _int(conf, "spark.executor.cores", 1)
+    else:
+        cores = default_parallelism(spark)
+    slots = cores // max(1, _int(conf, "spark.task.cpus", 1))
+    task_gpus = float(conf.get("spark.task.resource.gpu.amount") or 0)
+    executors = _int(conf, "spark.executor.instances", 0)
+    if task_gpus > 0 and executors and not runner._is_local(conf):
+        per_executor = _int(conf, "spark.executor.resource.gpu.amount", 0)
+        slots = min(slots, executors * int(per_executor // task_gpus))
+    return slots
+
+
+def _int(conf: SessionConf, key: str, default: int) -> int:
+    raw = conf.get(key)
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        return default
+
+
+def wait_for_slots(
+    spark: Any, conf: SessionConf, num_proc: int, deadline: float, timeout: float
+) -> None:
+    """``runner.wait_for_slots`` for a Connect session: fail fast when the stage can never be
+    scheduled (Spark itself would retry the barrier check for minutes); wait only while
+    executors the application asked for may still be registering."""
+    if (conf.get("spark.dynamicAllocation.enabled") or "false").lower() == "true":
+        raise RuntimeError(
+            "Spark barrier stages cannot run with dynamic allocation: set "
+            f"spark.dynamicAllocation.enabled=false and spark.executor.instances so the "
+            f"cluster has {num_proc} task slots."
+        )
+    expected = runner._expected_executors(conf)
+    while True:
+        slots = task_slots(spark, conf)
+        if slots >= num_proc:
+            return
+        per_executor = max(1, _int(conf, "spark.executor.cores", 1))
+        registered = default_parallelism(spark) // per_executor
+        coming = expected is not None and registered < expected
+        if not coming or time.monotonic() >= deadline:
+            raise RuntimeError(
+                runner._slots_message(conf, num_proc, slots, registered, coming, timeout)
+            )
+        time.sleep(_SLOT_POLL_S)
+
+
+def link_host(spark: Any) -> str:
+    """The address of this (client) host that the cluster can reach: the one the client
+    uses to reach the Connect server. The server's ``spark.driver.host`` names the driver's
+    host, which is not the client's when the client runs elsewhere."""
+    endpoint = spark.client._builder.endpoint  # "host:port"
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((host, int(port)))  # UDP: picks the route, sends nothing
+        return str(probe.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+    finally:
+        probe.close()
+
+
+def stage_task(
+    task: Callable[[Any], Iterator[tuple[int, bytes]]],
+) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """Wraps a barrier task (``runner._barrier_task``) as a ``mapInArrow`` function: its
+    ``(rank, payload)`` comes back as rows of ``CHUNK_BYTES``-sized chunks."""
+
+    def run_rank(batches: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+
+        for _ in batches:  # the one input row: the partition index, which the task knows
+            pass
+        for rank, payload in task(None):
+            chunks = [payload[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)]
+            for index, chunk in enumerate(chunks or [b""]):
+                yield pa.RecordBatch.from_pydict(
+                    {"rank": [rank], "chunk": [index], "data": [chunk]},
+                    schema=pa.schema(
+                        [("rank", pa.int32()), ("chunk", pa.int32()), ("data", pa.binary())]
+                    ),
+                )
+
+    return run_rank
+
+
+def join_chunks(rows: list[Any]) -> list[tuple[int, bytes]]:
+    """``(rank, payload)`` per rank, in rank order, from the stage's rows."""
+    parts: dict[int, list[tuple[int, bytes]]] = {}
+    for row in rows:
+        parts.setdefault(int(row["rank"]), []).append((int(row["chunk"]), bytes(row["data"])))
+    return [(rank, b"".join(c for _, c in sorted(parts[rank]))) for rank in sorted(parts)]
+
+
+def launch(
+    spark: Any,
+    fn: Callable[..., Any],
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    num_proc: int | None = None,
+    start_timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    stdout: Any = None,
+    stderr: Any = None,
+    verbose: int = 1,
+    prefix_output_with_timestamp: bool = False,
+) -> runner.RunReport:
+    """``runner.launch`` on a Spark Connect session (same arguments, same behaviour)."""
+    from flyte_hvd.spark.driver_link import DriverServer
+
+    conf = SessionConf(spark)
+    num_proc = runner._check_num_proc(default_parallelism(spark) if num_proc is None else num_proc)
+    timeout = runner._resolve_start_timeout(start_timeout)
+    job = runner._pickle_job(fn, args, kwargs)
+    rank_env = {**local_driver_env(conf.master), **runner._check_env(env)}
+    submitted_at = time.time()
+    deadline = time.monotonic() + timeout
+    wait_for_slots(spark, conf, num_proc, deadline, timeout)
+    secret = new_secret()
+    max_attempts = runner.stage_attempts(conf)
+    tag = f"flyte-hvd-{secret[:12]}"
+
+    def stop_after_last_attempt(attempts_started: int) -> None:
+        if attempts_started >= max_attempts:
+            spark.interruptTag(tag)
+
+    server = DriverServer(
+        link_host(spark), secret, stdout, stderr, prefix_output_with_timestamp,
+        on_failure=stop_after_last_attempt,
+    )  # fmt: skip
+    level = verbosity_level(verbose)
+    logger.log(level, "running %d ranks in a Spark barrier stage (DataFrame API)", num_proc)
+    task = runner._barrier_task(
+        job, num_proc, secret, server.address, rank_env, deadline - time.monotonic()
+    )
+    spark.addTag(tag)
+    try:
+        stage = spark.range(0, num_proc, 1, num_proc).mapInArrow(
+            stage_task(task), _SCHEMA, barrier=True
+        )
+        if max_attempts > 1:
+            # As on the RDD path: a barrier stage is retried only when it feeds a shuffle.
+            stage = stage.repartition(1)
+        collected = join_chunks(stage.collect())
+    except Exception as error:
+        failures = server.latest_failures()
+        if failures:
+            first = min(failures)
+            raise RanksFailedError(
+                failures, summary=f"rank {first} failed; the Spark barrier stage was stopped"
+            ) from None
+        raise RuntimeError(
+            f"the Spark barrier stage of {num_proc} ranks failed before any rank reported an "
+            f"error (an executor was lost, or the stage was cancelled): "
+            f"{runner._first_line(error)}"
+        ) from error
+    finally:
+        spark.removeTag(tag)
+        server.close()
+    results = [cloudpickle.loads(payload) for _, payload in collected]
+    logger.log(level, "%d ranks finished", num_proc)
+    return runner.RunReport(results=results, submitted_at=submitted_at, events=dict(server.events))

@@ -1,0 +1,108 @@
+"""``run``/``launch`` on whichever kind of SparkSession is active.
+
+A classic session (with a ``SparkContext``) runs the ranks in an RDD barrier stage
+(``runner``); a Spark Connect session, which has no ``SparkContext``, in the same barrier stage
+launched through the DataFrame API (``dataframe_stage``). Both give the same results, output,
+errors, retries and cancellation.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import IO, Any
+
+from flyte_hvd.spark import dataframe_stage, runner
+
+
+def is_connect_session(spark: Any) -> bool:
+    """Whether ``spark`` is a Spark Connect session (no SparkContext, no py4j)."""
+    module = sys.modules.get("pyspark.sql.connect.session")
+    return module is not None and isinstance(spark, module.SparkSession)
+
+
+def active_session() -> Any:
+    """The session ``run`` launches on: this thread's active Spark Connect session, else the
+    active classic one, else the default Connect session (for a thread the user started)."""
+    connect = sys.modules.get("pyspark.sql.connect.session")
+    if connect is not None:
+        session = connect.SparkSession.getActiveSession()
+        if session is not None:
+            return session
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise RuntimeError(
+            "flyte_hvd.spark needs pyspark: install it (`pip install pyspark`)."
+        ) from None
+    session = SparkSession.getActiveSession()
+    if session is None and connect is not None:
+        session = connect.SparkSession._get_default_session()
+    if session is None:
+        raise RuntimeError(
+            "no active SparkSession: create one first (SparkSession.builder.getOrCreate(), "
+            "or SparkSession.builder.remote('sc://host:15002').getOrCreate() for Spark "
+            "Connect), or run without Spark through HorovodRunner(np=-N) or "
+            "`flyte-hvd-run -np N`."
+        )
+    return session
+
+
+def task_slots(spark: Any) -> int:
+    """How many tasks the cluster of ``spark`` can run at once now."""
+    if is_connect_session(spark):
+        return dataframe_stage.task_slots(spark)
+    return runner.task_slots(spark.sparkContext)
+
+
+def default_parallelism(spark: Any) -> int:
+    """``spark.sparkContext.defaultParallelism``, on either kind of session."""
+    if is_connect_session(spark):
+        return dataframe_stage.default_parallelism(spark)
+    return int(spark.sparkContext.defaultParallelism)
+
+
+@functools.wraps(runner.run)
+def run(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    num_proc: int | None = None,
+    start_timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+    verbose: int = 1,
+    prefix_output_with_timestamp: bool = False,
+) -> list[Any]:
+    return launch(
+        fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
+        prefix_output_with_timestamp,
+    ).results  # fmt: skip
+
+
+def launch(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    num_proc: int | None = None,
+    start_timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+    verbose: int = 1,
+    prefix_output_with_timestamp: bool = False,
+) -> runner.RunReport:
+    """``run``, returning the full ``RunReport`` (used by benchmarks and the estimator), on
+    the active session of either kind."""
+    spark = active_session()
+    if is_connect_session(spark):
+        return dataframe_stage.launch(
+            spark, fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
+            prefix_output_with_timestamp,
+        )  # fmt: skip
+    return runner.launch(
+        fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
+        prefix_output_with_timestamp,
+    )  # fmt: skip

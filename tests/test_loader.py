@@ -325,6 +325,51 @@ def test_tf_dataset_keeps_batch_order_and_sizes_across_groups():
     assert got == [(float(i), 4, [0, 1, 2, 3]) for i in range(19)] + [(19.0, 1, [0])]
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"shuffle": True, "shuffle_buffer_size": 5},
+        {"shuffle": False},
+        {"shuffle": True, "inmemory_cache_all": True},
+        {"shuffle": True, "steps_per_epoch": 9},  # more than the shard: it is read again
+    ],
+)
+def test_tf_dataset_yields_the_loaders_batches_from_whole_blocks(tmp_path, options):
+    """``to_tf_dataset`` feeds tf.data the decoded blocks the batches are cut from (no Python
+    step per batch); its batches are still exactly the loader's, epoch by epoch, on every
+    rank, with float64 columns cast when asked."""
+    path = write_dataset(tmp_path / "data", [40, 33, 27], row_group_size=10)
+
+    def make(rank=0):
+        return ArrowDataLoader(path, 4, rank=rank, size=2, seed=3, **options)
+
+    for rank in range(2):
+        expected = [ids_of(make(rank).iter_epoch(epoch)) for epoch in range(2)]
+        loader = make(rank)
+        ds = loader.to_tf_dataset("id", "y", float64_as="float64")
+        got = [[int(i) for ids, _ in ds for i in ids.numpy()] for _ in range(2)]
+        assert got == expected
+        assert int(ds.cardinality()) == len(loader)
+    with pytest.raises(ValueError, match="`float64_as` must be a floating-point dtype"):
+        make().to_tf_dataset("id", "y", float64_as="int32")
+
+
+def test_tf_dataset_casts_float64_columns_only(tmp_path):
+    root = tmp_path / "d"
+    os.makedirs(root)
+    pq.write_table(
+        pa.table({"a": np.arange(8, dtype=np.float64), "b": np.arange(8, dtype=np.int64),
+                  "c": np.arange(8, dtype=np.float16)}),
+        os.path.join(root, "part-0.parquet"),
+    )  # fmt: skip
+    ds = ArrowDataLoader(str(root), 4, shuffle=False).to_tf_dataset(
+        ["a", "b"], "c", float64_as="float32"
+    )
+    (a, b), c = next(iter(ds))
+    assert (a.dtype.name, b.dtype.name, c.dtype.name) == ("float32", "int64", "float16")
+    assert a.numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_rank_side_modules_import_neither_spark_nor_tensorflow():
     import subprocess
     import sys

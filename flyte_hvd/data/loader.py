@@ -40,7 +40,8 @@ _READ_AHEAD = 2
 _BLOCKS_AHEAD = 2
 
 
-TF_GROUP_BATCHES = 16  # batches per crossing from the loader into tf.data
+TF_GROUP_BATCHES = 16  # batches per crossing from a per-batch loader into tf.data
+_CACHED_BLOCK_BATCHES = 64  # batches per crossing from the in-memory shard
 
 
 class BaseDataLoader(abc.ABC):
@@ -80,22 +81,61 @@ class BaseDataLoader(abc.ABC):
         """The batches of a given epoch (e.g. when resuming from a checkpoint)."""
         return self._iterate(epoch)
 
+    def _next_groups(self) -> Iterator[Batch]:
+        """The next epoch (as ``iter`` starts it) in groups of batches (see ``_groups``)."""
+        epoch = self._epoch
+        self._epoch += 1
+        return self._groups(epoch)
+
+    def _groups(self, epoch: int) -> Iterator[Batch]:
+        """The batches of ``epoch`` in order, stacked in groups along a new first axis
+        (``(batches, rows, *shape)``); consecutive batches of one length share a group. This
+        default stacks up to ``TF_GROUP_BATCHES`` batches of ``_iterate``; a loader that
+        decodes many batches at once yields those blocks as they are, with no Python step
+        per batch."""
+        group: list[Batch] = []
+        for batch in self._iterate(epoch):
+            # Only batches of one length stack (a user's loader may end on a short one).
+            if group and _rows(batch) != _rows(group[0]):
+                yield _stack(group)
+                group = []
+            group.append(batch)
+            if len(group) == TF_GROUP_BATCHES:
+                yield _stack(group)
+                group = []
+        if group:
+            yield _stack(group)
+
     def to_tf_dataset(
         self,
         feature_columns: str | Sequence[str],
         label_columns: str | Sequence[str] | None = None,
         sample_weight_col: str | None = None,
         prefetch: int | None = 2,
+        float64_as: str | None = None,
     ) -> Any:
         """A ``tf.data.Dataset`` of ``x``, ``(x, y)`` or ``(x, y, w)`` for ``model.fit``.
 
         One column gives a tensor, several a tuple in the order given. Each time Keras starts
         an epoch it iterates the dataset again, which starts the loader's next epoch; the
-        dataset has a known cardinality of ``len(self)``.
+        dataset has a known cardinality of ``len(self)``. ``float64_as`` (e.g. ``"float32"``,
+        what Keras computes in; Spark's doubles arrive as float64) casts the float64 columns,
+        a group of batches at a time on the way in rather than batch by batch in the graph.
         """
         import tensorflow as tf
 
         specs = self.output_specs
+        if float64_as is not None:
+            cast_to = np.dtype(float64_as)
+            if cast_to.kind != "f":
+                raise ValueError(
+                    f"`float64_as` must be a floating-point dtype such as 'float32'; "
+                    f"found {float64_as!r}."
+                )
+            specs = {
+                c: (cast_to if dtype == np.float64 else dtype, shape)
+                for c, (dtype, shape) in specs.items()
+            }
         parts = [_column_list("feature_columns", feature_columns, specs)]
         if label_columns is not None:
             parts.append(_column_list("label_columns", label_columns, specs))
@@ -107,9 +147,8 @@ class BaseDataLoader(abc.ABC):
 
         columns = [c for names in parts for c in names]
         # The generator yields groups of batches stacked along a new first axis, and unbatch
-        # (in C++) splits them again: a Python-to-tensor crossing per group of
-        # TF_GROUP_BATCHES batches instead of one per batch (measured: the input pipeline
-        # alone 0.79 -> 0.52 s for 782 batches of 256 x 20 floats).
+        # (in C++) splits them again: one Python-to-tensor crossing per group of batches
+        # instead of one per batch (see ``_groups``).
         signature_by_col = {
             c: tf.TensorSpec(shape=(None, *specs[c][1]), dtype=tf.as_dtype(specs[c][0]))
             for c in columns
@@ -117,28 +156,21 @@ class BaseDataLoader(abc.ABC):
         signature = tuple(pack(signature_by_col, names) for names in parts)
         single = len(parts) == 1
 
-        def stacked(group: list[Batch]) -> Any:
-            values = {c: np.stack([batch[c] for batch in group]) for c in columns}
-            out = tuple(pack(values, names) for names in parts)
-            return out[0] if single else out
-
         def generate() -> Iterator[Any]:
-            group: list[Batch] = []
-            for batch in self:
-                # Only batches of one length stack (a user's loader may end on a short one).
-                if group and len(batch[columns[0]]) != len(group[0][columns[0]]):
-                    yield stacked(group)
-                    group = []
-                group.append(batch)
-                if len(group) == TF_GROUP_BATCHES:
-                    yield stacked(group)
-                    group = []
-            if group:
-                yield stacked(group)
+            for group in self._next_groups():
+                values = {c: np.asarray(group[c], specs[c][0]) for c in columns}
+                out = tuple(pack(values, names) for names in parts)
+                yield out[0] if single else out
 
-        dataset = tf.data.Dataset.from_generator(
-            generate, output_signature=signature[0] if single else signature
-        ).unbatch()
+        # The next group is made while the current one is trained on, so that the Python
+        # step (and its wait for the GIL) stays off the training's path.
+        dataset = (
+            tf.data.Dataset.from_generator(
+                generate, output_signature=signature[0] if single else signature
+            )
+            .prefetch(1)
+            .unbatch()
+        )
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self)))
         options = tf.data.Options()  # the loader shards by rank already
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
@@ -264,6 +296,24 @@ class ArrowDataLoader(BaseDataLoader):
             return self._iterate_cached(np.random.default_rng(entropy))
         return self._iterate_streaming(entropy)
 
+    def _groups(self, epoch: int) -> Iterator[Batch]:
+        if type(self)._iterate is not ArrowDataLoader._iterate:
+            return super()._groups(epoch)  # a subclass's own batches
+        # The same batches as ``_iterate``, as the decoded blocks they are cut from.
+        return self._block_groups(epoch)
+
+    def _block_groups(self, epoch: int) -> Iterator[Batch]:
+        rng = np.random.default_rng([self.seed, epoch, self.rank])
+        if self.inmemory_cache_all:
+            blocks = self._cached_blocks(rng, _CACHED_BLOCK_BATCHES)
+        else:
+            blocks = _in_background(self._blocks(rng), _BLOCKS_AHEAD, "flyte-hvd-shuffle")
+        try:
+            for block in blocks:
+                yield _as_groups(block, self.batch_size)
+        finally:
+            blocks.close()  # type: ignore[attr-defined]
+
     def _read_piece(self, piece: tuple[Any, int, int]) -> pa.Table:
         fragment, start, stop = piece
         return fragment.to_table(columns=self.columns).slice(start, stop - start)
@@ -364,6 +414,10 @@ class ArrowDataLoader(BaseDataLoader):
                 yield _slice(run, start, start + bs)
 
     def _iterate_cached(self, rng: np.random.Generator) -> Iterator[Batch]:
+        return self._cached_blocks(rng, 1)
+
+    def _cached_blocks(self, rng: np.random.Generator, batches: int) -> Iterator[Batch]:
+        """The epoch's batches from the in-memory shard, ``batches`` at a time."""
         if self._cache is None:
             self._cache = self._decode(
                 pa.concat_tables([self._read_piece(p) for p in self._pieces])
@@ -376,8 +430,8 @@ class ArrowDataLoader(BaseDataLoader):
             if self.shuffle
             else np.tile(np.arange(n), passes)
         )
-        for step in range(self._steps):
-            yield _take(data, order[step * bs : (step + 1) * bs])
+        for step in range(0, self._steps, batches):
+            yield _take(data, order[step * bs : min(step + batches, self._steps) * bs])
 
 
 class AsyncDataLoaderMixin:
@@ -542,6 +596,15 @@ def _shard_pieces(fragments: list[Any], lo: int, hi: int) -> list[tuple[Any, int
 
 def _rows(batch: Batch) -> int:
     return len(next(iter(batch.values()))) if batch else 0
+
+
+def _stack(group: list[Batch]) -> Batch:
+    return {k: np.stack([batch[k] for batch in group]) for k in group[0]}
+
+
+def _as_groups(block: Batch, batch_size: int) -> Batch:
+    """A block of whole batches as ``(batches, batch_size, *shape)`` views."""
+    return {k: v.reshape(-1, batch_size, *v.shape[1:]) for k, v in block.items()}
 
 
 def _take(batch: Batch, index: np.ndarray) -> Batch:

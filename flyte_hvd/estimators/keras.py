@@ -222,9 +222,7 @@ def train_on_rank(spec: KerasTrainingSpec) -> dict:
                 callbacks.append(checkpoint)
             record = training.RunRecord(spec.store, run.state, spec.epochs, _EXTENSION)
             callbacks += [
-                keras.callbacks.TensorBoard(
-                    os.path.join(run.work, "logs"), write_graph=False, profile_batch=0
-                ),
+                EpochTensorBoard(os.path.join(run.work, "logs")),
                 RunRecorder(record, run.work, checkpoint),
             ]
         history = model.fit(
@@ -289,6 +287,21 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
+class EpochTensorBoard(keras.callbacks.TensorBoard):
+    """TensorBoard logs once per epoch, with no work after each batch. Keras runs the
+    callbacks' batch-end hooks on a helper thread only when none of them needs the main
+    one; the stock TensorBoard's hook (a no-op at epoch frequency) made every step wait for
+    the previous step's logs."""
+
+    async_safe = True
+
+    def __init__(self, log_dir: str):
+        super().__init__(log_dir, write_graph=False, profile_batch=0, update_freq="epoch")
+
+    def on_train_batch_end(self, batch, logs=None):
+        pass
+
+
 class RunRecorder(keras.callbacks.Callback):
     """Rank 0, after each epoch: save the last model and hand it (and the best one, with a
     checkpoint callback) to the run's ``training.RunRecord``."""
@@ -324,24 +337,14 @@ def _datasets(spec: KerasTrainingSpec, rank: int, size: int) -> tuple[_Data, _Da
     train, val = training.make_loaders(spec, rank, size)
 
     def as_data(loader: Any) -> _Data:
-        dataset = loader.to_tf_dataset(spec.features, spec.labels, spec.sample_weight_col)
-        return _Data(_as_float32(dataset), len(loader))
+        # Spark's doubles arrive as float64; Keras computes in float32, and custom metrics
+        # (which Keras does not cast for) would mix the two.
+        dataset = loader.to_tf_dataset(
+            spec.features, spec.labels, spec.sample_weight_col, float64_as="float32"
+        )
+        return _Data(dataset, len(loader))
 
     return as_data(train), (as_data(val) if val is not None else None)
-
-
-def _as_float32(dataset: Any) -> Any:
-    """Spark's doubles arrive as float64; Keras computes in float32, and custom metrics (which
-    Keras does not cast for) would mix the two."""
-    import tensorflow as tf
-
-    def cast(*parts):
-        out = tf.nest.map_structure(
-            lambda t: tf.cast(t, tf.float32) if t.dtype == tf.float64 else t, parts
-        )
-        return out if len(out) > 1 else out[0]
-
-    return dataset.map(cast, num_parallel_calls=tf.data.AUTOTUNE)
 
 
 # -- model bytes and prediction --------------------------------------------------------------

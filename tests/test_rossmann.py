@@ -152,6 +152,17 @@ def test_a_value_that_cannot_be_read_names_file_column_row_and_value(
         check_values(str(tmp_path), name)
 
 
+def test_the_check_counts_the_other_unreadable_values_of_the_column(small_dataset, tmp_path):
+    frame = pd.read_csv(os.path.join(small_dataset, "test.csv"), dtype=str, keep_default_na=False)
+    frame.loc[[2, 5, 9], "Promo"] = ["yes", "no", "2"]
+    frame.to_csv(tmp_path / "test.csv", index=False)
+    with pytest.raises(
+        DatasetError,
+        match=r"column `Promo`, row 3 .*cannot read 'yes'.*\(2 more value\(s\) in this column",
+    ):
+        check_values(str(tmp_path), "test.csv")
+
+
 def test_download_data_refuses_an_unreadable_value_before_spark(small_dataset, tmp_path):
     """What a user meets: download_data (no Spark yet) fails naming file, column, row, value."""
     broken = tmp_path / "broken"

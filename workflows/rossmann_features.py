@@ -126,8 +126,8 @@ def _joined(spark: SparkSession, directory: str, df: DataFrame, name: str) -> Da
     """Daily rows with store, state, trend and weather columns; no row may be lost."""
     expected = df.count()
     df = _expand_date(df)
-    # A blank Open (11 rows of the real test.csv, all of one store) means open: the competition's
-    # convention, as those days were ordinary trading days; Kaggle scores closed days as 0 sales.
+    # A blank Open (11 rows of the real test.csv, all of one store) means open, the competition's
+    # convention: only a store known to be closed that day gets 0 sales.
     df = df.withColumn("Open", F.coalesce(F.col("Open"), F.lit(True)))
     store = read_csv(spark, directory, "store.csv").join(
         read_csv(spark, directory, "store_states.csv"), "Store"

@@ -681,7 +681,7 @@ def test_horovod_spark_task_rank_returning_early(spark_local2):
     if info.value.output_log:
         os.remove(info.value.output_log)
     deadline = time.monotonic() + 20
-    while rank_processes() and time.monotonic() < deadline:
+    while (rank_processes() or _spark_work_dirs(spark_local2)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert rank_processes() == []
     assert _spark_work_dirs(spark_local2) == []

@@ -22,7 +22,7 @@ import uuid
 
 import cloudpickle
 import pytest
-from conftest import REPO
+from conftest import REPO, rank_processes
 
 from flyte_hvd.core import stall
 from flyte_hvd.core.errors import RanksFailedError
@@ -560,3 +560,128 @@ def test_single_host_run_listens_on_loopback_only(no_leftover_ranks):
     loopback = {"0100007F", "00000000000000000000000001000000"}
     for addresses in launch_local(FunctionJob(fn), 2):
         assert set(addresses) <= loopback, addresses
+
+
+# -- KerasEstimator.fit ----------------------------------------------------------------------
+
+
+def _vector_df(spark, rows=64, bad=()):
+    from pyspark.ml.linalg import Vectors
+
+    data = []
+    for i in range(rows):
+        x = [float(i % 7), 1.0, -1.0]
+        for row, col, value in bad:
+            if row == i:
+                x[col] = value
+        data.append((Vectors.dense(x), float(i % 3)))
+    return spark.createDataFrame(data, ["features", "label"])
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.timeout(400)
+def test_keras_estimator_faults(spark_local2, tmp_path):
+    """Bad input is refused on the driver before any rank starts; a finished run says so."""
+    keras = pytest.importorskip("keras")
+    from flyte_hvd.spark.keras_estimator import KerasEstimator
+    from flyte_hvd.spark.prepare import prepare_data
+    from flyte_hvd.spark.store import Store
+
+    store = Store.create(str(tmp_path / "store"))
+    spark_local2.sparkContext.parallelize([0], 1).count()
+
+    def estimator(inputs=3, **overrides):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(1)])
+        params = dict(
+            num_proc=2, store=store, model=model, optimizer=keras.optimizers.SGD(0.01),
+            loss="mse", feature_cols=["features"], label_cols=["label"], batch_size=8,
+            epochs=1, verbose=0,
+        )  # fmt: skip
+        params.update(overrides)
+        return KerasEstimator(**params)
+
+    def refused(case, est, df, match):
+        started = time.monotonic()
+        with pytest.raises(ValueError, match=match):
+            est.fit(df)
+        took = time.monotonic() - started
+        report("KerasEstimator.fit", case, took)
+        assert rank_processes() == []  # no rank was started, none is left
+        return took
+
+    bad = _vector_df(spark_local2, bad=[(3, 1, float("nan")), (9, 2, float("inf"))])
+    took = refused(
+        "NaN and infinity in a vector feature",
+        estimator(),
+        bad,
+        r"column `features` has 2 NaN or infinite values.*allow_non_finite_features=True",
+    )
+    assert took < 60
+    with prepare_data(
+        2, store, bad, ["label"], allow_non_finite_features=True
+    ) as idx:  # the option lets them through
+        assert idx
+    good = _vector_df(spark_local2)
+    assert refused("unknown loss name", estimator(loss="msee"), good, "`loss`='msee'") < 10
+    assert refused("unknown metric", estimator(metrics=["maee"]), good, "'maee'") < 10
+    took = refused(
+        "model input width does not fit the features",
+        estimator(inputs=5),
+        good,
+        r"takes 5 value\(s\) per row .* feature column `features` holds 3",
+    )
+    assert took < 60
+
+    estimator(run_id="finished").fit(good)
+    took = refused(
+        "refit of a finished run_id",
+        estimator(run_id="finished"),
+        good,
+        r"run `finished` already finished: it trained 1 epoch\(s\).* `epochs` > 1",
+    )
+    assert took < 60
+    further = estimator(run_id="finished", epochs=2).fit(good)  # as the message says
+    assert len(further.getHistory()["loss"]) == 2
+
+
+# -- HorovodSpark tasks ----------------------------------------------------------------------
+
+
+@pytest.mark.flyte
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_horovod_spark_task_rank_returning_early(spark_local2):
+    from flytekit import task
+
+    from flyte_hvd.flyte import HorovodSpark
+
+    @task(task_config=HorovodSpark(num_proc=2))
+    def one_collective_fewer() -> int:
+        import numpy as np
+
+        import flyte_hvd.core as hvd
+
+        hvd.allreduce(np.ones(3))
+        if hvd.rank() == 0:
+            hvd.allreduce(np.ones(3))
+        return 0
+
+    spark_local2.sparkContext.parallelize([0], 1).count()
+    started = time.monotonic()
+    with pytest.raises(RanksFailedError) as info:
+        one_collective_fewer()
+    took = time.monotonic() - started
+    report("HorovodSpark task", "one collective fewer", took)
+    message = str(info.value)
+    assert "rank 1 ended (returned normally) while ranks [0] wait for it in `allreduce`" in message
+    assert took < 60
+    if info.value.output_log:
+        os.remove(info.value.output_log)
+    deadline = time.monotonic() + 20
+    while (rank_processes() or _spark_work_dirs(spark_local2)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rank_processes() == []
+    assert _spark_work_dirs(spark_local2) == []

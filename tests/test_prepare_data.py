@@ -198,7 +198,7 @@ def test_empty_dataframe_and_empty_split(store, vectors_df, tmp_path):
 
 def test_nan_label_is_refused(store, vectors_df):
     df = vectors_df.selectExpr("*", "if(id = 7, double('NaN'), label) as bad_label")
-    with pytest.raises(ValueError, match=r"column `bad_label` has 1 NaN values"):
+    with pytest.raises(ValueError, match=r"column `bad_label` has 1 NaN or infinite values"):
         prepare(store, df, label_columns=["bad_label"], feature_columns=["f"])
     nulls = vectors_df.selectExpr("*", "if(id = 3, null, f) as f_null")
     with pytest.raises(ValueError, match=r"column `f_null` has 1 null values"):

@@ -126,7 +126,7 @@ class Probe:
     def __init__(self, send: Callable[[dict[str, Any]], None], main: int | None = None):
         self._send = send
         self._main = threading.main_thread().ident if main is None else main
-        self._frame: Any = None  # held, so a later frame cannot reuse its id
+        self._frame_id = 0  # id() of the collective's frame seen last (see `sample`)
         self._since = 0.0
         self._reported = False
         self._where = ""
@@ -162,7 +162,13 @@ class Probe:
                 break
         main = frames.get(self._main)
         where = _where(main) if main is not None else "?"
-        if hit is not None and hit[0] is self._frame:
+        # Same call as last time? Holding its frame would tell, but would keep the call's
+        # locals (pooled result buffers) alive after it returns. Instead the frame is marked:
+        # the running call owns its frame object, so a frame with the same id that carries
+        # the mark is that call still; a new call's frame is a new object, unmarked. (The
+        # mark, ``f_trace_lines = False``, only matters to a tracer stepping through
+        # flyte_hvd's collectives.)
+        if hit is not None and id(hit[0]) == self._frame_id and not hit[0].f_trace_lines:
             if not self._reported and now - self._since >= REPORT_AFTER_S:
                 self._reported = True
                 self._report(hit[1], now - self._since, where, now)
@@ -170,7 +176,11 @@ class Probe:
         if self._reported:
             self._reported = False
             self._report(None, 0.0, where, now)
-        self._frame, self._since = (hit[0], now) if hit is not None else (None, 0.0)
+        if hit is not None:
+            hit[0].f_trace_lines = False
+            self._frame_id, self._since = id(hit[0]), now
+        else:
+            self._frame_id, self._since = 0, 0.0
         if hit is None and where != self._where and now - self._where_sent_at >= 5.0:
             self._report(None, 0.0, where, now)
 

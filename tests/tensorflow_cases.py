@@ -253,3 +253,22 @@ def iterations_advance_every_backward_pass():
         assert int(opt.iterations) == k + 1, (k, int(opt.iterations))
     # Update 1 (at pass 2) used step 1's rate 1.0 on the summed gradient 2; update 2 rate 0.
     np.testing.assert_allclose(v.numpy(), [-2.0])
+
+
+@case
+def tf1_graph_collectives_run_in_build_order_and_bools_travel():
+    import tensorflow as tf
+
+    import flyte_hvd.tensorflow as hvd
+
+    n, r = hvd.size(), hvd.rank()
+    with tf.Graph().as_default():
+        # Independent ops: a TF1 session may run them in any order unless they are chained.
+        gathered = [hvd.allgather(tf.fill([r + 1, k + 1], k)) for k in range(6)]
+        flags = hvd.broadcast(tf.constant([r == 0, True]), root_rank=0)
+        with tf.compat.v1.Session() as session:
+            values = session.run([*gathered, flags])
+    for k, value in enumerate(values[:6]):
+        assert value.shape == (n * (n + 1) // 2, k + 1) and (value == k).all()
+    assert values[6].tolist() == [True, True]
+    assert hvd.allgather(tf.constant([r == 1])).numpy().tolist() == [k == 1 for k in range(n)]

@@ -15,6 +15,7 @@ allgather of the gradient.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,11 +52,22 @@ def numpy_call(
     if tf.executing_eagerly():
         arrays = fn(*[np.asarray(t) for t in tensors])
         return [tf.convert_to_tensor(a, dtype=d) for a, d in zip(arrays, dtypes, strict=True)]
-    out = tf.numpy_function(
-        lambda *arrays: list(fn(*arrays)), list(tensors), list(dtypes), stateful=True,
-        name=_op_name(name),
-    )  # fmt: skip
-    return list(out) if isinstance(out, list | tuple) else [out]
+    graph = tf.compat.v1.get_default_graph()
+    # tf.function runs stateful ops in program order; a TF1 graph does not, so there each
+    # collective waits for the one built before it (every rank builds the same graph).
+    previous = None if tf.inside_function() else _LAST_COLLECTIVE.get(graph)
+    with tf.control_dependencies([previous] if previous is not None else []):
+        out = tf.numpy_function(
+            lambda *arrays: list(fn(*arrays)), list(tensors), list(dtypes), stateful=True,
+            name=_op_name(name),
+        )  # fmt: skip
+    out = list(out) if isinstance(out, list | tuple) else [out]
+    if not tf.inside_function():
+        _LAST_COLLECTIVE[graph] = out[0].op
+    return out
+
+
+_LAST_COLLECTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _op_name(name: str | None) -> str | None:
@@ -164,7 +176,7 @@ def allgather(
 ) -> tf.Tensor:
     """Concatenate every rank's tensor along the first dimension (which may differ)."""
     check_process_set(process_set)
-    return _allgather(tf.convert_to_tensor(tensor), name)
+    return _bool_as_uint8(lambda t: _allgather(t, name), tf.convert_to_tensor(tensor))
 
 
 def grouped_allgather(
@@ -174,7 +186,7 @@ def grouped_allgather(
     process_set: Any = None,
 ) -> list[tf.Tensor]:
     check_process_set(process_set)
-    return [_allgather(tf.convert_to_tensor(t), name) for t in tensors]
+    return [allgather(t, name) for t in tensors]
 
 
 def _allgather(tensor: tf.Tensor, name: str | None) -> tf.Tensor:
@@ -209,7 +221,15 @@ def broadcast(
 ) -> tf.Tensor:
     """Every rank gets ``root_rank``'s tensor."""
     check_process_set(process_set)
-    return _broadcast(tf.convert_to_tensor(tensor), root_rank, name)
+    return _bool_as_uint8(lambda t: _broadcast(t, root_rank, name), tf.convert_to_tensor(tensor))
+
+
+def _bool_as_uint8(collective: Callable[[tf.Tensor], tf.Tensor], tensor: tf.Tensor) -> tf.Tensor:
+    """Booleans travel as uint8 (the core reduces numbers only); gather and broadcast
+    take them as Horovod does."""
+    if tensor.dtype != tf.bool:
+        return collective(tensor)
+    return tf.cast(collective(tf.cast(tensor, tf.uint8)), tf.bool)
 
 
 def _broadcast(tensor: tf.Tensor, root_rank: int, name: str | None) -> tf.Tensor:
@@ -249,7 +269,9 @@ def alltoall(
     ``splits`` is given, else the received rows only (Horovod's convention)."""
     check_process_set(process_set)
     tensor = tf.convert_to_tensor(tensor)
-    out, received = _alltoall(tensor, None if splits is None else tf.cast(splits, tf.int32), name)
+    wire = tf.cast(tensor, tf.uint8) if tensor.dtype == tf.bool else tensor
+    out, received = _alltoall(wire, None if splits is None else tf.cast(splits, tf.int32), name)
+    out = tf.cast(out, tf.bool) if tensor.dtype == tf.bool else out
     return (out, received) if splits is not None else out
 
 

@@ -123,8 +123,9 @@ def gradients_through_collectives_follow_horovod():
         )
 
     mean = (n + 1) / 2
-    # Rank k's rows of the reducescatter input reach only rank k's output (gradient k + 1).
-    scattered = np.repeat(np.arange(1, n + 1, dtype=np.float32), 2)[:, None] * np.ones((1, 2))
+    # Rank k's rows of the reducescatter input reach only rank k's output (gradient k + 1);
+    # Horovod scales a Sum's gradient by size.
+    scattered = np.repeat(np.arange(1, n + 1, dtype=np.float32), 2)[:, None] * np.ones((1, 2)) * n
     for g_reduce, g_gather, g_bcast, g_scatter in _both_modes(grads):
         np.testing.assert_allclose(g_reduce.numpy(), [mean, mean])
         np.testing.assert_allclose(g_gather.numpy(), np.full((r + 1, 2), mean))

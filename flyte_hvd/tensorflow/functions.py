@@ -10,7 +10,7 @@ step outside XLA when ``DistributedOptimizer`` is used; see the README).
 Gradients follow Horovod's registrations: allreduce -> allreduce of the gradient (same op and
 scaling), allgather -> averaged gradient sliced back to this rank's rows, broadcast ->
 averaged gradient on the root and zeros elsewhere, alltoall -> alltoall back, reducescatter ->
-allgather of the gradient.
+allgather of the gradient (times size for Sum).
 """
 
 from __future__ import annotations
@@ -343,10 +343,10 @@ def _reducescatter(tensor, op, prescale, postscale, name) -> tf.Tensor:
         y.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
 
         def grad(dy):
-            # Rank r's output is a sum of every rank's rows (divided by size for Average):
-            # each rank's input gradient is every rank's output gradient, gathered.
+            # As Horovod registers it: every rank's output gradient, gathered; scaled by
+            # size for Sum.
             g = _allgather(dy, name)
-            factor = prescale * postscale / (state.size() if op == Average else 1)
+            factor = prescale * postscale * (state.size() if op == Sum else 1)
             return g if factor == 1.0 else g * tf.cast(factor, g.dtype)
 
         return y, grad

@@ -25,6 +25,7 @@ import tensorflow as tf
 from flyte_hvd.core import collectives, state
 from flyte_hvd.core.collectives import Average, ReduceOp, Sum
 from flyte_hvd.core.compression import Compression, Compressor
+from flyte_hvd.core.errors import CollectiveMismatchError
 
 
 def check_process_set(process_set: Any) -> None:
@@ -49,6 +50,7 @@ def numpy_call(
     graph it runs as one stateful ``tf.numpy_function``. Either way the result is a list, also
     for one output (``tf.numpy_function`` returns a bare tensor then).
     """
+    fn = _failed_precondition_on_mismatch(fn)
     if tf.executing_eagerly():
         arrays = fn(*[np.asarray(t) for t in tensors])
         return [tf.convert_to_tensor(a, dtype=d) for a, d in zip(arrays, dtypes, strict=True)]
@@ -68,6 +70,20 @@ def numpy_call(
 
 
 _LAST_COLLECTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _failed_precondition_on_mismatch(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Ranks that disagree on a collective's arguments get TensorFlow's
+    ``FailedPreconditionError`` (as Horovod raises), carrying the core's one-line-per-rank
+    message."""
+
+    def call(*arrays):
+        try:
+            return fn(*arrays)
+        except CollectiveMismatchError as error:
+            raise tf.errors.FailedPreconditionError(None, None, str(error)) from error
+
+    return call
 
 
 def _op_name(name: str | None) -> str | None:
@@ -112,9 +128,16 @@ def allreduce(
     check_process_set(process_set)
     op = resolve_op(average, op)
     if isinstance(tensor, tf.IndexedSlices):
+        # NotImplementedError, as Horovod raises for these.
         if op not in (Average, Sum):
-            raise ValueError(
-                f"IndexedSlices allreduce supports hvd.Average and hvd.Sum; found {op!r}."
+            raise NotImplementedError(
+                f"allreduce of IndexedSlices supports hvd.Average and hvd.Sum; found {op!r}. "
+                f"Densify first (`tf.convert_to_tensor(slices)`) for other ops."
+            )
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            raise NotImplementedError(
+                "allreduce of IndexedSlices takes no `prescale_factor`/`postscale_factor`; "
+                "scale the values yourself or densify first."
             )
         values = allgather(tensor.values, name=name)
         indices = allgather(tensor.indices, name=name)
@@ -143,10 +166,20 @@ def grouped_allreduce(
     """Reduce many tensors in as few fused reductions as ``HOROVOD_FUSION_THRESHOLD`` allows."""
     check_process_set(process_set)
     op = resolve_op(average, op)
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if not tensors:
-        return []
-    return _grouped_allreduce(tensors, op, compression, prescale_factor, postscale_factor, name)
+    tensors = list(tensors)
+    out: list[Any] = list(tensors)
+    dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):  # gathered, one by one, as Horovod does
+            out[i] = allreduce(t, op=op, prescale_factor=prescale_factor,
+                               postscale_factor=postscale_factor, name=name)  # fmt: skip
+    if dense:
+        arrays = [tf.convert_to_tensor(tensors[i]) for i in dense]
+        reduced = _grouped_allreduce(arrays, op, compression, prescale_factor, postscale_factor,
+                                     name)  # fmt: skip
+        for i, t in zip(dense, reduced, strict=True):
+            out[i] = t
+    return out
 
 
 def _grouped_allreduce(tensors, op, compression, prescale, postscale, name) -> list[tf.Tensor]:
@@ -335,9 +368,8 @@ def _reducescatter(tensor, op, prescale, postscale, name) -> tf.Tensor:
     @tf.custom_gradient
     def forward(x):
         def scatter(a):
-            scaled = a if prescale == 1.0 else a * np.asarray(prescale, a.dtype)
-            out = collectives.reducescatter(scaled, op=op, name=name)
-            return [out if postscale == 1.0 else out * np.asarray(postscale, out.dtype)]
+            out = collectives.reducescatter(_scaled(a, prescale), op=op, name=name)
+            return [_scaled(out, postscale)]
 
         (y,) = numpy_call(scatter, [x], [_dtype(x)], name or "HorovodReducescatter")
         y.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
@@ -352,6 +384,18 @@ def _reducescatter(tensor, op, prescale, postscale, name) -> tf.Tensor:
         return y, grad
 
     return forward(tensor)
+
+
+def _scaled(array: np.ndarray, factor: float) -> np.ndarray:
+    """``array * factor`` in the array's dtype; integers (and float16) are scaled in float64
+    (float32) and cast back, as Horovod does."""
+    if factor == 1.0:
+        return array
+    if array.dtype.kind in "iu":
+        return (array.astype(np.float64) * factor).astype(array.dtype)
+    if array.dtype == np.float16:
+        return (array.astype(np.float32) * np.float32(factor)).astype(np.float16)
+    return array * np.asarray(factor, array.dtype)
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int = 0,

@@ -273,3 +273,31 @@ def tf1_graph_collectives_run_in_build_order_and_bools_travel():
         assert value.shape == (n * (n + 1) // 2, k + 1) and (value == k).all()
     assert values[6].tolist() == [True, True]
     assert hvd.allgather(tf.constant([r == 1])).numpy().tolist() == [k == 1 for k in range(n)]
+
+
+@case
+def mismatches_raise_failed_precondition_and_sparse_groups_reduce():
+    import tensorflow as tf
+
+    import flyte_hvd.tensorflow as hvd
+
+    n, r = hvd.size(), hvd.rank()
+    # Eagerly Horovod's FailedPreconditionError; a graph's py-function op reports any
+    # Python error as an OpError (UnknownError) carrying the same message.
+    graph = lambda f: tf.function(f, autograph=False)()  # noqa: E731
+    for run, expected in ((lambda f: f(), tf.errors.FailedPreconditionError),
+                          (graph, tf.errors.OpError)):  # fmt: skip
+        try:
+            run(lambda: hvd.allreduce(tf.ones([3 + r])))  # shapes differ between ranks
+        except expected as error:
+            assert "rank 0" in error.message and "rank 1" in error.message, error.message
+        else:
+            assert n == 1, "a shape mismatch was not reported"
+    sparse = tf.IndexedSlices(tf.fill([1, 2], float(r + 1)), tf.constant([r]), tf.constant([n, 2]))
+    dense, gathered = hvd.grouped_allreduce([tf.fill([2], float(r + 1)), sparse], op=hvd.Sum)
+    np.testing.assert_allclose(dense.numpy(), [n * (n + 1) / 2] * 2)
+    assert isinstance(gathered, tf.IndexedSlices)
+    np.testing.assert_array_equal(gathered.indices.numpy(), np.arange(n))
+    ints = tf.fill([2 * n], 10)
+    scattered = hvd.reducescatter(ints, op=hvd.Sum, prescale_factor=0.5)  # 10 * 0.5 = 5 each
+    np.testing.assert_array_equal(scattered.numpy(), [5 * n, 5 * n])

@@ -301,3 +301,5 @@ def mismatches_raise_failed_precondition_and_sparse_groups_reduce():
     ints = tf.fill([2 * n], 10)
     scattered = hvd.reducescatter(ints, op=hvd.Sum, prescale_factor=0.5)  # 10 * 0.5 = 5 each
     np.testing.assert_array_equal(scattered.numpy(), [5 * n, 5 * n])
+    summed = hvd.allreduce(tf.fill([2], 10), op=hvd.Sum, prescale_factor=0.5, postscale_factor=2.0)
+    np.testing.assert_array_equal(summed.numpy(), [10 * n, 10 * n])

@@ -186,10 +186,16 @@ def _grouped_allreduce(tensors, op, compression, prescale, postscale, name) -> l
     @tf.custom_gradient
     def forward(*xs):
         def reduce(*arrays):
-            return collectives.grouped_allreduce(
-                list(arrays), op=op, name=name, compression=compression,
-                prescale_factor=prescale, postscale_factor=postscale,
-            )  # fmt: skip
+            if all(a.dtype.kind in "fc" for a in arrays):
+                return collectives.grouped_allreduce(
+                    list(arrays), op=op, name=name, compression=compression,
+                    prescale_factor=prescale, postscale_factor=postscale,
+                )  # fmt: skip
+            # Integers are scaled in floating point and cast back, as Horovod does.
+            out = collectives.grouped_allreduce(
+                [_scaled(a, prescale) for a in arrays], op=op, name=name, compression=compression
+            )
+            return [_scaled(a, postscale) for a in out]
 
         out = numpy_call(reduce, xs, [_dtype(x) for x in xs], name or "HorovodAllreduce")
         for y, x in zip(out, xs, strict=True):

@@ -301,3 +301,33 @@ def broadcast_callback_on_unbuilt_model_keeps_local_variables():
     assert float(model.layers[1].bias.numpy()[0]) == r
     kernels = hvd.allgather_object(model.layers[1].kernel.numpy())
     np.testing.assert_array_equal(kernels[0], kernels[-1])
+
+
+@case
+def local_variables_keep_their_own_gradient():
+    import keras
+    import tensorflow as tf
+
+    import flyte_hvd.keras as hvd
+
+    n, r = hvd.size(), hvd.rank()
+    shared, local = tf.Variable([0.0]), tf.Variable([0.0])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0))
+    opt.register_local_var(local)
+    g = tf.constant([float(r + 1)])
+    opt.apply_gradients([(g, shared), (g, local)])
+    np.testing.assert_allclose(shared.numpy(), [-(n + 1) / 2])  # averaged
+    np.testing.assert_allclose(local.numpy(), [-(r + 1) / n])  # local, divided by size
+
+    model = _mlp(seed=9)
+    partial = hvd.PartialDistributedOptimizer(
+        keras.optimizers.SGD(0.1), local_layers=[model.layers[-1]]
+    )
+    model.compile(optimizer=partial, loss="mse")
+    x, y = _data(70 + r, 16)
+    model.train_on_batch(x, y)
+    everyone = hvd.allgather_object([_weights(model)[0], _weights(model)[-1]])
+    first, last = everyone[0], everyone[-1]
+    np.testing.assert_array_equal(first[0], last[0])  # shared layer: same update everywhere
+    if n > 1:
+        assert not np.array_equal(first[1], last[1])  # local bias: each rank its own

@@ -123,8 +123,9 @@ def gradients_through_collectives_follow_horovod():
         )
 
     mean = (n + 1) / 2
-    # Rank k's rows of the reducescatter input reach only rank k's output (gradient k + 1).
-    scattered = np.repeat(np.arange(1, n + 1, dtype=np.float32), 2)[:, None] * np.ones((1, 2))
+    # Rank k's rows of the reducescatter input reach only rank k's output (gradient k + 1);
+    # Horovod scales a Sum's gradient by size.
+    scattered = np.repeat(np.arange(1, n + 1, dtype=np.float32), 2)[:, None] * np.ones((1, 2)) * n
     for g_reduce, g_gather, g_bcast, g_scatter in _both_modes(grads):
         np.testing.assert_allclose(g_reduce.numpy(), [mean, mean])
         np.testing.assert_allclose(g_gather.numpy(), np.full((r + 1, 2), mean))
@@ -253,3 +254,52 @@ def iterations_advance_every_backward_pass():
         assert int(opt.iterations) == k + 1, (k, int(opt.iterations))
     # Update 1 (at pass 2) used step 1's rate 1.0 on the summed gradient 2; update 2 rate 0.
     np.testing.assert_allclose(v.numpy(), [-2.0])
+
+
+@case
+def tf1_graph_collectives_run_in_build_order_and_bools_travel():
+    import tensorflow as tf
+
+    import flyte_hvd.tensorflow as hvd
+
+    n, r = hvd.size(), hvd.rank()
+    with tf.Graph().as_default():
+        # Independent ops: a TF1 session may run them in any order unless they are chained.
+        gathered = [hvd.allgather(tf.fill([r + 1, k + 1], k)) for k in range(6)]
+        flags = hvd.broadcast(tf.constant([r == 0, True]), root_rank=0)
+        with tf.compat.v1.Session() as session:
+            values = session.run([*gathered, flags])
+    for k, value in enumerate(values[:6]):
+        assert value.shape == (n * (n + 1) // 2, k + 1) and (value == k).all()
+    assert values[6].tolist() == [True, True]
+    assert hvd.allgather(tf.constant([r == 1])).numpy().tolist() == [k == 1 for k in range(n)]
+
+
+@case
+def mismatches_raise_failed_precondition_and_sparse_groups_reduce():
+    import tensorflow as tf
+
+    import flyte_hvd.tensorflow as hvd
+
+    n, r = hvd.size(), hvd.rank()
+    # Eagerly Horovod's FailedPreconditionError; a graph's py-function op reports any
+    # Python error as an OpError (UnknownError) carrying the same message.
+    graph = lambda f: tf.function(f, autograph=False)()  # noqa: E731
+    for run, expected in ((lambda f: f(), tf.errors.FailedPreconditionError),
+                          (graph, tf.errors.OpError)):  # fmt: skip
+        try:
+            run(lambda: hvd.allreduce(tf.ones([3 + r])))  # shapes differ between ranks
+        except expected as error:
+            assert "rank 0" in error.message and "rank 1" in error.message, error.message
+        else:
+            assert n == 1, "a shape mismatch was not reported"
+    sparse = tf.IndexedSlices(tf.fill([1, 2], float(r + 1)), tf.constant([r]), tf.constant([n, 2]))
+    dense, gathered = hvd.grouped_allreduce([tf.fill([2], float(r + 1)), sparse], op=hvd.Sum)
+    np.testing.assert_allclose(dense.numpy(), [n * (n + 1) / 2] * 2)
+    assert isinstance(gathered, tf.IndexedSlices)
+    np.testing.assert_array_equal(gathered.indices.numpy(), np.arange(n))
+    ints = tf.fill([2 * n], 10)
+    scattered = hvd.reducescatter(ints, op=hvd.Sum, prescale_factor=0.5)  # 10 * 0.5 = 5 each
+    np.testing.assert_array_equal(scattered.numpy(), [5 * n, 5 * n])
+    summed = hvd.allreduce(tf.fill([2], 10), op=hvd.Sum, prescale_factor=0.5, postscale_factor=2.0)
+    np.testing.assert_array_equal(summed.numpy(), [10 * n, 10 * n])

@@ -137,3 +137,13 @@ def test_elastic_is_refused_with_the_reason(hvd):
             module.run()
         with pytest.raises(NotImplementedError, match=r"elastic\.TensorFlowKerasState"):
             module.TensorFlowKerasState(None)
+
+
+def test_indexed_slices_refuse_what_horovod_refuses(hvd):
+    import tensorflow as tf
+
+    slices = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([2, 2]))
+    with pytest.raises(NotImplementedError, match=r"hvd\.Average and hvd\.Sum"):
+        hvd.allreduce(slices, op=hvd.Max)
+    with pytest.raises(NotImplementedError, match="prescale_factor"):
+        hvd.grouped_allreduce([slices], op=hvd.Sum, prescale_factor=2.0)

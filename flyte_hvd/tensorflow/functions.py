@@ -10,11 +10,12 @@ step outside XLA when ``DistributedOptimizer`` is used; see the README).
 Gradients follow Horovod's registrations: allreduce -> allreduce of the gradient (same op and
 scaling), allgather -> averaged gradient sliced back to this rank's rows, broadcast ->
 averaged gradient on the root and zeros elsewhere, alltoall -> alltoall back, reducescatter ->
-allgather of the gradient.
+allgather of the gradient (times size for Sum).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ import tensorflow as tf
 from flyte_hvd.core import collectives, state
 from flyte_hvd.core.collectives import Average, ReduceOp, Sum
 from flyte_hvd.core.compression import Compression, Compressor
+from flyte_hvd.core.errors import CollectiveMismatchError
 
 
 def check_process_set(process_set: Any) -> None:
@@ -48,14 +50,40 @@ def numpy_call(
     graph it runs as one stateful ``tf.numpy_function``. Either way the result is a list, also
     for one output (``tf.numpy_function`` returns a bare tensor then).
     """
+    fn = _failed_precondition_on_mismatch(fn)
     if tf.executing_eagerly():
         arrays = fn(*[np.asarray(t) for t in tensors])
         return [tf.convert_to_tensor(a, dtype=d) for a, d in zip(arrays, dtypes, strict=True)]
-    out = tf.numpy_function(
-        lambda *arrays: list(fn(*arrays)), list(tensors), list(dtypes), stateful=True,
-        name=_op_name(name),
-    )  # fmt: skip
-    return list(out) if isinstance(out, list | tuple) else [out]
+    graph = tf.compat.v1.get_default_graph()
+    # tf.function runs stateful ops in program order; a TF1 graph does not, so there each
+    # collective waits for the one built before it (every rank builds the same graph).
+    previous = None if tf.inside_function() else _LAST_COLLECTIVE.get(graph)
+    with tf.control_dependencies([previous] if previous is not None else []):
+        out = tf.numpy_function(
+            lambda *arrays: list(fn(*arrays)), list(tensors), list(dtypes), stateful=True,
+            name=_op_name(name),
+        )  # fmt: skip
+    out = list(out) if isinstance(out, list | tuple) else [out]
+    if not tf.inside_function():
+        _LAST_COLLECTIVE[graph] = out[0].op
+    return out
+
+
+_LAST_COLLECTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _failed_precondition_on_mismatch(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Ranks that disagree on a collective's arguments get TensorFlow's
+    ``FailedPreconditionError`` (as Horovod raises), carrying the core's one-line-per-rank
+    message."""
+
+    def call(*arrays):
+        try:
+            return fn(*arrays)
+        except CollectiveMismatchError as error:
+            raise tf.errors.FailedPreconditionError(None, None, str(error)) from error
+
+    return call
 
 
 def _op_name(name: str | None) -> str | None:
@@ -100,9 +128,16 @@ def allreduce(
     check_process_set(process_set)
     op = resolve_op(average, op)
     if isinstance(tensor, tf.IndexedSlices):
+        # NotImplementedError, as Horovod raises for these.
         if op not in (Average, Sum):
-            raise ValueError(
-                f"IndexedSlices allreduce supports hvd.Average and hvd.Sum; found {op!r}."
+            raise NotImplementedError(
+                f"allreduce of IndexedSlices supports hvd.Average and hvd.Sum; found {op!r}. "
+                f"Densify first (`tf.convert_to_tensor(slices)`) for other ops."
+            )
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            raise NotImplementedError(
+                "allreduce of IndexedSlices takes no `prescale_factor`/`postscale_factor`; "
+                "scale the values yourself or densify first."
             )
         values = allgather(tensor.values, name=name)
         indices = allgather(tensor.indices, name=name)
@@ -131,20 +166,36 @@ def grouped_allreduce(
     """Reduce many tensors in as few fused reductions as ``HOROVOD_FUSION_THRESHOLD`` allows."""
     check_process_set(process_set)
     op = resolve_op(average, op)
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if not tensors:
-        return []
-    return _grouped_allreduce(tensors, op, compression, prescale_factor, postscale_factor, name)
+    tensors = list(tensors)
+    out: list[Any] = list(tensors)
+    dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):  # gathered, one by one, as Horovod does
+            out[i] = allreduce(t, op=op, prescale_factor=prescale_factor,
+                               postscale_factor=postscale_factor, name=name)  # fmt: skip
+    if dense:
+        arrays = [tf.convert_to_tensor(tensors[i]) for i in dense]
+        reduced = _grouped_allreduce(arrays, op, compression, prescale_factor, postscale_factor,
+                                     name)  # fmt: skip
+        for i, t in zip(dense, reduced, strict=True):
+            out[i] = t
+    return out
 
 
 def _grouped_allreduce(tensors, op, compression, prescale, postscale, name) -> list[tf.Tensor]:
     @tf.custom_gradient
     def forward(*xs):
         def reduce(*arrays):
-            return collectives.grouped_allreduce(
-                list(arrays), op=op, name=name, compression=compression,
-                prescale_factor=prescale, postscale_factor=postscale,
-            )  # fmt: skip
+            if all(a.dtype.kind in "fc" for a in arrays):
+                return collectives.grouped_allreduce(
+                    list(arrays), op=op, name=name, compression=compression,
+                    prescale_factor=prescale, postscale_factor=postscale,
+                )  # fmt: skip
+            # Integers are scaled in floating point and cast back, as Horovod does.
+            out = collectives.grouped_allreduce(
+                [_scaled(a, prescale) for a in arrays], op=op, name=name, compression=compression
+            )
+            return [_scaled(a, postscale) for a in out]
 
         out = numpy_call(reduce, xs, [_dtype(x) for x in xs], name or "HorovodAllreduce")
         for y, x in zip(out, xs, strict=True):
@@ -164,7 +215,7 @@ def allgather(
 ) -> tf.Tensor:
     """Concatenate every rank's tensor along the first dimension (which may differ)."""
     check_process_set(process_set)
-    return _allgather(tf.convert_to_tensor(tensor), name)
+    return _bool_as_uint8(lambda t: _allgather(t, name), tf.convert_to_tensor(tensor))
 
 
 def grouped_allgather(
@@ -174,7 +225,7 @@ def grouped_allgather(
     process_set: Any = None,
 ) -> list[tf.Tensor]:
     check_process_set(process_set)
-    return [_allgather(tf.convert_to_tensor(t), name) for t in tensors]
+    return [allgather(t, name) for t in tensors]
 
 
 def _allgather(tensor: tf.Tensor, name: str | None) -> tf.Tensor:
@@ -209,7 +260,15 @@ def broadcast(
 ) -> tf.Tensor:
     """Every rank gets ``root_rank``'s tensor."""
     check_process_set(process_set)
-    return _broadcast(tf.convert_to_tensor(tensor), root_rank, name)
+    return _bool_as_uint8(lambda t: _broadcast(t, root_rank, name), tf.convert_to_tensor(tensor))
+
+
+def _bool_as_uint8(collective: Callable[[tf.Tensor], tf.Tensor], tensor: tf.Tensor) -> tf.Tensor:
+    """Booleans travel as uint8 (the core reduces numbers only); gather and broadcast
+    take them as Horovod does."""
+    if tensor.dtype != tf.bool:
+        return collective(tensor)
+    return tf.cast(collective(tf.cast(tensor, tf.uint8)), tf.bool)
 
 
 def _broadcast(tensor: tf.Tensor, root_rank: int, name: str | None) -> tf.Tensor:
@@ -249,7 +308,9 @@ def alltoall(
     ``splits`` is given, else the received rows only (Horovod's convention)."""
     check_process_set(process_set)
     tensor = tf.convert_to_tensor(tensor)
-    out, received = _alltoall(tensor, None if splits is None else tf.cast(splits, tf.int32), name)
+    wire = tf.cast(tensor, tf.uint8) if tensor.dtype == tf.bool else tensor
+    out, received = _alltoall(wire, None if splits is None else tf.cast(splits, tf.int32), name)
+    out = tf.cast(out, tf.bool) if tensor.dtype == tf.bool else out
     return (out, received) if splits is not None else out
 
 
@@ -313,23 +374,34 @@ def _reducescatter(tensor, op, prescale, postscale, name) -> tf.Tensor:
     @tf.custom_gradient
     def forward(x):
         def scatter(a):
-            scaled = a if prescale == 1.0 else a * np.asarray(prescale, a.dtype)
-            out = collectives.reducescatter(scaled, op=op, name=name)
-            return [out if postscale == 1.0 else out * np.asarray(postscale, out.dtype)]
+            out = collectives.reducescatter(_scaled(a, prescale), op=op, name=name)
+            return [_scaled(out, postscale)]
 
         (y,) = numpy_call(scatter, [x], [_dtype(x)], name or "HorovodReducescatter")
         y.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
 
         def grad(dy):
-            # Rank r's output is a sum of every rank's rows (divided by size for Average):
-            # each rank's input gradient is every rank's output gradient, gathered.
+            # As Horovod registers it: every rank's output gradient, gathered; scaled by
+            # size for Sum.
             g = _allgather(dy, name)
-            factor = prescale * postscale / (state.size() if op == Average else 1)
+            factor = prescale * postscale * (state.size() if op == Sum else 1)
             return g if factor == 1.0 else g * tf.cast(factor, g.dtype)
 
         return y, grad
 
     return forward(tensor)
+
+
+def _scaled(array: np.ndarray, factor: float) -> np.ndarray:
+    """``array * factor`` in the array's dtype; integers (and float16) are scaled in float64
+    (float32) and cast back, as Horovod does."""
+    if factor == 1.0:
+        return array
+    if array.dtype.kind in "iu":
+        return (array.astype(np.float64) * factor).astype(array.dtype)
+    if array.dtype == np.float16:
+        return (array.astype(np.float32) * np.float32(factor)).astype(np.float16)
+    return array * np.asarray(factor, array.dtype)
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int = 0,

@@ -65,7 +65,7 @@ def ranks_part(steps: int) -> dict:
 
     import flyte_hvd.keras as hvd
     from flyte_hvd.core import collectives
-    from flyte_hvd.keras import optimizer as dist
+    from flyte_hvd.tensorflow import optimizer as dist
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)

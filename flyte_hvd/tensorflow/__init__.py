@@ -60,7 +60,7 @@ def DistributedOptimizer(optimizer, *args, **kwargs):
     supported)."""
     import keras
 
-    from flyte_hvd.keras.optimizer import DistributedOptimizer as keras_distributed
+    from flyte_hvd.tensorflow.optimizer import DistributedOptimizer as keras_distributed
 
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ValueError(
@@ -70,43 +70,6 @@ def DistributedOptimizer(optimizer, *args, **kwargs):
             f"supported: use a Keras optimizer or `hvd.DistributedGradientTape`."
         )
     return keras_distributed(optimizer, *args, **kwargs)
-
-
-# What this build has, for scripts that ask (Horovod's build queries).
-def mpi_built() -> bool:
-    return True
-
-
-def mpi_threads_supported() -> bool:
-    return False
-
-
-def gloo_built() -> bool:
-    return False
-
-
-def gloo_enabled() -> bool:
-    return False
-
-
-def nccl_built() -> int:
-    return 0
-
-
-def ddl_built() -> bool:
-    return False
-
-
-def ccl_built() -> bool:
-    return False
-
-
-def cuda_built() -> bool:
-    return False
-
-
-def rocm_built() -> bool:
-    return False
 
 
 # The tensor collectives replace the core's numpy ones of the same names.

@@ -359,8 +359,8 @@ class RankSupervisor:
                 elif op == "failed":
                     state.traceback = message["traceback"]
                     if self.output_log is not None:
-                        for line in state.traceback.rstrip().splitlines():
-                            self.output_log.write(state.rank, "stderr", line)
+                        for text in state.traceback.rstrip().splitlines():
+                            self.output_log.write(state.rank, "stderr", text)
                     state.times["failed"] = time.time()
                 elif op == "probe":
                     self.watch.probe(state.rank, message)
@@ -388,9 +388,12 @@ class RankSupervisor:
                 s.times.setdefault("failed", time.time())
             if failed and first_failure_at is None:
                 first_failure_at = time.monotonic()
-            if failed and time.monotonic() - first_failure_at >= _FAILURE_GRACE_S:
+            if (
+                first_failure_at is not None
+                and time.monotonic() - first_failure_at >= _FAILURE_GRACE_S
+            ):
                 self._raise_failures()
-            if not failed and all(s.proc.poll() == 0 for s in self.ranks.values()):
+            if not failed and all(s.proc and s.proc.poll() == 0 for s in self.ranks.values()):
                 for s in self.ranks.values():
                     for pump in s.pumps:
                         pump.join(timeout=5)
@@ -418,7 +421,7 @@ class RankSupervisor:
     @staticmethod
     def _code(state: _Rank) -> int | None:
         """The rank's exit status; -1 for a signal its launcher reported but exited 0 on."""
-        code = state.proc.poll()
+        code = state.proc.poll() if state.proc is not None else None
         return -1 if code == 0 and state.exit_string else code
 
     def _raise_failures(self) -> None:

@@ -160,7 +160,7 @@ class Probe:
             hit = _collective_of(frames[ident])
             if hit is not None:
                 break
-        main = frames.get(self._main)
+        main = frames.get(self._main) if self._main is not None else None
         where = _where(main) if main is not None else "?"
         # Same call as last time? Holding its frame would tell, but would keep the call's
         # locals (pooled result buffers) alive after it returns. Instead the frame is marked:

@@ -160,7 +160,7 @@ def DistributedGradientTape(
     if issubclass(base, _DistributedGradientTape):
         base = base.__mro__[2]
     cls = type(base.__name__, (_DistributedGradientTape, base), {})
-    tape = object.__new__(cls)
+    tape: Any = object.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)  # the same recording: watched tensors, persistence
     tape._hvd_reduction = reduction
     tape._hvd_local = set()

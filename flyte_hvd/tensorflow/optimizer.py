@@ -53,6 +53,10 @@ class _Accumulators:
 class _DistributedMixin:
     _hvd: _Settings
     _hvd_acc: _Accumulators
+    # Set by PartialDistributedOptimizer / the Keras optimizer this class is mixed into.
+    _hvd_local: Any
+    _var_key: Any
+    _trainable_variables: Any
 
     def build(self, variables):
         super().build(variables)

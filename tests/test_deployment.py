@@ -55,8 +55,14 @@ def read_lock(path: str) -> dict[str, str]:
 def project_requirements(extras: tuple[str, ...]) -> list[Requirement]:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     lines = list(project["dependencies"])
+    extras = list(extras)
     for extra in extras:
-        lines += project["optional-dependencies"][extra]
+        for line in project["optional-dependencies"][extra]:
+            requirement = Requirement(line)
+            if canonicalize_name(requirement.name) == canonicalize_name(project["name"]):
+                extras += [e for e in requirement.extras if e not in extras]  # e.g. dev -> connect
+            else:
+                lines.append(line)
     return [Requirement(line) for line in lines]
 
 

@@ -387,7 +387,7 @@ def ranks_with_different_models_get_a_clear_error():
     try:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     except ValueError as error:
-        assert "ranks hold different models" in str(error), error
+        assert "ranks built different models" in str(error), error
     else:
         raise AssertionError("broadcast_parameters of different models did not raise")
 

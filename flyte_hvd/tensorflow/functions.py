@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from flyte_hvd.core import collectives, state
+from flyte_hvd.core import collectives, model_sync, state
 from flyte_hvd.core.collectives import Average, ReduceOp, Sum
 from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.core.errors import CollectiveMismatchError
@@ -419,46 +419,16 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0,
             *[v.assign(_broadcast(tf.convert_to_tensor(v), root_rank, None)) for v in variables]
         )
     described = [(getattr(v, "path", v.name), tuple(v.shape), str(v.dtype)) for v in variables]
-    everyone = collectives.allgather_object(described)
-    root = everyone[root_rank] if 0 <= root_rank < len(everyone) else None
-    if root is None:
-        raise ValueError(
-            f"`root_rank`={root_rank} does not exist: expected [0, {len(everyone) - 1}]."
-        )
     # Shapes and dtypes must agree; names may not (Keras numbers layers per process).
-    for rank, theirs in enumerate(everyone):
-        if [d[1:] for d in theirs] != [d[1:] for d in root]:
-            raise ValueError(_architecture_mismatch(root_rank, root, rank, theirs))
-    by_dtype: dict[str, list[Any]] = {}
-    for v in variables:
-        by_dtype.setdefault(str(v.dtype), []).append(v)
-    for group in by_dtype.values():
-        flat = np.concatenate([np.asarray(v.numpy()).reshape(-1) for v in group])
-        flat = collectives.broadcast(flat, root_rank=root_rank, name="broadcast_variables")
-        offset = 0
-        for v in group:
-            n = int(np.prod(v.shape))
-            v.assign(flat[offset : offset + n].reshape(tuple(v.shape)))
-            offset += n
+    model_sync.check_same_tensors(described, root_rank, compare_names=False, noun="variable")
+    values = [np.asarray(v.numpy()) for v in variables]
+    for v, value in zip(
+        variables,
+        model_sync.broadcast_by_dtype(values, root_rank, "broadcast_variables"),
+        strict=True,
+    ):
+        v.assign(value)
     return None
-
-
-def _architecture_mismatch(
-    root_rank: int, root: list[tuple], rank: int, theirs: list[tuple]
-) -> str:
-    if len(root) != len(theirs):
-        detail = f"rank {root_rank} has {len(root)} variables, rank {rank} has {len(theirs)}"
-    else:
-        first = next(i for i, (a, b) in enumerate(zip(root, theirs, strict=True)) if a[1:] != b[1:])
-        detail = (
-            f"variable {first}: rank {root_rank} has {root[first][0]} {root[first][1]} "
-            f"{root[first][2]}, rank {rank} has {theirs[first][0]} {theirs[first][1]} "
-            f"{theirs[first][2]}"
-        )
-    return (
-        f"ranks built different models, so their variables cannot be broadcast: {detail}. "
-        f"Every rank must build the same architecture."
-    )
 
 
 def broadcast_global_variables(root_rank: int) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flyte_hvd.core import background, collectives, state
+from flyte_hvd.core import background, collectives, model_sync, state
 from flyte_hvd.core.collectives import Average, ReduceOp, Sum
 from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.core.process_sets import (
@@ -705,47 +705,19 @@ def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
     shapes or dtypes get an error naming the first difference."""
     named = [(n, t) for n, t in _named(params) if isinstance(t, torch.Tensor)]
     described = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
-    everyone = collectives.allgather_object(described)
-    if not isinstance(root_rank, int) or not 0 <= root_rank < len(everyone):
-        raise ValueError(
-            f"`root_rank`={root_rank!r} does not exist: expected [0, {len(everyone) - 1}]."
-        )
-    root = everyone[root_rank]
-    for rank, theirs in enumerate(everyone):
-        if theirs != root:
-            raise ValueError(_model_mismatch(root_rank, root, rank, theirs))
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for _, t in named:
-        by_dtype.setdefault(t.dtype, []).append(t)
+    model_sync.check_same_tensors(described, root_rank, compare_names=True, noun="tensor")
     with torch.no_grad():
-        for dtype, group in by_dtype.items():
-            if dtype == torch.bfloat16:
-                flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in group])
-            else:
-                flat = torch.cat([t.detach().reshape(-1).cpu() for t in group])
-            out = torch.from_numpy(
-                collectives.broadcast(flat.numpy(), root_rank, name="broadcast_parameters")
-            )
-            offset = 0
-            for t in group:
-                n = t.numel()
-                t.copy_(out[offset : offset + n].view(t.shape))
-                offset += n
-
-
-def _model_mismatch(root_rank: int, root: list[tuple], rank: int, theirs: list[tuple]) -> str:
-    if len(root) != len(theirs):
-        detail = f"rank {root_rank} has {len(root)} tensors, rank {rank} has {len(theirs)}"
-    else:
-        i = next(i for i, (a, b) in enumerate(zip(root, theirs, strict=True)) if a != b)
-        detail = (
-            f"tensor {i}: rank {root_rank} has `{root[i][0]}` {root[i][1]} {root[i][2]}, "
-            f"rank {rank} has `{theirs[i][0]}` {theirs[i][1]} {theirs[i][2]}"
-        )
-    return (
-        f"ranks hold different models, so their tensors cannot be broadcast: {detail}. Every "
-        f"rank must build the same architecture."
-    )
+        # bfloat16 has no numpy dtype: it travels as float32.
+        values = [
+            (t.detach().float() if t.dtype == torch.bfloat16 else t.detach()).cpu().numpy()
+            for _, t in named
+        ]
+        for (_, t), value in zip(
+            named,
+            model_sync.broadcast_by_dtype(values, root_rank, "broadcast_parameters"),
+            strict=True,
+        ):
+            t.copy_(torch.from_numpy(value).view(t.shape))
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:

@@ -584,9 +584,9 @@ def _vector_df(spark, rows=64, bad=()):
 def test_keras_estimator_faults(spark_local2, tmp_path):
     """Bad input is refused on the driver before any rank starts; a finished run says so."""
     keras = pytest.importorskip("keras")
-    from flyte_hvd.spark.keras_estimator import KerasEstimator
-    from flyte_hvd.spark.prepare import prepare_data
-    from flyte_hvd.spark.store import Store
+    from flyte_hvd.data.prepare import prepare_data
+    from flyte_hvd.data.store import Store
+    from flyte_hvd.estimators.keras import KerasEstimator
 
     store = Store.create(str(tmp_path / "store"))
     spark_local2.sparkContext.parallelize([0], 1).count()
@@ -644,6 +644,16 @@ def test_keras_estimator_faults(spark_local2, tmp_path):
     assert took < 60
     further = estimator(run_id="finished", epochs=2).fit(good)  # as the message says
     assert len(further.getHistory()["loss"]) == 2
+
+    store.delete(store.get_run_path("finished") + "/last.keras")
+    took = refused(
+        "resume whose last model was deleted",
+        estimator(run_id="finished", epochs=3),
+        good,
+        r"run `finished` cannot resume: its state.json says 2 epoch\(s\) are done, but its "
+        r"last model `.*/runs/finished/last.keras` is missing",
+    )
+    assert took < 60
 
 
 # -- HorovodSpark tasks ----------------------------------------------------------------------

@@ -259,7 +259,7 @@ def test_spark_writes_only_where_its_filesystem_starts(spark_local2):
     """A scheme mapped to a class is not enough: Spark writes to the store itself only when
     the class starts for that URL (here a view of one bucket over a local folder, beside
     buckets that fall back to S3A, which is not installed); else the ranks' uploads are used."""
-    from flyte_hvd.spark.prepare import _spark_can_write
+    from flyte_hvd.data.prepare import _spark_can_write
 
     conf = spark_local2._jsc.hadoopConfiguration()
     scheme = f"fhvd{uuid.uuid4().hex[:6]}"

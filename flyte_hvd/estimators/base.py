@@ -160,7 +160,9 @@ class HorovodEstimator(Estimator):
         metadata = get_dataset_metadata(store, dataset_idx)  # (train, validation or None)
         model_params = self._check_data(features, metadata)
         run_id = self._run_id()
-        _check_not_finished(store.to_remote(run_id, dataset_idx), run_id, self.getEpochs())
+        _check_resumable(
+            store.to_remote(run_id, dataset_idx), run_id, self.getEpochs(), self._extension
+        )
         spec = self._training_spec(store.to_remote(run_id, dataset_idx), features, metadata,
                                    backend.num_processes())  # fmt: skip
         results = backend.run(self._remote_trainer(), args=(spec,), env={})
@@ -203,6 +205,7 @@ class HorovodEstimator(Estimator):
     # -- framework hooks ----------------------------------------------------------------------
 
     _framework = "model"
+    _extension = ""  # of the run's model files: ".keras", ".pt", ".ckpt"
     _model_class: type[HorovodModel]
 
     def _check_model(self, features: list[str], labels: list[str]) -> None:
@@ -433,11 +436,23 @@ def _fresh(defaults: dict[str, Any]) -> dict[str, Any]:
     return {k: (type(v)(v) if isinstance(v, list | dict) else v) for k, v in defaults.items()}
 
 
-def _check_not_finished(remote_store: Any, run_id: str, epochs: int) -> None:
-    """A run that already trained all its epochs would silently return its old model."""
-    from flyte_hvd.spark.training import read_run_state
+def _check_resumable(remote_store: Any, run_id: str, epochs: int, extension: str) -> None:
+    """Before any rank starts: a run that already trained all its epochs would silently return
+    its old model, and one whose last model is gone cannot resume."""
+    from flyte_hvd.estimators.training import read_run_state, run_file
 
-    done = (read_run_state(remote_store) or {}).get("epoch", 0)
+    state = read_run_state(remote_store)
+    if state is None:
+        return
+    last = run_file(remote_store, f"last{extension}")
+    if not remote_store.exists(last):
+        raise ValueError(
+            f"run `{run_id}` cannot resume: its state.json says {state.get('epoch', 0)} "
+            f"epoch(s) are done, but its last model `{last}` is missing. Restore that file, "
+            f"or delete the run's folder `{remote_store.run_path}` to train it from the start, "
+            f"or give a new `run_id`."
+        )
+    done = state.get("epoch", 0)
     if done >= epochs:
         raise ValueError(
             f"run `{run_id}` already finished: it trained {done} epoch(s) and `epochs`={epochs}. "

@@ -58,6 +58,7 @@ class KerasEstimator(HorovodEstimator):
     """
 
     _framework = "keras"
+    _extension = _EXTENSION
 
     def _check_model(self, features: list[str], labels: list[str]) -> None:
         model = self.getModel()

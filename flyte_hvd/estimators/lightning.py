@@ -89,6 +89,7 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
     """
 
     _framework = "lightning"
+    _extension = _EXTENSION
     _model_class = TorchModel
 
     def _check_model(self, features: list[str], labels: list[str]) -> None:

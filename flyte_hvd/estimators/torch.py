@@ -95,6 +95,7 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
     """
 
     _framework = "torch"
+    _extension = _EXTENSION
 
     def _check_model(self, features: list[str], labels: list[str]) -> None:
         torch = _import_torch()

@@ -20,6 +20,7 @@ from flyte_hvd.core.collectives import (
     Product,
     ReduceOp,
     Sum,
+    add_process_set,
     allgather,
     allgather_async,
     allgather_object,
@@ -41,6 +42,7 @@ from flyte_hvd.core.collectives import (
     poll,
     reducescatter,
     reducescatter_async,
+    remove_process_set,
     synchronize,
 )
 from flyte_hvd.core.compression import Compression
@@ -50,12 +52,7 @@ from flyte_hvd.core.errors import (
     RanksFailedError,
     RendezvousTimeoutError,
 )
-from flyte_hvd.core.process_sets import (
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    remove_process_set,
-)
+from flyte_hvd.core.process_sets import ProcessSet, global_process_set
 from flyte_hvd.core.state import (
     cross_rank,
     cross_size,

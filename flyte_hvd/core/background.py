@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from flyte_hvd.core import state
 from flyte_hvd.core.errors import HorovodInternalError
 
 
@@ -174,3 +175,6 @@ def stop() -> None:
         if _engine is not None:
             _engine.close()
             _engine = None
+
+
+state.on_shutdown(stop, order=0)  # before process sets free the communicators it uses

@@ -24,7 +24,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from flyte_hvd.core import background, state, timeline
+from flyte_hvd.core import background, process_sets, state, timeline
 from flyte_hvd.core.buffers import ALIGNMENT, pool
 from flyte_hvd.core.checks import require_int
 from flyte_hvd.core.compression import Compression, Compressor
@@ -801,6 +801,48 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     start = _begin()
     comm.Barrier()
     _end("barrier", None, 0, start)
+
+
+# -- process sets (collective over all ranks) ------------------------------------------------
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set (collective over all ranks: each must call it, with the same
+    ranks, in the same order). Returns the registered ``ProcessSet``."""
+    from mpi4py import MPI
+
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps is global_process_set or ps.process_set_id is not None:
+        raise ValueError(f"{ps!r} is already registered.")
+    world = state.comm()
+    size = world.Get_size()
+    ranks = ps.ranks
+    if ranks[-1] >= size:
+        raise ValueError(f"process set ranks {ranks} do not exist: size is {size}.")
+    if ranks == list(range(size)) or any(p.ranks == ranks for p in process_sets.registered()):
+        raise ValueError(
+            f"a process set with ranks {ranks} is already registered; reuse it "
+            f"(hvd.global_process_set for all ranks)."
+        )
+    check_same(world, (9, tuple(ranks)), lambda: f"add_process_set(ranks={ranks})")
+    member = world.Get_rank() in ranks
+    sub = world.Split(0 if member else MPI.UNDEFINED, world.Get_rank())
+    if member:
+        ps.comm = sub
+        ps.async_comm = sub.Dup()
+    process_sets.register(ps)
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister ``process_set`` and free its communicators (call on every rank). Returns
+    whether it was registered."""
+    if process_set is global_process_set:
+        raise ValueError("hvd.global_process_set cannot be removed.")
+    if not process_sets.unregister(process_set):
+        return False
+    process_sets.free(process_set)
+    return True
 
 
 # -- objects -------------------------------------------------------------------------------------

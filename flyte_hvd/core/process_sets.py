@@ -122,50 +122,26 @@ def translate_root(process_set: ProcessSet, root_rank: int) -> int:
     return ranks.index(root_rank)
 
 
-def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Register a process set (collective over all ranks: each must call it, with the same
-    ranks, in the same order). Returns the registered ``ProcessSet``."""
-    from mpi4py import MPI
+def registered() -> list[ProcessSet]:
+    """The process sets registered now (not the global one)."""
+    return list(_registered)
 
-    from flyte_hvd.core import collectives
 
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    if ps is global_process_set or ps.process_set_id is not None:
-        raise ValueError(f"{ps!r} is already registered.")
-    world = state.comm()
-    size = world.Get_size()
-    ranks = ps.ranks
-    if ranks[-1] >= size:
-        raise ValueError(f"process set ranks {ranks} do not exist: size is {size}.")
-    if ranks == list(range(size)) or any(p.ranks == ranks for p in _registered):
-        raise ValueError(
-            f"a process set with ranks {ranks} is already registered; reuse it "
-            f"(hvd.global_process_set for all ranks)."
-        )
-    collectives.check_same(world, (9, tuple(ranks)), lambda: f"add_process_set(ranks={ranks})")
-    member = world.Get_rank() in ranks
-    sub = world.Split(0 if member else MPI.UNDEFINED, world.Get_rank())
-    if member:
-        ps.comm = sub
-        ps.async_comm = sub.Dup()
+def register(ps: ProcessSet) -> None:
+    """Give ``ps`` the next id and remember it (``collectives.add_process_set``)."""
     ps.process_set_id = max([0, *(p.process_set_id for p in _registered)]) + 1
     _registered.append(ps)
-    return ps
 
 
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregister ``process_set`` and free its communicators (call on every rank). Returns
-    whether it was registered."""
-    if process_set is global_process_set:
-        raise ValueError("hvd.global_process_set cannot be removed.")
-    if process_set not in _registered:
+def unregister(ps: ProcessSet) -> bool:
+    """Forget ``ps``; returns whether it was registered."""
+    if ps not in _registered:
         return False
-    _registered.remove(process_set)
-    _free(process_set)
+    _registered.remove(ps)
     return True
 
 
-def _free(ps: ProcessSet) -> None:
+def free(ps: ProcessSet) -> None:
     for comm in (ps.async_comm, ps.comm):
         if comm is not None:
             comm.Free()
@@ -176,4 +152,7 @@ def _free(ps: ProcessSet) -> None:
 def release_all() -> None:
     """Forget every registered set (``shutdown()``); their communicators are freed."""
     while _registered:
-        _free(_registered.pop())
+        free(_registered.pop())
+
+
+state.on_shutdown(release_all, order=1)  # after the background thread stopped (order 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,15 +105,25 @@ def init(comm: Any = None) -> None:
     timeline.start_from_env(own.Get_rank())
 
 
+# What modules above the state release on shutdown (the background thread, process sets),
+# registered by them so that the state imports neither.
+_shutdown_hooks: list[tuple[int, Callable[[], None]]] = []
+
+
+def on_shutdown(hook: Callable[[], None], order: int) -> None:
+    """Run ``hook`` at ``shutdown()``, before the communicator is freed; lower ``order``
+    first."""
+    if all(h is not hook for _, h in _shutdown_hooks):
+        _shutdown_hooks.append((order, hook))
+
+
 def shutdown() -> None:
     """Release the communicator; ``init()`` may be called again afterwards."""
     if _state.comm is None:
         return
-    from flyte_hvd.core import background, process_sets
-
     timeline.stop(_state.comm)
-    background.stop()
-    process_sets.release_all()
+    for _, hook in sorted(_shutdown_hooks, key=lambda h: h[0]):
+        hook()
     _state.async_comm.Free()
     _state.async_comm = None
     if _state.owns_comm:

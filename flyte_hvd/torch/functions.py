@@ -747,8 +747,6 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
 
 def _create_state(optimizer: torch.optim.Optimizer) -> None:
     """One local step of ``optimizer``'s own class with zero gradients, parameters kept."""
-    from flyte_hvd.torch.optimizer import local_step
-
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     saved = [p.detach().clone() for p in params]
     sparse = isinstance(optimizer, torch.optim.SparseAdam)
@@ -759,3 +757,13 @@ def _create_state(optimizer: torch.optim.Optimizer) -> None:
     with torch.no_grad():
         for p, value in zip(params, saved, strict=True):
             p.copy_(value)
+
+
+def local_step(optimizer: torch.optim.Optimizer) -> None:
+    """``step()`` of the optimizer's own class: no reduction, even when ``DistributedOptimizer``
+    wrapped it (a wrapped optimizer carries ``_hvd`` and its class's own ``step`` is two
+    classes up the MRO, behind the distributed mixin)."""
+    if hasattr(optimizer, "_hvd"):
+        type(optimizer).__mro__[2].step(optimizer)
+    else:
+        optimizer.step()

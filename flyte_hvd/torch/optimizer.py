@@ -372,14 +372,6 @@ def DistributedOptimizer(
     return optimizer
 
 
-def local_step(optimizer: torch.optim.Optimizer) -> None:
-    """``step()`` of the optimizer's own class: no reduction, even when it is wrapped."""
-    if isinstance(optimizer, _DistributedOptimizer):
-        type(optimizer).__mro__[2].step(optimizer)
-    else:
-        optimizer.step()
-
-
 def unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Undo ``DistributedOptimizer`` in place (hooks removed); returns the optimizer."""
     if isinstance(optimizer, _DistributedOptimizer):

@@ -344,7 +344,8 @@ def _scaled(array: np.ndarray, factor: float) -> np.ndarray:
     float64 (then truncated toward zero), as Horovod does on the CPU."""
     if array.dtype.kind in "iu" or array.dtype == np.float16:
         math_dtype = np.float64 if array.dtype.kind in "iu" else np.float32
-        return (array.astype(math_dtype) * math_dtype(factor)).astype(array.dtype)
+        scaled = array.astype(math_dtype) * math_dtype(factor)  # type: ignore[operator]
+        return scaled.astype(array.dtype)
     return array * np.asarray(factor, dtype=array.dtype)
 
 

@@ -129,7 +129,7 @@ def registered() -> list[ProcessSet]:
 
 def register(ps: ProcessSet) -> None:
     """Give ``ps`` the next id and remember it (``collectives.add_process_set``)."""
-    ps.process_set_id = max([0, *(p.process_set_id for p in _registered)]) + 1
+    ps.process_set_id = max([0, *(p.process_set_id or 0 for p in _registered)]) + 1
     _registered.append(ps)
 
 

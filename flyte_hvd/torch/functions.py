@@ -510,6 +510,7 @@ def grouped_allreduce_async_(
     handle = grouped_allreduce_async(tensors, average, name, op, prescale_factor,
                                      postscale_factor, process_set)  # fmt: skip
     convert = handle._finish
+    assert convert is not None  # a tensor collective's handle converts its results
 
     def into(outs: list[np.ndarray]) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -764,6 +765,6 @@ def local_step(optimizer: torch.optim.Optimizer) -> None:
     wrapped it (a wrapped optimizer carries ``_hvd`` and its class's own ``step`` is two
     classes up the MRO, behind the distributed mixin)."""
     if hasattr(optimizer, "_hvd"):
-        type(optimizer).__mro__[2].step(optimizer)
+        type(optimizer).__mro__[2].step(optimizer)  # type: ignore[attr-defined]
     else:
         optimizer.step()

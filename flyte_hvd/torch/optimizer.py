@@ -173,7 +173,7 @@ class _Reducer:
             error: BaseException | None = None
             for bucket in self.buckets:
                 try:
-                    bucket.handle.wait()
+                    bucket.handle.wait()  # type: ignore[union-attr]  # every bucket submitted
                 except BaseException as e:
                     error = error or e
                 bucket.handle = None
@@ -198,7 +198,9 @@ class _Reducer:
         from flyte_hvd.torch.functions import sparse_allreduce_async
 
         op = self.settings.op
-        p.grad = sparse_allreduce_async(p.grad, None, op, self.settings.process_set)().coalesce()
+        grad = p.grad
+        assert grad is not None  # only parameters with a gradient are reduced
+        p.grad = sparse_allreduce_async(grad, None, op, self.settings.process_set)().coalesce()
 
     def _reset(self) -> None:
         n = self.settings.backward_passes_per_step
@@ -298,7 +300,7 @@ class _DistributedOptimizer:
                 "optimizer.step() or optimizer.synchronize(): the gradients being reduced "
                 "would be lost. Call zero_grad() before backward(), or step() first."
             )
-        super().zero_grad(set_to_none=set_to_none)
+        super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]  # mixed into an Optimizer
 
     def add_param_group(self, param_group: dict) -> None:
         raise RuntimeError(
@@ -365,9 +367,10 @@ def DistributedOptimizer(
     optimizer.__class__ = type(
         base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__}
     )
-    optimizer._hvd = reducer
+    # The optimizer's class is now the distributed one, which carries these.
+    optimizer._hvd = reducer  # type: ignore[attr-defined]
     # Horovod's attribute: {parameter: name}; some scripts read it.
-    optimizer._parameter_names = {p: n for n, p in named}
+    optimizer._parameter_names = {p: n for n, p in named}  # type: ignore[attr-defined]
     _rewrap_scheduler_step(optimizer)
     return optimizer
 
@@ -392,11 +395,11 @@ def _rewrap_scheduler_step(optimizer: torch.optim.Optimizer) -> None:
     cls_step = type(optimizer).step
 
     def step(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # what the scheduler checks
         return cls_step(optimizer, *args, **kwargs)
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = step
+    optimizer.step = step  # type: ignore[method-assign]
 
 
 def _names(

@@ -28,6 +28,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 import flyte_hvd.torch as hvd
 from flyte_hvd.core.compression import Compression, Compressor
+from flyte_hvd.torch.functions import allreduce
 from flyte_hvd.torch.optimizer import _DistributedOptimizer
 
 
@@ -108,6 +109,7 @@ class HorovodStrategy(ParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         module = self.lightning_module
+        assert module is not None  # set while fitting
         hvd.broadcast_parameters(module.state_dict(), root_rank=0)
         names = {p: n for n, p in module.named_parameters()}
         for optimizer in self.optimizers:
@@ -166,7 +168,7 @@ class HorovodStrategy(ParallelStrategy):
                 f"'sum', 'max', 'min' or 'product'."
             )
         source = tensor.float() if tensor.dtype == torch.bool else tensor
-        return hvd.allreduce(source, op=op).to(tensor.dtype)
+        return allreduce(source, op=op).to(tensor.dtype)
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False):
         return hvd.allgather(tensor.unsqueeze(0))
@@ -185,4 +187,4 @@ def _set_rank_zero(rank: int) -> None:
     from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
     for fn in (rank_zero_only, fabric_rank_zero, utils_rank_zero):
-        fn.rank = rank
+        fn.rank = rank  # type: ignore[attr-defined]  # Lightning reads it from the function

@@ -41,6 +41,8 @@ class SyncBatchNorm(_BatchNorm):
         mean = total[:channels] / n
         var = total[channels : 2 * channels] / n - mean * mean
         if self.track_running_stats:
+            assert self.num_batches_tracked is not None  # kept when tracking running stats
+            assert self.running_mean is not None and self.running_var is not None
             with torch.no_grad():
                 self.num_batches_tracked += 1
                 factor = (

@@ -19,6 +19,7 @@ around the stage:
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import time
@@ -27,6 +28,7 @@ from typing import Any
 
 import cloudpickle
 
+from flyte_hvd.core import stall
 from flyte_hvd.core.environment import local_driver_env
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.launcher import new_secret
@@ -206,19 +208,19 @@ def launch(
     max_attempts = runner.stage_attempts(conf)
     tag = f"flyte-hvd-{secret[:12]}"
 
-    def stop_after_last_attempt(attempts_started: int) -> None:
-        if attempts_started >= max_attempts:
-            spark.interruptTag(tag)
-
+    stall_config = stall.StallConfig.from_env({**os.environ, **rank_env})
     server = DriverServer(
         link_host(spark), secret, stdout, stderr, prefix_output_with_timestamp,
-        on_failure=stop_after_last_attempt,
+        on_failure=runner.on_rank_failure(max_attempts, lambda: spark.interruptTag(tag)),
+        watch=stall.StallWatch(num_proc, stall_config),
+        on_stuck=lambda: spark.interruptTag(tag),
     )  # fmt: skip
     level = verbosity_level(verbose)
     logger.log(level, "running %d ranks in a Spark barrier stage (DataFrame API)", num_proc)
     task = runner._barrier_task(
-        job, num_proc, secret, server.address, rank_env, deadline - time.monotonic()
-    )
+        job, num_proc, secret, server.address, rank_env, deadline - time.monotonic(),
+        single_host=runner._is_local(conf),
+    )  # fmt: skip
     spark.addTag(tag)
     try:
         stage = spark.range(0, num_proc, 1, num_proc).mapInArrow(

@@ -120,21 +120,9 @@ def launch(
     max_attempts = stage_attempts(sc)
     tag = f"flyte-hvd-{secret[:12]}"
 
-    retry_told: set[int] = set()
-
-    def stop_after_last_attempt(attempts_started: int, rank: int, traceback: str) -> None:
-        if attempts_started >= max_attempts:
-            sc.cancelJobsWithTag(tag)
-        elif attempts_started not in retry_told:
-            retry_told.add(attempts_started)
-            logger.warning(
-                "rank %d failed (%s); Spark retries the stage (attempt %d of %d)",
-                rank, _last_line(traceback), attempts_started + 1, max_attempts,
-            )  # fmt: skip
-
     server = DriverServer(
         _driver_host(sc), secret, stdout, stderr, prefix_output_with_timestamp,
-        on_failure=stop_after_last_attempt,
+        on_failure=on_rank_failure(max_attempts, lambda: sc.cancelJobsWithTag(tag)),
         watch=stall.StallWatch(num_proc, stall_config),
         on_stuck=lambda: sc.cancelJobsWithTag(tag),
     )  # fmt: skip
@@ -266,6 +254,27 @@ def _expected_executors(sc: Any) -> int | None:
 def _is_local(sc: Any) -> bool:
     """``local``/``local[N]``/``local[N,F]``: tasks run in the driver JVM."""
     return sc.master == "local" or sc.master.startswith("local[")
+
+
+def on_rank_failure(
+    max_attempts: int, cancel: Callable[[], None]
+) -> Callable[[int, int, str], None]:
+    """What the driver does when a rank fails in attempt ``attempts_started``: after the last
+    attempt it cancels the stage (a barrier stage is otherwise retried), before that it says
+    once per attempt that Spark retries the stage."""
+    told: set[int] = set()
+
+    def handle(attempts_started: int, rank: int, traceback: str) -> None:
+        if attempts_started >= max_attempts:
+            cancel()
+        elif attempts_started not in told:
+            told.add(attempts_started)
+            logger.warning(
+                "rank %d failed (%s); Spark retries the stage (attempt %d of %d)",
+                rank, _last_line(traceback), attempts_started + 1, max_attempts,
+            )  # fmt: skip
+
+    return handle
 
 
 def _registered_executors(sc: Any) -> int:

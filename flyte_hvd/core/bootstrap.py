@@ -18,8 +18,9 @@ import cloudpickle
 
 from flyte_hvd.core import job as job_module
 from flyte_hvd.core import rendezvous, stall, state
+from flyte_hvd.core.log import get_logger
 
-logger = logging.getLogger("flyte_hvd")
+logger = get_logger(__name__)
 # A level for the flyte_hvd logger in rank processes (e.g. INFO), which log to stderr; the
 # launcher forwards a rank's stderr to the driver.
 LOG_LEVEL_ENV = "FLYTE_HVD_LOG_LEVEL"
@@ -29,7 +30,7 @@ def main() -> None:
     env = os.environ
     if env.get(LOG_LEVEL_ENV):
         logging.basicConfig(format="%(name)s %(levelname)s: %(message)s", stream=sys.stderr)
-        logger.setLevel(env[LOG_LEVEL_ENV].upper())
+        get_logger().setLevel(env[LOG_LEVEL_ENV].upper())
     rank, size = int(env.pop(rendezvous.RANK_ENV)), int(env.pop(rendezvous.SIZE_ENV))
     job_path, result_path = env.pop(rendezvous.JOB_ENV), env.pop(rendezvous.RESULT_ENV)
     client = rendezvous.ControlClient(env.pop(rendezvous.CONTROL_ENV), rank)

@@ -18,7 +18,6 @@ supervisor, or the driver of a Spark run) decides:
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -26,6 +25,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from flyte_hvd.core.log import get_logger
 
 CHECK_TIME_ENV = "HOROVOD_STALL_CHECK_TIME_SECONDS"
 SHUTDOWN_TIME_ENV = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
@@ -39,7 +40,7 @@ PROBE_INTERVAL_S = 0.25
 # the probe's delay in reporting that the wait is over.
 ENDED_GRACE_S = 2.0
 
-logger = logging.getLogger("flyte_hvd")
+logger = get_logger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _COLLECTIVE_FILES = (os.path.join(_HERE, "collectives.py"),)

@@ -13,7 +13,6 @@ package the same way in every case: a zip of its source, added with ``addPyFile`
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import sys
 import tempfile
@@ -21,7 +20,9 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger("flyte_hvd")
+from flyte_hvd.core.log import get_logger
+
+logger = get_logger(__name__)
 
 
 def ship_package(spark: Any, module: str) -> str:

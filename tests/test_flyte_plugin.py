@@ -237,10 +237,10 @@ def test_unpicklable_inputs_are_refused_before_any_rank_starts():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"num_proc": 0}, r"`num_proc` must be >= 1; found 0"),
+        ({"num_proc": 0}, r"`num_proc` must be an int >= 1; found 0"),
         ({"num_proc": "2"}, r"`num_proc` must be an int >= 1; found '2' \(str\)"),
         ({"num_proc": True}, r"`num_proc` must be an int >= 1; found True \(bool\)"),
-        ({"num_proc": 2, "gpus_per_rank": -1}, r"`gpus_per_rank` must be >= 0; found -1"),
+        ({"num_proc": 2, "gpus_per_rank": -1}, r"`gpus_per_rank` must be an int >= 0; found -1"),
         ({"num_proc": 2, "cores_per_rank": 1.5}, r"`cores_per_rank` must be an int >= 1"),
         ({"num_proc": 2, "start_timeout": 0}, r"`start_timeout` must be seconds > 0"),
         ({"num_proc": 2, "spark_conf": ["a"]}, r"`spark_conf` must be a dict .*found list"),

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from flyte_hvd.core.checks import require_int
 from flyte_hvd.data.dataset import (
     DatasetMetadata,
     decode_column,
@@ -247,14 +248,14 @@ class ArrowDataLoader(BaseDataLoader):
         steps_per_epoch: int | None = None,
     ):
         super().__init__()
-        _check_int("batch_size", batch_size, 1)
-        _check_int("size", size, 1)
-        _check_int("rank", rank, 0)
-        _check_int("shuffle_buffer_size", shuffle_buffer_size, 0)
+        require_int("batch_size", batch_size, 1)
+        require_int("size", size, 1)
+        require_int("rank", rank, 0)
+        require_int("shuffle_buffer_size", shuffle_buffer_size, 0)
         if rank >= size:
             raise ValueError(f"`rank`={rank} must be below `size`={size}.")
         if steps_per_epoch is not None:
-            _check_int("steps_per_epoch", steps_per_epoch, 1)
+            require_int("steps_per_epoch", steps_per_epoch, 1)
         self.path = path
         self.batch_size = batch_size
         self.rank = rank
@@ -444,7 +445,7 @@ class AsyncDataLoaderMixin:
     """
 
     def __init__(self, *args: Any, async_loader_queue_size: int = 8, **kwargs: Any):
-        _check_int("async_loader_queue_size", async_loader_queue_size, 0)
+        require_int("async_loader_queue_size", async_loader_queue_size, 0)
         self.async_loader_queue_size = async_loader_queue_size
         self._stop_events: set[threading.Event] = set()
         super().__init__(*args, **kwargs)
@@ -528,11 +529,6 @@ def _in_background(
         thread.join(timeout=10)
         if not thread.is_alive() and hasattr(inner, "close"):
             inner.close()
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}; found {value!r}.")
 
 
 def _column_list(arg: str, value: str | Sequence[str], specs: dict[str, Any]) -> list[str]:

@@ -18,6 +18,7 @@ import cloudpickle
 from pyspark.ml import Estimator, Model
 from pyspark.ml.util import MLReadable, MLWritable
 
+from flyte_hvd.core.checks import require_int
 from flyte_hvd.data.loader import BaseDataLoader
 from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, MODEL_PARAMS, with_params
 from flyte_hvd.spark.dispatch import (
@@ -78,10 +79,10 @@ class HorovodEstimator(Estimator):
                 "`num_proc` and `backend` are exclusive: set the number of ranks on the backend "
                 "(e.g. SparkBackend(num_proc=2)) or pass only `num_proc`."
             )
-        _check_int("batch_size", self.getBatchSize(), minimum=1)
-        _check_int("epochs", self.getEpochs(), minimum=1)
+        require_int("batch_size", self.getBatchSize(), minimum=1)
+        require_int("epochs", self.getEpochs(), minimum=1)
         if self.getValBatchSize() is not None:
-            _check_int("val_batch_size", self.getValBatchSize(), minimum=1)
+            require_int("val_batch_size", self.getValBatchSize(), minimum=1)
         loader = self.getDataLoader()
         if loader is not None and not (
             isinstance(loader, type) and issubclass(loader, BaseDataLoader)
@@ -424,11 +425,6 @@ class _InlineBroadcast:
     @staticmethod
     def broadcast(value: bytes) -> _Inline:
         return _Inline(value)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}; found {value!r}.")
 
 
 def _fresh(defaults: dict[str, Any]) -> dict[str, Any]:

@@ -21,8 +21,9 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+from flyte_hvd.core.checks import require_int
 from flyte_hvd.estimators import training
-from flyte_hvd.estimators.base import HorovodEstimator, _check_int
+from flyte_hvd.estimators.base import HorovodEstimator
 from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, with_params
 from flyte_hvd.estimators.torch_model import (
     INPUT_SHAPES_PARAM,
@@ -125,7 +126,7 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
             _check_callables("loss_constructors", self.getLossConstructors())
         _check_callables("metrics", self.getMetrics() or [])
         self._check_input_shapes(features)
-        _check_int("backward_passes_per_step", self.getBackwardPassesPerStep(), minimum=1)
+        require_int("backward_passes_per_step", self.getBackwardPassesPerStep(), minimum=1)
         if self.getCallbacks() or self.getCheckpointCallback() is not None:
             raise ValueError(
                 "`callbacks` and `checkpoint_callback` apply to KerasEstimator and "

@@ -27,6 +27,7 @@ from flytekit.extend import TaskPlugins
 from flytekit.models.literals import LiteralMap
 from flytekitplugins.spark.task import PysparkFunctionTask
 
+from flyte_hvd.core.checks import require_int
 from flyte_hvd.flyte.rank import RankSpec, literal_map_from_bytes, run_rank
 
 GPU_VENDOR = "nvidia.com"
@@ -94,9 +95,9 @@ class HorovodSpark:
     connect_url: str | None = None
 
     def __post_init__(self) -> None:
-        _check_int("num_proc", self.num_proc, minimum=1)
-        _check_int("cores_per_rank", self.cores_per_rank, minimum=1)
-        _check_int("gpus_per_rank", self.gpus_per_rank, minimum=0)
+        require_int("num_proc", self.num_proc, minimum=1)
+        require_int("cores_per_rank", self.cores_per_rank, minimum=1)
+        require_int("gpus_per_rank", self.gpus_per_rank, minimum=0)
         timeout = self.start_timeout
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
@@ -155,15 +156,6 @@ class HorovodSpark:
         task_cpus = int(conf["spark.task.cpus"])
         conf.setdefault("spark.master", f"local[{self.num_proc * task_cpus}]")
         return conf
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(
-            f"`{name}` must be an int >= {minimum}; found {value!r} ({type(value).__name__})."
-        )
-    if value < minimum:
-        raise ValueError(f"`{name}` must be >= {minimum}; found {value}.")
 
 
 def _string_map(name: str, value: Any) -> dict[str, str]:

@@ -159,7 +159,10 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session, exitstatus):
     _connect_server.stop()
     if _spark["session"] is not None:
-        _spark["session"].stop()
+        try:
+            _spark["session"].stop()
+        except Exception as error:  # a JVM a test already took down: nothing left to stop
+            print(f"SparkSession.stop at the end of the tests: {error}", file=sys.stderr)
 
 
 # -- Spark Connect -----------------------------------------------------------------------------

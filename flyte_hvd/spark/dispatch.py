@@ -24,7 +24,8 @@ def is_connect_session(spark: Any) -> bool:
 
 def active_session() -> Any:
     """The session ``run`` launches on: this thread's active Spark Connect session, else the
-    active classic one, else the default Connect session (for a thread the user started)."""
+    active classic one, else (in a thread the user started) the classic session the builder
+    made, else the default Connect session."""
     connect = sys.modules.get("pyspark.sql.connect.session")
     if connect is not None:
         session = connect.SparkSession.getActiveSession()
@@ -37,6 +38,11 @@ def active_session() -> Any:
             "flyte_hvd.spark needs pyspark: install it (`pip install pyspark`)."
         ) from None
     session = SparkSession.getActiveSession()
+    if session is None:  # another thread's session: the one the builder made, from any thread
+        try:
+            session = SparkSession.active()
+        except Exception:  # pyspark's NO_ACTIVE_OR_DEFAULT_SESSION
+            session = None
     if session is None and connect is not None:
         session = connect.SparkSession._get_default_session()
     if session is None:

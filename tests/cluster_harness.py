@@ -302,6 +302,16 @@ class SimCluster:
 
     def _namespace_script(self, host: Host) -> str:
         hide = "" if host.name == "sim-driver" else f"mount -t tmpfs -o size=1m tmpfs {REPO}\n"
+        venv = Path(sys.prefix)
+        if hide and venv.is_relative_to(REPO):
+            # A venv inside the checkout (as `make setup` makes it) is the hosts' Python
+            # installation, as an image's would be: it stays, at the same path; the rest of the
+            # checkout is hidden.
+            hide = (
+                f"mkdir -p /tmp/.python-env && mount --bind {venv} /tmp/.python-env\n"
+                + hide
+                + f"mkdir -p {venv} && mount --bind /tmp/.python-env {venv}\n"
+            )
         return (
             textwrap.dedent(f"""\
             set -e

@@ -20,7 +20,7 @@ from flyte_hvd.core import job as job_module
 from flyte_hvd.core import rendezvous, stall, state
 from flyte_hvd.core.log import get_logger
 
-logger = get_logger(__name__)
+logger = get_logger("flyte_hvd.core.bootstrap")  # run as __main__ (python -m)
 # A level for the flyte_hvd logger in rank processes (e.g. INFO), which log to stderr; the
 # launcher forwards a rank's stderr to the driver.
 LOG_LEVEL_ENV = "FLYTE_HVD_LOG_LEVEL"

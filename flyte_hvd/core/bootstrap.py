@@ -41,7 +41,10 @@ def main() -> None:
         state.set_launcher_comm(comm)
         hosts = comm.allgather(state.host_name())
         topo = state.Topology.from_hosts(hosts, rank)
-        logger.info(
+        # Where each rank landed is shown only when asked for (FLYTE_HVD_LOG_LEVEL): by
+        # default a rank's stderr is the user's program output, forwarded to the driver.
+        logger.log(
+            logging.INFO if env.get(LOG_LEVEL_ENV) else logging.DEBUG,
             "rank %d of %d on host %s: local_rank %d of %d, cross_rank %d of %d",
             rank, size, hosts[rank], topo.local_rank, topo.local_size, topo.cross_rank,
             topo.cross_size,

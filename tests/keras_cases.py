@@ -318,6 +318,14 @@ def local_variables_keep_their_own_gradient():
     opt.apply_gradients([(g, shared), (g, local)])
     np.testing.assert_allclose(shared.numpy(), [-(n + 1) / 2])  # averaged
     np.testing.assert_allclose(local.numpy(), [-(r + 1) / n])  # local, divided by size
+    # tf.keras' hook, as Horovod scripts call it: reduced gradients, nothing applied.
+    with tf.GradientTape() as tape:
+        loss = shared * float(r + 1) + local * float(r + 1)
+    pairs = opt._compute_gradients(loss, [shared, local], tape=tape)
+    assert [v is w for (_, v), w in zip(pairs, [shared, local], strict=True)] == [True, True]
+    np.testing.assert_allclose(pairs[0][0].numpy(), [(n + 1) / 2])
+    np.testing.assert_allclose(pairs[1][0].numpy(), [(r + 1) / n])
+    np.testing.assert_allclose(shared.numpy(), [-(n + 1) / 2])
 
     model = _mlp(seed=9)
     partial = hvd.PartialDistributedOptimizer(

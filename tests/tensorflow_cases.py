@@ -252,6 +252,8 @@ def iterations_advance_every_backward_pass():
     for k in range(4):
         opt.apply_gradients([(tf.constant([1.0]), v)])
         assert int(opt.iterations) == k + 1, (k, int(opt.iterations))
+        # Passes since the last reduction, under Horovod's name for it.
+        assert int(opt._agg_helper.counter) == (k + 1) % 2
     # Update 1 (at pass 2) used step 1's rate 1.0 on the summed gradient 2; update 2 rate 0.
     np.testing.assert_allclose(v.numpy(), [-2.0])
 

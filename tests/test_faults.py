@@ -325,6 +325,35 @@ def test_shutdown_time_below_check_time_is_refused():
         stall.StallConfig.from_env({stall.SHUTDOWN_TIME_ENV: "10"})
 
 
+@pytest.mark.timeout(60)
+def test_the_stall_probe_keeps_no_sampled_call_alive():
+    """A sample must not outlive itself: a sampled call's locals (a collective's pooled
+    buffers) are freed when the call returns, not when the cyclic GC next runs; otherwise
+    the pool allocates fresh buffers and every large collective pays for it."""
+    import gc
+    import weakref
+
+    class Buffer:
+        pass
+
+    probe = stall.Probe(lambda report: None, main=threading.get_ident())
+    refs = []
+
+    def call():
+        buffer = Buffer()
+        refs.append(weakref.ref(buffer))
+        sampler = threading.Thread(target=probe.sample)
+        sampler.start()
+        sampler.join()
+
+    gc.disable()
+    try:
+        call()
+        assert refs[0]() is None
+    finally:
+        gc.enable()
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
 def test_cli_refuses_bad_timeouts_before_starting(tmp_path):

@@ -152,12 +152,13 @@ class Probe:
     def sample(self) -> None:
         now = time.monotonic()
         frames = sys._current_frames()
-        me = threading.get_ident()
+        # This thread's own entry is the frame running this method, which holds `frames`: a
+        # reference cycle that would keep every sampled frame, and the locals of the calls
+        # they belong to (pooled collective buffers), alive until the cyclic GC runs.
+        del frames[threading.get_ident()]
         hit = None
         # The main thread first: it is where user code and its collectives usually run.
         for ident in sorted(frames, key=lambda i: i != self._main):
-            if ident == me:
-                continue
             hit = _collective_of(frames[ident])
             if hit is not None:
                 break

@@ -42,12 +42,13 @@ class _Settings:
 
 
 class _Accumulators:
-    """Local gradient sums for ``backward_passes_per_step > 1``. A plain holder, so Keras does
-    not track these as optimizer variables (checkpoints stay loadable as the base class)."""
+    """Local gradient sums for ``backward_passes_per_step > 1`` and ``counter``, the backward
+    passes since the last reduction. A plain holder, so Keras does not track these as
+    optimizer variables (checkpoints stay loadable as the base class)."""
 
     def __init__(self) -> None:
         self.grads: list[tf.Variable] = []
-        self.count: tf.Variable | None = None
+        self.counter: tf.Variable | None = None
 
 
 class _DistributedMixin:
@@ -69,13 +70,34 @@ class _DistributedMixin:
                 tf.Variable(tf.zeros_like(v), trainable=False, name="hvd_grad_sum")
                 for v in variables
             ]
-            acc.count = tf.Variable(0, dtype=tf.int64, trainable=False)
+            acc.counter = tf.Variable(0, dtype=tf.int64, trainable=False)
         return acc
+
+    @property
+    def _agg_helper(self) -> _Accumulators:
+        """Horovod's name for the aggregation state (scripts read ``_agg_helper.counter``)."""
+        return self._hvd_acc
 
     def register_local_var(self, var) -> None:
         """Keep ``var``'s gradient local to this rank: not reduced (divided by size when
         ``scale_local_gradients``), as Horovod's ``register_local_var``."""
         self._hvd_local.add(self._var_key(var))
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None) -> list:
+        """tf.keras' (Keras 2) optimizer hook, which Horovod's optimizer overrides and scripts
+        call: ``(gradient, variable)`` pairs of ``loss``, reduced across ranks. ``loss`` is a
+        tensor recorded on ``tape``, or a callable when no tape is given."""
+        var_list = list(var_list)
+        if tape is None:
+            if not callable(loss):
+                raise ValueError(
+                    "`_compute_gradients` needs the tf.GradientTape that recorded `loss` "
+                    "(tape=...), or `loss` as a callable to record now."
+                )
+            with tf.GradientTape() as tape:
+                loss = loss()
+        grads = tape.gradient(loss, var_list, grad_loss)
+        return list(zip(self._hvd_reduce(grads, var_list), var_list, strict=True))
 
     def _hvd_reduce(self, grads, trainable_variables=None) -> list:
         grads = list(grads)
@@ -107,7 +129,7 @@ class _DistributedMixin:
         for g, a in zip(grads, acc.grads, strict=True):
             if g is not None:
                 a.assign_add(tf.convert_to_tensor(g))
-        acc.count.assign_add(1)
+        acc.counter.assign_add(1)
 
         def reduce_and_apply():
             summed = [a.read_value() for a in acc.grads]
@@ -117,6 +139,7 @@ class _DistributedMixin:
             super(_DistributedMixin, self).apply(reduced, trainable_variables)  # iterations += 1
             for a in acc.grads:
                 a.assign(tf.zeros_like(a))
+            acc.counter.assign(0)
             return tf.constant(True)
 
         def only_count():
@@ -124,7 +147,7 @@ class _DistributedMixin:
             return tf.constant(False)
 
         # Every rank counts the same local steps, so all take the same branch.
-        tf.cond(acc.count % settings.backward_passes_per_step == 0, reduce_and_apply, only_count)
+        tf.cond(acc.counter >= settings.backward_passes_per_step, reduce_and_apply, only_count)
         return None
 
 

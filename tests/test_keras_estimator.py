@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
+import threading
 
 import numpy as np
 import pytest
@@ -252,9 +254,11 @@ def test_inside_a_pipeline_with_vector_assembler_and_a_custom_loader(spark_local
     assert np.corrcoef(truth, guess)[0, 1] > 0.9
 
 
-def test_a_killed_rank_resumes_and_finishes(spark_cluster, tmp_path):
+def test_a_killed_rank_resumes_and_finishes(spark_cluster, tmp_path, caplog):
     """local-cluster with spark.task.maxFailures=2: rank 1 dies in epoch 3 of 4; Spark
-    retries the stage, which resumes after the last completed epoch."""
+    retries the stage (the driver says so in one line), which resumes after the last
+    completed epoch."""
+    caplog.set_level(logging.WARNING, logger="flyte_hvd")
     store = Store.create(str(tmp_path / "store"))
     marker = str(tmp_path / "killed-once")
 
@@ -273,9 +277,31 @@ def test_a_killed_rank_resumes_and_finishes(spark_cluster, tmp_path):
         verbose=0, callbacks=[KillOnce()], run_id="killed",
     ).fit(df)  # fmt: skip
     assert os.path.exists(marker)
+    retries = [r.getMessage() for r in caplog.records if "Spark retries" in r.getMessage()]
+    assert len(retries) == 1, retries
+    assert retries[0].startswith("rank 1 failed (")
+    assert retries[0].endswith("Spark retries the stage (attempt 2 of 2)")
     assert len(fitted.getHistory()["loss"]) == 4
     state = json.loads(store.read(store.get_state_path("killed")))
     assert state["epoch"] == 4
+
+
+def test_fit_from_a_worker_thread(spark_local2, store):
+    """pyspark's active session is per thread: a notebook's or a server's worker thread finds
+    the session the builder made."""
+    df = _regression_df(spark_local2, rows=64)
+    results = []
+
+    def fit():
+        try:
+            results.append(_estimator(store, run_id="from-a-thread").fit(df))
+        except Exception as error:
+            results.append(error)
+
+    thread = threading.Thread(target=fit)
+    thread.start()
+    thread.join(240)
+    assert len(results) == 1 and isinstance(results[0], KerasModel), results
 
 
 # -- bad input: each fails before any rank starts --------------------------------------------

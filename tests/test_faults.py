@@ -464,6 +464,48 @@ def _sleeps_in_tmp():
     time.sleep(300)
 
 
+QUIET_FAILURE_SCRIPT = """
+import sys
+from pyspark.sql import SparkSession
+spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
+from flyte_hvd.spark import run
+
+def raises():
+    import numpy as np
+    import flyte_hvd.core as hvd
+    hvd.init()
+    if hvd.rank() == 1:
+        raise ValueError("bad batch on rank one")
+    hvd.allreduce(np.ones(3))
+
+try:
+    run(raises, num_proc=2, verbose=0)
+except Exception as error:
+    print(f"RAISED {type(error).__name__}: {error}", file=sys.stderr)
+spark.stop()
+"""
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_spark_failure_prints_one_summary_not_spark_stacks(tmp_path):
+    """A failed run's console output: the rank's error once, in the raised error, and no
+    Java stack from Spark (the failing task ends without failing; the driver stops the rest)."""
+    script = tmp_path / "fails.py"
+    script.write_text(QUIET_FAILURE_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=150, cwd=REPO,
+        env={**os.environ, "PYSPARK_PYTHON": sys.executable},
+    )  # fmt: skip
+    err = result.stderr
+    assert "RAISED RanksFailedError: rank 1 failed" in err, err[-3000:]
+    assert "ValueError: bad batch on rank one" in err
+    assert "\tat org.apache.spark" not in err and "Exception in task" not in err, err[-3000:]
+    spark_lines = [line for line in err.splitlines() if " WARN " in line or " ERROR " in line]
+    assert len(spark_lines) <= 6, spark_lines
+
+
 @pytest.mark.spark
 @pytest.mark.mpi
 @pytest.mark.timeout(240)

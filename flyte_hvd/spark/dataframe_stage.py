@@ -230,18 +230,13 @@ def launch(
             # As on the RDD path: a barrier stage is retried only when it feeds a shuffle.
             stage = stage.repartition(1)
         collected = join_chunks(stage.collect())
+        if any(payload == runner.RUN_FAILED for _, payload in collected):
+            raise runner.stage_failure(server, num_proc)
     except Exception as error:
-        failures = server.latest_failures()
-        if failures:
-            first = min(failures)
-            raise RanksFailedError(
-                failures, summary=f"rank {first} failed; the Spark barrier stage was stopped"
-            ) from None
-        raise RuntimeError(
-            f"the Spark barrier stage of {num_proc} ranks failed before any rank reported an "
-            f"error (an executor was lost, or the stage was cancelled): "
-            f"{runner._first_line(error)}"
-        ) from error
+        if isinstance(error, RanksFailedError):
+            raise
+        failure = runner.stage_failure(server, num_proc, error)
+        raise failure from (None if isinstance(failure, RanksFailedError) else error)
     finally:
         spark.removeTag(tag)
         server.close()

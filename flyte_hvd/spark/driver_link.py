@@ -9,6 +9,7 @@ in the exception it raises.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -36,7 +37,7 @@ class DriverServer:
         stdout: IO[str] | None = None,
         stderr: IO[str] | None = None,
         prefix_output_with_timestamp: bool = False,
-        on_failure: Callable[[int, int, str], None] | None = None,
+        on_failure: Callable[[int, int, str], bool] | None = None,
         watch: Any = None,
         on_stuck: Callable[[], None] | None = None,
     ):
@@ -90,9 +91,13 @@ class DriverServer:
             if not hmac.compare_digest(str(hello.get("proof", "")), self._secret_proof):
                 return
             for line in stream:
-                self._handle(json.loads(line))
+                final = self._handle(json.loads(line))
+                if final is not None:  # the failing task waits for the verdict
+                    with contextlib.suppress(OSError):
+                        conn.sendall(json.dumps({"final": final}).encode() + b"\n")
 
-    def _handle(self, message: dict[str, Any]) -> None:
+    def _handle(self, message: dict[str, Any]) -> bool | None:
+        """Takes one message; for a failure, returns whether the run ends here."""
         kind, rank = message["kind"], message["rank"]
         with self._lock:
             if kind == "out":
@@ -113,8 +118,11 @@ class DriverServer:
                 self.failures[rank] = (self.attempts_started, message["traceback"])
                 for line in message["traceback"].rstrip().splitlines():
                     self.output_log.write(rank, "stderr", line)
-        if kind == "failed" and self._on_failure is not None:
-            self._on_failure(self.attempts_started, rank, message["traceback"])
+        if kind != "failed":
+            return None
+        if self._on_failure is None:
+            return False
+        return self._on_failure(self.attempts_started, rank, message["traceback"])
 
     def _print(self, rank: int, stream: str, text: str) -> None:
         target = (
@@ -139,6 +147,10 @@ class DriverServer:
         self.output_log.close(keep=False)  # a no-op once the run's error kept it
         for thread in self._threads:
             thread.join(timeout=2)
+
+
+# How long a failing task waits for the driver's verdict (retry or end) before failing itself.
+VERDICT_TIMEOUT_S = 10.0
 
 
 class DriverLink:
@@ -172,8 +184,28 @@ class DriverLink:
         """A rank's probe report or ending, for the driver's stall watch."""
         self._send({**message, "kind": kind, "rank": rank})
 
-    def failed(self, traceback: str) -> None:
+    def failed(self, traceback: str) -> bool:
+        """Reports this rank's failure; returns whether the driver ends the run here (no
+        stage attempt left), False when it lets Spark retry or cannot be reached."""
         self._send({"kind": "failed", "rank": self.rank, "traceback": traceback})
+        with self._lock:
+            sock = self._sock
+        if sock is None:
+            return False
+        try:
+            sock.settimeout(VERDICT_TIMEOUT_S)
+            reply = b""
+            while not reply.endswith(b"\n"):
+                chunk = sock.recv(256)
+                if not chunk:
+                    return False
+                reply += chunk
+            return bool(json.loads(reply).get("final"))
+        except (OSError, ValueError):
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                sock.settimeout(None)
 
     def close(self) -> None:
         with self._lock:

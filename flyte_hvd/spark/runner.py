@@ -139,24 +139,18 @@ def launch(
             # Spark retries a failed barrier stage only when it feeds a shuffle (a failed
             # barrier result stage is aborted); the driver stops it after `max_attempts`.
             rdd = rdd.partitionBy(1)
-        collected = rdd.collect()
+        collected = sorted(rdd.collect())
+        if any(payload == RUN_FAILED for _, payload in collected):
+            raise stage_failure(server, num_proc)
     except Exception as error:
-        failures = dict([server.stuck]) if server.stuck else server.latest_failures()
-        if failures:
-            first = min(failures)
-            raise RanksFailedError(
-                failures,
-                summary=f"rank {first} failed; the Spark barrier stage was stopped",
-                output_log=server.output_log.close(keep=True),
-            ) from None
-        raise RuntimeError(
-            f"the Spark barrier stage of {num_proc} ranks failed before any rank reported an "
-            f"error (an executor was lost, or the stage was cancelled): {_first_line(error)}"
-        ) from error
+        if isinstance(error, RanksFailedError):
+            raise
+        failure = stage_failure(server, num_proc, error)
+        raise failure from (None if isinstance(failure, RanksFailedError) else error)
     finally:
         sc.removeJobTag(tag)
         server.close()
-    results = [cloudpickle.loads(payload) for _, payload in sorted(collected)]
+    results = [cloudpickle.loads(payload) for _, payload in collected]
     logger.log(level, "%d ranks finished", num_proc)
     return RunReport(results=results, submitted_at=submitted_at, events=dict(server.events))
 
@@ -256,23 +250,43 @@ def _is_local(sc: Any) -> bool:
     return sc.master == "local" or sc.master.startswith("local[")
 
 
+def stage_failure(server: Any, num_proc: int, error: BaseException | None = None) -> Exception:
+    """The error a failed barrier stage raises on the driver: the ranks' own reports when
+    any rank sent one (or the stall watch stopped the run), else what Spark said."""
+    failures = dict([server.stuck]) if server.stuck else server.latest_failures()
+    if failures:
+        first = min(failures)
+        return RanksFailedError(
+            failures,
+            summary=f"rank {first} failed; the Spark barrier stage was stopped",
+            output_log=server.output_log.close(keep=True),
+        )
+    return RuntimeError(
+        f"the Spark barrier stage of {num_proc} ranks failed before any rank reported an "
+        f"error (an executor was lost, or the stage was cancelled): "
+        f"{'no result' if error is None else _first_line(error)}"
+    )
+
+
 def on_rank_failure(
     max_attempts: int, cancel: Callable[[], None]
-) -> Callable[[int, int, str], None]:
+) -> Callable[[int, int, str], bool]:
     """What the driver does when a rank fails in attempt ``attempts_started``: after the last
-    attempt it cancels the stage (a barrier stage is otherwise retried), before that it says
-    once per attempt that Spark retries the stage."""
+    attempt it cancels the stage (a barrier stage is otherwise retried) and returns True (the
+    run ends here); before that it says once per attempt that Spark retries the stage."""
     told: set[int] = set()
 
-    def handle(attempts_started: int, rank: int, traceback: str) -> None:
+    def handle(attempts_started: int, rank: int, traceback: str) -> bool:
         if attempts_started >= max_attempts:
             cancel()
-        elif attempts_started not in told:
+            return True
+        if attempts_started not in told:
             told.add(attempts_started)
             logger.warning(
                 "rank %d failed (%s); Spark retries the stage (attempt %d of %d)",
                 rank, _last_line(traceback), attempts_started + 1, max_attempts,
             )  # fmt: skip
+        return False
 
     return handle
 
@@ -352,6 +366,10 @@ def _first_line(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
+# What a barrier task yields instead of its rank's result when the driver has ended the run.
+RUN_FAILED = b"flyte-hvd: the run failed"
+
+
 def _barrier_task(
     job: bytes,
     num_proc: int,
@@ -394,11 +412,19 @@ def _barrier_task(
         )
         try:
             results = supervisor.run()
-        except RanksFailedError as error:
-            link.failed(error.failures.get(rank, str(error)))
-            raise RuntimeError(f"flyte-hvd rank {rank} failed:\n{error}") from None
         except Exception as error:
-            link.failed(f"{type(error).__name__}: {error}")
+            report = (
+                error.failures.get(rank, str(error))
+                if isinstance(error, RanksFailedError)
+                else f"{type(error).__name__}: {error}"
+            )
+            if link.failed(report):
+                # The driver ends the run here and raises the ranks' errors itself: end the
+                # task without failing it (Spark would log a Java stack for each failed task).
+                yield rank, RUN_FAILED
+                return
+            if isinstance(error, RanksFailedError):  # Spark retries the stage
+                raise RuntimeError(f"flyte-hvd rank {rank} failed:\n{error}") from None
             raise
         finally:
             for name, at in supervisor.timings().get(rank, {}).items():

@@ -259,6 +259,25 @@ def iterations_advance_every_backward_pass():
 
 
 @case
+def broadcast_inplace_takes_bools_and_returns_the_new_values_in_graphs():
+    import tensorflow as tf
+
+    import flyte_hvd.tensorflow as hvd
+
+    r = hvd.rank()
+    flags = tf.Variable([r == 1, True])
+    (out,) = hvd.broadcast_([flags], root_rank=1)
+    assert out.numpy().tolist() == [True, True] == flags.numpy().tolist()
+    with tf.Graph().as_default():
+        v = tf.compat.v1.Variable(tf.fill([3], float(r + 1)), use_resource=True)
+        (new,) = hvd.broadcast_([v], root_rank=0)
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            assert session.run(new).tolist() == [1.0, 1.0, 1.0]
+            assert session.run(v).tolist() == [1.0, 1.0, 1.0]
+
+
+@case
 def tf1_graph_collectives_run_in_build_order_and_bools_travel():
     import tensorflow as tf
 

@@ -73,6 +73,38 @@ def hvd():
     return hvd
 
 
+def test_fp16_compression_casts_tf_tensors_with_tensorflow(hvd):
+    import tensorflow as tf
+
+    for dtype in (tf.float16, tf.float32, tf.float64):
+        compressed, ctx = hvd.Compression.fp16.compress(tf.ones([3], dtype))
+        assert isinstance(compressed, tf.Tensor) and compressed.dtype == tf.float16
+        restored = hvd.Compression.fp16.decompress(compressed, ctx)
+        assert restored.dtype == dtype and restored.numpy().tolist() == [1, 1, 1]
+    for dtype in (tf.int32, tf.bool):
+        tensor = tf.ones([3], dtype)
+        compressed, ctx = hvd.Compression.fp16.compress(tensor)
+        assert compressed is tensor and hvd.Compression.fp16.decompress(compressed, ctx) is tensor
+
+
+def test_executing_eagerly_helper(hvd):
+    import tensorflow as tf
+
+    assert hvd._executing_eagerly() is True
+    assert not tf.function(lambda: tf.constant(hvd._executing_eagerly()))().numpy()
+
+
+def test_bad_collective_arguments_raise_tensorflow_invalid_argument(hvd):
+    """As Horovod's ops raise it eagerly (and as a graph reports a ValueError); still a
+    ValueError for code that catches that."""
+    import tensorflow as tf
+
+    expected = "summing to the first dimension"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=expected) as info:
+        hvd.alltoall(tf.ones([3]), splits=tf.constant([2]))
+    assert isinstance(info.value, ValueError)
+
+
 def test_tape_wraps_only_gradient_tapes(hvd):
     with pytest.raises(ValueError, match=r"wraps a tf\.GradientTape"):
         hvd.DistributedGradientTape("tape")

@@ -32,8 +32,9 @@ class NoneCompressor(Compressor):
 class FP16Compressor(Compressor):
     """Floating arrays travel as float16 (half the bytes); other dtypes pass unchanged.
 
-    Takes numpy arrays and framework tensors alike (anything with a ``dtype`` whose
-    ``is_floating_point`` is true and a ``.to(dtype)``, e.g. torch tensors)."""
+    Takes numpy arrays and framework tensors alike: torch tensors (``dtype.is_floating_point``,
+    ``.to(dtype)``) and TensorFlow tensors (``dtype.is_floating``, ``tf.cast``), each cast by
+    its own framework, so the result is a tensor of the same kind."""
 
     @staticmethod
     def compress(array: Any) -> tuple[Any, Any]:
@@ -42,23 +43,36 @@ class FP16Compressor(Compressor):
             if dtype.kind == "f" and dtype != np.float16:
                 return array.astype(np.float16), dtype
             return array, None
-        if getattr(dtype, "is_floating_point", False) and getattr(dtype, "itemsize", 2) > 2:
-            return array.to(_half_like(array)), dtype
+        floating = getattr(dtype, "is_floating_point", None)
+        if floating is None:
+            floating = getattr(dtype, "is_floating", False)  # TensorFlow's DType
+        width: Any = getattr(dtype, "itemsize", None)
+        if width is None:
+            width = getattr(dtype, "size", 2)  # TensorFlow's DType
+        if floating and width > 2:
+            return _cast(array, _framework(array).float16), dtype
         return array, None
 
     @staticmethod
     def decompress(array: Any, ctx: Any) -> Any:
         if ctx is None:
             return array
-        return array.astype(ctx) if isinstance(ctx, np.dtype) else array.to(ctx)
+        return array.astype(ctx) if isinstance(ctx, np.dtype) else _cast(array, ctx)
 
 
-def _half_like(tensor: Any) -> Any:
-    """The float16 dtype of ``tensor``'s own framework (its module's ``float16``)."""
+def _framework(tensor: Any) -> Any:
+    """The top-level module of ``tensor``'s framework (``torch``, ``tensorflow``)."""
     import sys
 
-    module = sys.modules[type(tensor).__module__.split(".", 1)[0]]
-    return module.float16
+    return sys.modules[type(tensor).__module__.split(".", 1)[0]]
+
+
+def _cast(tensor: Any, dtype: Any) -> Any:
+    """``tensor`` as ``dtype``, by its own framework: ``.to`` (torch) or ``cast``
+    (TensorFlow, whose tensors have no ``.to``)."""
+    if hasattr(tensor, "to"):
+        return tensor.to(dtype)
+    return _framework(tensor).cast(tensor, dtype)
 
 
 class Compression:

@@ -16,7 +16,7 @@ if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
     )
 
 try:
-    import tensorflow  # noqa: F401
+    import tensorflow
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "flyte_hvd.tensorflow needs TensorFlow: install the extra `pip install flyte-hvd[tf]` "
@@ -52,6 +52,12 @@ from flyte_hvd.tensorflow.gradients import (
     DistributedGradientTape,
     PartialDistributedGradientTape,
 )
+
+
+def _executing_eagerly() -> bool:
+    """Horovod's helper, which its TensorFlow scripts and tests call as
+    ``hvd._executing_eagerly()``."""
+    return tensorflow.executing_eagerly()
 
 
 def DistributedOptimizer(optimizer, *args, **kwargs):

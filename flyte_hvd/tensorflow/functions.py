@@ -50,7 +50,7 @@ def numpy_call(
     graph it runs as one stateful ``tf.numpy_function``. Either way the result is a list, also
     for one output (``tf.numpy_function`` returns a bare tensor then).
     """
-    fn = _failed_precondition_on_mismatch(fn)
+    fn = _tensorflow_errors(fn)
     if tf.executing_eagerly():
         arrays = fn(*[np.asarray(t) for t in tensors])
         return [tf.convert_to_tensor(a, dtype=d) for a, d in zip(arrays, dtypes, strict=True)]
@@ -72,16 +72,26 @@ def numpy_call(
 _LAST_COLLECTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _failed_precondition_on_mismatch(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Ranks that disagree on a collective's arguments get TensorFlow's
-    ``FailedPreconditionError`` (as Horovod raises), carrying the core's one-line-per-rank
-    message."""
+class InvalidArgumentError(tf.errors.InvalidArgumentError, ValueError):
+    """A collective's bad argument (e.g. rows that do not split evenly): TensorFlow's
+    ``InvalidArgumentError``, as Horovod's ops raise eagerly and as a graph reports a
+    ``ValueError``, and still a ``ValueError``."""
+
+
+def _tensorflow_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The core's errors as Horovod's TensorFlow ops raise them: ranks that disagree on a
+    collective's arguments get ``FailedPreconditionError`` (with the core's one-line-per-rank
+    message), a bad argument ``InvalidArgumentError``."""
 
     def call(*arrays):
         try:
             return fn(*arrays)
         except CollectiveMismatchError as error:
             raise tf.errors.FailedPreconditionError(None, None, str(error)) from error
+        except ValueError as error:
+            if isinstance(error, tf.errors.OpError):
+                raise
+            raise InvalidArgumentError(None, None, str(error)) from error
 
     return call
 
@@ -291,8 +301,11 @@ def _broadcast(tensor: tf.Tensor, root_rank: int, name: str | None) -> tf.Tensor
 
 def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
                process_set: Any = None) -> list[tf.Tensor]:  # fmt: skip
-    """Broadcast ``variables`` in place; returns their new values."""
+    """Broadcast ``variables`` in place; returns their new values (in a graph, the
+    assignments' values: evaluating them runs the broadcasts)."""
     check_process_set(process_set)
+    if not tf.executing_eagerly():
+        return [v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name)) for v in variables]
     broadcast_variables(variables, root_rank)
     return [tf.convert_to_tensor(v) for v in variables]
 
@@ -416,7 +429,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0,
     variables = list(variables)
     if not tf.executing_eagerly():
         return tf.group(
-            *[v.assign(_broadcast(tf.convert_to_tensor(v), root_rank, None)) for v in variables]
+            *[v.assign(broadcast(tf.convert_to_tensor(v), root_rank)) for v in variables]
         )
     described = [(getattr(v, "path", v.name), tuple(v.shape), str(v.dtype)) for v in variables]
     # Shapes and dtypes must agree; names may not (Keras numbers layers per process).

@@ -301,22 +301,36 @@ class SimCluster:
         return env
 
     def _namespace_script(self, host: Host) -> str:
-        hide = "" if host.name == "sim-driver" else f"mount -t tmpfs -o size=1m tmpfs {REPO}\n"
         venv = Path(sys.prefix)
-        if hide and venv.is_relative_to(REPO):
-            # A venv inside the checkout (as `make setup` makes it) is the hosts' Python
-            # installation, as an image's would be: it stays, at the same path; the rest of the
-            # checkout is hidden.
-            hide = (
-                f"mkdir -p /tmp/.python-env && mount --bind {venv} /tmp/.python-env\n"
-                + hide
-                + f"mkdir -p {venv} && mount --bind /tmp/.python-env {venv}\n"
-            )
+        on_driver = host.name == "sim-driver"
+        # Each host mounts a /tmp of its own. What lives under the machine's /tmp and must stay
+        # (the venv; on the driver also the checkout, say a clone in /tmp) is held at a mount
+        # point outside /tmp meanwhile, then put back at its own path.
+        keep = [REPO, venv] if on_driver else [venv]
+        hold, restore = "", ""
+        for i, path in enumerate(p for p in keep if p.is_relative_to("/tmp")):
+            held = self.root / "held" / host.name / str(i)
+            held.mkdir(parents=True, exist_ok=True)
+            hold += f"mount --bind {path} {held}\n"
+            restore += f"mkdir -p {path} && mount --bind {held} {path}\n"
+        hide = ""
+        if not on_driver and not REPO.is_relative_to("/tmp"):  # under /tmp it is gone already
+            hide = f"mount -t tmpfs -o size=1m tmpfs {REPO}\n"
+            if venv.is_relative_to(REPO):
+                # A venv inside the checkout (as `make setup` makes it) is the hosts' Python
+                # installation, as an image's would be: it stays, at the same path; the rest of
+                # the checkout is hidden.
+                hide = (
+                    f"mkdir -p /tmp/.python-env && mount --bind {venv} /tmp/.python-env\n"
+                    + hide
+                    + f"mkdir -p {venv} && mount --bind /tmp/.python-env {venv}\n"
+                )
         return (
-            textwrap.dedent(f"""\
-            set -e
-            hostname {host.name}
-            mount -t tmpfs -o size=8g tmpfs /tmp
+            f"set -e\nhostname {host.name}\n"
+            + hold
+            + "mount -t tmpfs -o size=8g tmpfs /tmp\n"
+            + restore
+            + textwrap.dedent(f"""\
             mkdir -p {OBJSTORE} /tmp/home /tmp/spark-local /tmp/spark-work /tmp/driver
             mount --bind {self.root / "objstore"} {OBJSTORE}
             mount --bind {self.root / "hosts"} /etc/hosts

@@ -139,6 +139,8 @@ def broadcast_from_every_root():
         for dtype in DTYPES:
             out = hvd.broadcast(np.full((2, 3), r * 10, dtype=dtype), root_rank=root)
             np.testing.assert_array_equal(out, np.full((2, 3), root * 10, dtype=dtype))
+        flags = hvd.broadcast(np.array([r == root, True]), root_rank=root)
+        assert flags.dtype == np.bool_ and flags.tolist() == [True, True]
 
 
 @case

@@ -140,9 +140,9 @@ def packed_offsets(counts: Sequence[int], itemsize: int) -> tuple[list[int], int
     return offsets, total
 
 
-def _as_array(value: Any, what: str) -> np.ndarray:
+def _as_array(value: Any, what: str, kinds: str = _SUPPORTED_KINDS) -> np.ndarray:
     array = np.asarray(value)
-    if array.dtype.kind not in _SUPPORTED_KINDS:
+    if array.dtype.kind not in kinds:
         raise ValueError(
             f"`{what}` needs a numeric array (float, int, uint or complex); found dtype "
             f"{array.dtype}. Cast it first, e.g. `array.astype(np.float32)`."
@@ -625,7 +625,8 @@ def broadcast(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> np.ndarray:
-    """Every rank gets ``root_rank``'s array (same shape and dtype on every rank).
+    """Every rank gets ``root_rank``'s array (same shape and dtype on every rank; numbers or
+    booleans).
 
     ``root_rank`` is a global rank, also with a ``process_set``.
     """
@@ -645,7 +646,7 @@ def _check_root(root_rank: Any, what: str) -> int:
 
 def broadcast_on(comm: Any, array: Any, root: int, name: str | None = None) -> np.ndarray:
     """``broadcast`` on the given communicator (``root`` is a rank of ``comm``)."""
-    arr = _as_array(array, "broadcast")
+    arr = _as_array(array, "broadcast", _SUPPORTED_KINDS + "b")  # a copy: booleans too
     check_same(
         comm,
         (4, arr.dtype.num, arr.shape, root),

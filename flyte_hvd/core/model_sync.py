@@ -63,11 +63,7 @@ def broadcast_by_dtype(arrays: list[np.ndarray], root_rank: int, name: str) -> l
         by_dtype.setdefault(a.dtype, []).append(i)
     for indices in by_dtype.values():
         flat = np.concatenate([np.asarray(arrays[i]).reshape(-1) for i in indices])
-        if flat.dtype == np.bool_:  # the core moves numbers; booleans travel as bytes
-            flat = collectives.broadcast(flat.view(np.uint8), root_rank=root_rank, name=name)
-            flat = flat.view(np.bool_)
-        else:
-            flat = collectives.broadcast(flat, root_rank=root_rank, name=name)
+        flat = collectives.broadcast(flat, root_rank=root_rank, name=name)
         offset = 0
         for i in indices:
             n = arrays[i].size

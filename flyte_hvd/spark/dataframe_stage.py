@@ -230,13 +230,12 @@ def launch(
             # As on the RDD path: a barrier stage is retried only when it feeds a shuffle.
             stage = stage.repartition(1)
         collected = join_chunks(stage.collect())
-        if any(payload == runner.RUN_FAILED for _, payload in collected):
-            raise runner.stage_failure(server, num_proc)
     except Exception as error:
-        if isinstance(error, RanksFailedError):
-            raise
         failure = runner.stage_failure(server, num_proc, error)
         raise failure from (None if isinstance(failure, RanksFailedError) else error)
+    else:  # a failed run's last attempt ends its tasks with RUN_FAILED instead of failing
+        if any(payload == runner.RUN_FAILED for _, payload in collected):
+            raise runner.stage_failure(server, num_proc)
     finally:
         spark.removeTag(tag)
         server.close()

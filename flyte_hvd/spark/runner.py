@@ -140,13 +140,12 @@ def launch(
             # barrier result stage is aborted); the driver stops it after `max_attempts`.
             rdd = rdd.partitionBy(1)
         collected = sorted(rdd.collect())
-        if any(payload == RUN_FAILED for _, payload in collected):
-            raise stage_failure(server, num_proc)
     except Exception as error:
-        if isinstance(error, RanksFailedError):
-            raise
         failure = stage_failure(server, num_proc, error)
         raise failure from (None if isinstance(failure, RanksFailedError) else error)
+    else:  # a failed run's last attempt ends its tasks with RUN_FAILED instead of failing
+        if any(payload == RUN_FAILED for _, payload in collected):
+            raise stage_failure(server, num_proc)
     finally:
         sc.removeJobTag(tag)
         server.close()

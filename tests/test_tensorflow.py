@@ -105,6 +105,18 @@ def test_bad_collective_arguments_raise_tensorflow_invalid_argument(hvd):
     assert isinstance(info.value, ValueError)
 
 
+def test_compute_gradients_takes_a_tape_or_a_callable_loss(hvd):
+    import keras
+    import tensorflow as tf
+
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match=r"needs the tf\.GradientTape that recorded `loss`"):
+        opt._compute_gradients(tf.constant(1.0), [tf.Variable(1.0)])
+    v = tf.Variable([2.0])
+    ((grad, var),) = opt._compute_gradients(lambda: tf.reduce_sum(v * v), [v])
+    assert var is v and grad.numpy().tolist() == [4.0]
+
+
 def test_tape_wraps_only_gradient_tapes(hvd):
     with pytest.raises(ValueError, match=r"wraps a tf\.GradientTape"):
         hvd.DistributedGradientTape("tape")

@@ -196,6 +196,38 @@ def test_missing_rank_times_out_with_clear_message(no_leftover_ranks):
     assert time.monotonic() - started < 15
 
 
+def test_cancel_stops_the_ranks_and_run_raises_the_reason(no_leftover_ranks):
+    def fn():
+        import time
+
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        time.sleep(300)
+
+    supervisor = RankSupervisor(FunctionJob(fn), [0, 1], 2, LocalExchange(2), secret="x")
+    # Cancelled once both ranks run the job (the driver ending a run does this any time).
+    cancel = threading.Thread(
+        target=lambda: (
+            _until(lambda: all("joined" in t for t in supervisor.timings().values())),
+            supervisor.cancel("the Spark driver ended the run"),
+        )
+    )
+    cancel.start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^the Spark driver ended the run$"):
+        supervisor.run()
+    cancel.join()
+    assert time.monotonic() - started < 30
+
+
+def _until(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_failure_error_pickles_with_ranks():
     import pickle
 

@@ -38,6 +38,18 @@ def test_results_in_rank_order_and_allgather_agrees(spark, no_leftover_ranks):
     ]
 
 
+def test_the_rendezvous_does_not_wait_for_sparks_barrier_poll(spark):
+    """The ranks meet over the driver link. Spark's ``BarrierTaskContext.allGather`` answers
+    no sooner than a second (its task polls the barrier's RPC once a second), so a
+    rendezvous through it took at least 1 s from the ranks' hello to their join."""
+    from flyte_hvd.spark.dispatch import launch
+
+    report = launch(lambda: None, num_proc=2)
+    assert sorted(report.events) == [0, 1]
+    took = {r: e["joined"] - e["hello"] for r, e in report.events.items()}
+    assert max(took.values()) < 1.0, took
+
+
 def test_env_and_kwargs_reach_fn(spark):
     def fn(suffix=""):
         return os.environ["MY_SETTING"] + suffix
@@ -165,6 +177,27 @@ def test_killed_rank_reports_the_signal(spark, no_leftover_ranks):
 
     with pytest.raises(RanksFailedError, match=r"rank 0 died: Killed \(signal 9\)"):
         run(fn, num_proc=2, verbose=0, stderr=io.StringIO())
+
+
+def test_a_failed_run_raises_once_its_ranks_are_gone(spark):
+    """Spark stops a cancelled Python task only by killing its worker, seconds later; the
+    driver ends the link instead and waits for the tasks to stop their ranks."""
+    from conftest import rank_processes
+
+    def fn():
+        import time
+
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        if hvd.rank() == 0:
+            raise ValueError("boom")
+        time.sleep(300)  # rank 1 would run on in its task
+
+    before = set(rank_processes())
+    with pytest.raises(RanksFailedError, match="boom"):
+        run(fn, num_proc=2, verbose=0, stderr=io.StringIO())
+    assert set(rank_processes()) - before == set()
 
 
 def test_horovod_runner_returns_rank_zero_value(spark, no_leftover_ranks):

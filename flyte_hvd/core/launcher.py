@@ -233,6 +233,7 @@ class RankSupervisor:
         self.watch = watch or stall.ForwardWatch(lambda kind, rank, message: None)
         self._changed = threading.Condition()
         self._stopping = False
+        self._cancelled: str | None = None
         self.started_at = 0.0
 
     def run(self) -> dict[int, Any]:
@@ -256,6 +257,12 @@ class RankSupervisor:
             self._stop_all()
             server.close()
             shutil.rmtree(workdir, ignore_errors=True)
+
+    def cancel(self, reason: str) -> None:
+        """Stop the ranks now, from any thread (e.g. the driver ended the run); a ``run`` still
+        waiting raises ``RuntimeError(reason)``."""
+        self._cancelled = reason
+        self._notify()
 
     def timings(self) -> dict[int, dict[str, float]]:
         """Wall-clock times of each rank's start-up events (spawned, hello, joined, ...)."""
@@ -383,6 +390,9 @@ class RankSupervisor:
         deadline = self.started_at + self.start_timeout
         first_failure_at: float | None = None
         while True:
+            if self._cancelled is not None:
+                self._stop_all()
+                raise RuntimeError(self._cancelled)
             failed = [s for s in self.ranks.values() if self._failed(s)]
             for s in failed:
                 s.times.setdefault("failed", time.time())

@@ -3,7 +3,7 @@
 Each rank runs under its own ``mpiexec -n 1`` (MPICH cannot merge two singletons) and talks
 to its supervisor over a private control socket: JSON lines, one request and one reply at a
 time. The supervisor backs ``all_gather`` with whatever its launcher has: other local ranks
-(``flyte-hvd-run``) or Spark's ``BarrierTaskContext.allGather`` (one rank per Spark task).
+(``flyte-hvd-run``) or the Spark driver, over each task's link to it (one rank per Spark task).
 
 The join admits rank k only in round k, on a port of its own: ``Accept`` is collective over
 the group built so far and pairs with whichever process connects first, so with one shared

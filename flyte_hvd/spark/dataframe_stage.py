@@ -3,7 +3,7 @@
 A Spark Connect session has no ``SparkContext``, RDDs or py4j, so ``run`` cannot build its
 barrier stage with ``rdd.barrier().mapPartitions``. The same stage is reachable through the
 DataFrame API: ``spark.range(0, n, numPartitions=n).mapInArrow(task, schema, barrier=True)``;
-inside, ``BarrierTaskContext`` (``allGather``, ``partitionId``, ``resources``) works as in an RDD
+inside, ``BarrierTaskContext`` (``partitionId``, ``resources``) works as in an RDD
 stage, so each task supervises one rank exactly as on a classic session. What differs is
 around the stage:
 
@@ -210,7 +210,7 @@ def launch(
 
     stall_config = stall.StallConfig.from_env({**os.environ, **rank_env})
     server = DriverServer(
-        link_host(spark), secret, stdout, stderr, prefix_output_with_timestamp,
+        link_host(spark), secret, num_proc, stdout, stderr, prefix_output_with_timestamp,
         on_failure=runner.on_rank_failure(max_attempts, lambda: spark.interruptTag(tag)),
         watch=stall.StallWatch(num_proc, stall_config),
         on_stuck=lambda: spark.interruptTag(tag),

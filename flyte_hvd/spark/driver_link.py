@@ -1,10 +1,16 @@
-"""The channel from Spark tasks back to the driver: rank output, timings and failures.
+"""The channel between Spark tasks and the driver: the rendezvous, rank output, timings and
+failures.
 
 Executors' stdout ends up in executor logs, where Horovod's users never find their
 tracebacks. Each barrier task opens one TCP connection to a server on the driver, proves it
 knows the run's secret, and sends JSON lines: output lines (printed on the driver with a
 ``[rank]`` prefix), start-up events, and the failing rank's traceback, which the driver puts
 in the exception it raises.
+
+The ranks' rendezvous rounds (MPI port names) go over the same link: the server answers a
+round as soon as every task has sent its value. Spark's ``BarrierTaskContext.allGather``
+would do the same, but its task side polls the barrier's RPC once a second, so every call
+costs a second however fast the tasks arrive.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import queue
 import socket
 import sys
 import threading
@@ -28,12 +35,13 @@ def _proof(secret: str) -> str:
 
 
 class DriverServer:
-    """Runs on the driver for the length of one ``run()``."""
+    """Runs on the driver for the length of one ``run()`` of ``size`` ranks."""
 
     def __init__(
         self,
         host: str,
         secret: str,
+        size: int,
         stdout: IO[str] | None = None,
         stderr: IO[str] | None = None,
         prefix_output_with_timestamp: bool = False,
@@ -42,6 +50,13 @@ class DriverServer:
         on_stuck: Callable[[], None] | None = None,
     ):
         self._secret_proof = _proof(secret)
+        self._size = size  # tasks in a rendezvous round
+        # round -> rank -> (value, the task's connection)
+        self._gathers: dict[int, dict[int, tuple[str, socket.socket]]] = {}
+        # Bumped by every failure and lost task: a task whose link is older belongs to a stage
+        # attempt that failed (Spark cannot tell a Python task its stage attempt), so its
+        # rendezvous rounds are refused and cannot mix with the retried attempt's.
+        self._generation = 0
         self._on_failure = on_failure
         # A ``core.stall.StallWatch`` over all ranks: tasks forward their ranks' reports here.
         self.watch = watch
@@ -58,6 +73,7 @@ class DriverServer:
         self._sock = socket.create_server((host, 0))
         self.address = (host, self._sock.getsockname()[1])
         self._threads: list[threading.Thread] = []
+        self._conns: list[socket.socket] = []
         threading.Thread(target=self._accept, name="flyte-hvd-driver-link", daemon=True).start()
         if watch is not None:
             threading.Thread(target=self._watch, name="flyte-hvd-stall", daemon=True).start()
@@ -78,6 +94,8 @@ class DriverServer:
             except OSError:
                 return
             thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            with self._lock:
+                self._conns.append(conn)
             thread.start()
             self._threads.append(thread)
 
@@ -90,17 +108,29 @@ class DriverServer:
                 return
             if not hmac.compare_digest(str(hello.get("proof", "")), self._secret_proof):
                 return
-            for line in stream:
-                final = self._handle(json.loads(line))
-                if final is not None:  # the failing task waits for the verdict
-                    with contextlib.suppress(OSError):
-                        conn.sendall(json.dumps({"final": final}).encode() + b"\n")
+            with self._lock:
+                born = self._generation
+            try:
+                for line in stream:
+                    final = self._handle(json.loads(line), conn, born)
+                    if final is not None:  # the failing task waits for the verdict
+                        with self._lock:
+                            _reply(conn, {"final": final})
+            except OSError:
+                pass  # the task's process went away (killed with its Spark task)
+            finally:
+                with self._lock:
+                    # A task of this attempt is gone: a pending round can never complete.
+                    if born == self._generation and self._gathers:
+                        self._abort_gathers("a task's link to the driver closed")
 
-    def _handle(self, message: dict[str, Any]) -> bool | None:
+    def _handle(self, message: dict[str, Any], conn: socket.socket, born: int) -> bool | None:
         """Takes one message; for a failure, returns whether the run ends here."""
         kind, rank = message["kind"], message["rank"]
         with self._lock:
-            if kind == "out":
+            if kind == "gather":
+                self._gather(message, conn, born)
+            elif kind == "out":
                 self._print(rank, message["stream"], message["text"])
             elif kind == "event":
                 self.events.setdefault(rank, {})[message["name"]] = message["time"]
@@ -118,11 +148,37 @@ class DriverServer:
                 self.failures[rank] = (self.attempts_started, message["traceback"])
                 for line in message["traceback"].rstrip().splitlines():
                     self.output_log.write(rank, "stderr", line)
+                # A round that waits for the failed rank would never complete.
+                self._abort_gathers(f"rank {rank} failed")
         if kind != "failed":
             return None
         if self._on_failure is None:
             return False
         return self._on_failure(self.attempts_started, rank, message["traceback"])
+
+    def _gather(self, message: dict[str, Any], conn: socket.socket, born: int) -> None:
+        """One task's value for a rendezvous round; when all are in, every task gets them all
+        in rank order."""
+        round_ = int(message["round"])
+        if born < self._generation:
+            _reply(conn, {"round": round_, "aborted": "this stage attempt has failed"})
+            return
+        values = self._gathers.setdefault(round_, {})
+        values[int(message["rank"])] = (str(message["value"]), conn)
+        if len(values) < self._size:
+            return
+        del self._gathers[round_]
+        ordered = [values[r][0] for r in sorted(values)]
+        for _, task_conn in values.values():
+            _reply(task_conn, {"round": round_, "values": ordered})
+
+    def _abort_gathers(self, why: str) -> None:
+        """Ends the stage attempt's rendezvous: its waiting tasks are told why."""
+        self._generation += 1
+        for round_, values in self._gathers.items():
+            for _, task_conn in values.values():
+                _reply(task_conn, {"round": round_, "aborted": why})
+        self._gathers.clear()
 
     def _print(self, rank: int, stream: str, text: str) -> None:
         target = (
@@ -142,15 +198,40 @@ class DriverServer:
             return {r: tb for r, (attempt, tb) in self.failures.items() if attempt == last}
 
     def close(self) -> None:
+        """Ends the run's link. Tasks still running (a failed run's) see the link end and stop
+        their ranks; this waits up to ``CLOSE_WAIT_S`` for them to hang up, so that when
+        ``run()`` raises, no rank process is left."""
         self._closed.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread; close does not
         self._sock.close()
-        self.output_log.close(keep=False)  # a no-op once the run's error kept it
+        with self._lock:
+            for conn in self._conns:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + CLOSE_WAIT_S
         for thread in self._threads:
-            thread.join(timeout=2)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            for conn in self._conns:  # a task that did not hang up in time
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+        self.output_log.close(keep=False)  # a no-op once the run's error kept it
 
 
+def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
+    """Sends one line to a task (under the server's lock: replies to one task may come from
+    several connections' threads); a task that went away is not the sender's problem."""
+    with contextlib.suppress(OSError):
+        conn.sendall(json.dumps(message).encode() + b"\n")
+
+
+# How long the driver waits, at the end of a failed run, for its tasks to stop their ranks.
+CLOSE_WAIT_S = 5.0
 # How long a failing task waits for the driver's verdict (retry or end) before failing itself.
 VERDICT_TIMEOUT_S = 10.0
+# How often a task waiting for a rendezvous round checks whether it was aborted.
+_GATHER_POLL_S = 0.1
 
 
 class DriverLink:
@@ -162,7 +243,30 @@ class DriverLink:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = socket.create_connection(address, timeout=30)
         self._sock.settimeout(None)
+        self._verdicts: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._rounds: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._lost = threading.Event()  # the driver closed the link
+        self._closing = False
+        # Called once if the driver closes the link first: its run is over (it raised, or the
+        # driver is gone), so whatever this task still runs is for nobody.
+        self.on_lost: Callable[[], None] | None = None
         self._send({"proof": _proof(secret)})
+        threading.Thread(
+            target=self._read, args=(self._sock,), name="flyte-hvd-link-reader", daemon=True
+        ).start()
+
+    def _read(self, sock: socket.socket) -> None:
+        """The driver's replies: rendezvous rounds and the failure verdict."""
+        with contextlib.suppress(OSError, ValueError), sock.makefile("rb") as stream:
+            for line in stream:
+                reply = json.loads(line)
+                (self._verdicts if "final" in reply else self._rounds).put(reply)
+        self._lost.set()
+        if not self._closing and self.on_lost is not None:
+            self.on_lost()
+
+    def _connected(self) -> bool:
+        return self._sock is not None and not self._lost.is_set()
 
     def _send(self, message: dict[str, Any]) -> None:
         data = (json.dumps(message) + "\n").encode()
@@ -184,31 +288,44 @@ class DriverLink:
         """A rank's probe report or ending, for the driver's stall watch."""
         self._send({**message, "kind": kind, "rank": rank})
 
+    def all_gather(self, round_: int, value: str, aborted: threading.Event) -> list[str]:
+        """Every task's value for rendezvous round ``round_``, in rank order. Raises when
+        ``aborted`` is set, the driver aborts the round (a rank failed) or the link is
+        lost."""
+        self._send({"kind": "gather", "rank": self.rank, "round": round_, "value": value})
+        while not aborted.is_set():
+            try:
+                reply = self._rounds.get(timeout=_GATHER_POLL_S)
+            except queue.Empty:
+                if not self._connected():
+                    raise RuntimeError(
+                        "lost the connection to the Spark driver during the rendezvous"
+                    ) from None
+                continue
+            if reply.get("round") != round_:
+                continue  # an answer to an earlier, abandoned round
+            if "aborted" in reply:
+                raise RuntimeError(f"rendezvous aborted: {reply['aborted']}")
+            return [str(v) for v in reply["values"]]
+        raise RuntimeError("rendezvous aborted")
+
     def failed(self, traceback: str) -> bool:
         """Reports this rank's failure; returns whether the driver ends the run here (no
         stage attempt left), False when it lets Spark retry or cannot be reached."""
         self._send({"kind": "failed", "rank": self.rank, "traceback": traceback})
-        with self._lock:
-            sock = self._sock
-        if sock is None:
+        if not self._connected():
             return False
         try:
-            sock.settimeout(VERDICT_TIMEOUT_S)
-            reply = b""
-            while not reply.endswith(b"\n"):
-                chunk = sock.recv(256)
-                if not chunk:
-                    return False
-                reply += chunk
-            return bool(json.loads(reply).get("final"))
-        except (OSError, ValueError):
+            return bool(self._verdicts.get(timeout=VERDICT_TIMEOUT_S)["final"])
+        except queue.Empty:  # the driver is unreachable, or too slow to answer
             return False
-        finally:
-            with contextlib.suppress(OSError):
-                sock.settimeout(None)
 
     def close(self) -> None:
+        self._closing = True
         with self._lock:
             if self._sock is not None:
+                # shutdown wakes the reader thread; close alone may leave it in recv.
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
                 self._sock.close()
                 self._sock = None

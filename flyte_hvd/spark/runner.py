@@ -3,9 +3,9 @@
 The driver checks that the cluster can hold the stage (free slots, no dynamic allocation)
 before submitting, so a job that cannot start fails in seconds with what to change, not after
 Horovod's 600 s "Timed out waiting for Spark tasks". Each barrier task then supervises one rank
-process (``flyte_hvd.core.launcher``); the ranks meet through ``BarrierTaskContext.allGather``,
-their output and failures come back to the driver over a ``DriverLink``, and the driver raises
-one error naming the failing rank with its traceback.
+process (``flyte_hvd.core.launcher``); the ranks meet, and their output and failures come back
+to the driver, over a ``DriverLink``, and the driver raises one error naming the failing rank
+with its traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -121,7 +122,7 @@ def launch(
     tag = f"flyte-hvd-{secret[:12]}"
 
     server = DriverServer(
-        _driver_host(sc), secret, stdout, stderr, prefix_output_with_timestamp,
+        _driver_host(sc), secret, num_proc, stdout, stderr, prefix_output_with_timestamp,
         on_failure=on_rank_failure(max_attempts, lambda: sc.cancelJobsWithTag(tag)),
         watch=stall.StallWatch(num_proc, stall_config),
         on_stuck=lambda: sc.cancelJobsWithTag(tag),
@@ -401,7 +402,7 @@ def _barrier_task(
             job,
             ranks=[rank],
             size=num_proc,
-            exchange=_BarrierExchange(ctx),
+            exchange=_DriverExchange(link),
             secret=secret,
             start_timeout=max(start_timeout, 1.0),
             env=rank_env,
@@ -409,6 +410,9 @@ def _barrier_task(
             watch=ForwardWatch(link.forward),
             single_host=single_host,  # a local[N] master: nothing listens beyond loopback
         )
+        # Spark stops a cancelled Python task only by killing its worker, seconds later; the
+        # driver closing the link stops the ranks at once.
+        link.on_lost = lambda: supervisor.cancel("the Spark driver ended the run")
         try:
             results = supervisor.run()
         except Exception as error:
@@ -448,17 +452,21 @@ def _worker_import_path(extra: str | None) -> str:
     return os.pathsep.join(paths)
 
 
-class _BarrierExchange:
-    """Rendezvous rounds through Spark's own authenticated channel."""
+class _DriverExchange:
+    """Rendezvous rounds through the driver link (authenticated by the run's secret), not
+    ``BarrierTaskContext.allGather``, which costs a second a call (see ``driver_link``)."""
 
-    def __init__(self, ctx: Any):
-        self._ctx = ctx
+    def __init__(self, link: Any):
+        self._link = link
+        self._rounds = 0
+        self._aborted = threading.Event()
 
     def all_gather(self, rank: int, value: str) -> list[str]:
-        return list(self._ctx.allGather(value))
+        round_, self._rounds = self._rounds, self._rounds + 1
+        return self._link.all_gather(round_, value, self._aborted)
 
     def abort(self) -> None:
-        pass  # a failing task fails the stage; Spark stops the other tasks
+        self._aborted.set()
 
 
 def get_available_devices() -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
 
@@ -14,20 +13,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Spark's Python workers must be this interpreter (the venv with flyte_hvd, mpi4py, mpich).
 os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-# Every process this test session starts inherits this mark, so the leftover checks below
-# count only this session's processes, not those of other runs on the same machine.
-SESSION_MARK = f"TEST_SESSION_MARK={uuid.uuid4().hex}".encode()
-os.environ.update([SESSION_MARK.decode().split("=", 1)])
-
-
-def _ours(pid: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return SESSION_MARK in f.read().split(b"\0")
-    except OSError:
-        return False
-
-
 # Every process this test session starts (Spark's JVMs, their Python workers, the ranks)
 # inherits this marker, so the leftover check below ignores other test runs on the machine.
 _SESSION_MARKER = f"FLYTE_HVD_TEST_SESSION={os.getpid()}"
@@ -43,14 +28,31 @@ def _ours(pid: str) -> bool:
 
 
 def rank_processes() -> list[str]:
-    """Command lines of rank processes (and their mpiexec) this test session started."""
+    """Command lines of rank processes (and their mpiexec) this test session started; idle
+    spare rank processes (``flyte_hvd.core.spare``), which outlive runs by design, are not
+    counted: a spare that was handed a rank has removed its folder and counts again."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [
         line
         for line in out.splitlines()
         if ("flyte_hvd.core.bootstrap" in line or "hydra_pmi_proxy" in line or "mpiexec" in line)
         and _ours(line.split()[0])
+        and not idle_spare(line.split()[0])
     ]
+
+
+def idle_spare(pid: str) -> bool:
+    """Whether ``pid`` is an idle spare rank process or its mpiexec (its socket still there)."""
+    from flyte_hvd.core.spare import SPARE_ENV
+
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return False
+    prefix = f"{SPARE_ENV}=".encode()
+    paths = [e[len(prefix) :].decode() for e in entries if e.startswith(prefix)]
+    return bool(paths) and os.path.exists(paths[0])
 
 
 @pytest.fixture

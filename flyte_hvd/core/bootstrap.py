@@ -17,7 +17,7 @@ import traceback
 import cloudpickle
 
 from flyte_hvd.core import job as job_module
-from flyte_hvd.core import rendezvous, stall, state
+from flyte_hvd.core import rendezvous, spare, stall, state
 from flyte_hvd.core.log import get_logger
 
 logger = get_logger("flyte_hvd.core.bootstrap")  # run as __main__ (python -m)
@@ -31,6 +31,8 @@ def main() -> None:
     if env.get(LOG_LEVEL_ENV):
         logging.basicConfig(format="%(name)s %(levelname)s: %(message)s", stream=sys.stderr)
         get_logger().setLevel(env[LOG_LEVEL_ENV].upper())
+    if env.get(spare.SPARE_ENV):  # started ahead of its run: wait for a rank
+        env.update(spare.wait_for_rank())
     rank, size = int(env.pop(rendezvous.RANK_ENV)), int(env.pop(rendezvous.SIZE_ENV))
     job_path, result_path = env.pop(rendezvous.JOB_ENV), env.pop(rendezvous.RESULT_ENV)
     client = rendezvous.ControlClient(env.pop(rendezvous.CONTROL_ENV), rank)
@@ -60,6 +62,7 @@ def main() -> None:
         client.send({"op": "joined"})
         with open(job_path, "rb") as f:
             job = cloudpickle.load(f)
+        spare.set_channel(client.send)
         probe = stall.Probe(client.send).start()
         try:
             result = job.run()

@@ -28,7 +28,7 @@ from typing import IO, Any, Protocol
 
 import cloudpickle
 
-from flyte_hvd.core import rendezvous, stall
+from flyte_hvd.core import rendezvous, spare, stall
 from flyte_hvd.core.errors import RanksFailedError, RendezvousTimeoutError
 
 OutputSink = Callable[[int, str, str], None]
@@ -182,6 +182,9 @@ class _Rank:
         self.done = False
         self.times: dict[str, float] = {}  # event -> wall-clock time, comparable across hosts' logs
         self.pumps: list[threading.Thread] = []
+        self.command: list[str] = []
+        self.spare_env: dict[str, str] = {}  # its environment without the run's own entries
+        self.spare_started = False
 
 
 class RankSupervisor:
@@ -200,6 +203,9 @@ class RankSupervisor:
             listening on a network interface (``mpiexec.gforker``, UCX on loopback).
         watch: decides from the ranks' probe reports whether the run is stuck (see
             ``flyte_hvd.core.stall``); by default one over this supervisor's ranks.
+        preload: modules the ranks import first (e.g. ``("tensorflow",)``): after a run that
+            ends well, this process keeps a spare rank process per rank with them imported,
+            for the next run that starts its ranks the same way (``flyte_hvd.core.spare``).
     """
 
     def __init__(
@@ -216,8 +222,10 @@ class RankSupervisor:
         output_log: OutputLog | None = None,
         timeout_hint: str = "`start_timeout` (or HOROVOD_SPARK_START_TIMEOUT)",
         single_host: bool = False,
+        preload: tuple[str, ...] = (),
     ):
         self.timeout_hint = timeout_hint
+        self.preload = tuple(preload) if spare.enabled() else ()
         self.single_host = single_host
         self.job = job
         self.output_log = output_log
@@ -235,6 +243,7 @@ class RankSupervisor:
         self._stopping = False
         self._cancelled: str | None = None
         self.started_at = 0.0
+        self._stopping_for_failure = False
 
     def run(self) -> dict[int, Any]:
         workdir = _private_dir()
@@ -252,11 +261,23 @@ class RankSupervisor:
             for state in self.ranks.values():
                 self._spawn(state, control, job_path, workdir)
             self._wait()
-            return {r: self._load_result(workdir, r) for r in self.ranks}
+            results = {r: self._load_result(workdir, r) for r in self.ranks}
+        except BaseException:
+            self._stopping_for_failure = True
+            spare.stop_all()  # the run after a failure starts fresh
+            raise
         finally:
             self._stop_all()
             server.close()
             shutil.rmtree(workdir, ignore_errors=True)
+        for state in self.ranks.values():  # the next run's ranks, if no rank asked earlier
+            self._start_spare(state)
+        return results
+
+    def _start_spare(self, state: _Rank) -> None:
+        if self.preload and not state.spare_started and not self._stopping_for_failure:
+            state.spare_started = True
+            spare.start(state.spare_env, self.preload, state.command, work_base())
 
     def cancel(self, reason: str) -> None:
         """Stop the ranks now, from any thread (e.g. the driver ended the run); a ``run`` still
@@ -273,32 +294,48 @@ class RankSupervisor:
     def _spawn(self, state: _Rank, control: str, job_path: str, workdir: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(_MPI_ENV_PREFIXES)}
         env.update(self.env)
-        env.update(
-            {
-                rendezvous.CONTROL_ENV: control,
-                rendezvous.RANK_ENV: str(state.rank),
-                rendezvous.SIZE_ENV: str(self.size),
-                rendezvous.JOB_ENV: job_path,
-                rendezvous.RESULT_ENV: os.path.join(workdir, f"result.{state.rank}.pkl"),
-                "PYTHONUNBUFFERED": "1",
-                # The rank's temporary files live in the supervisor's folder, which is removed
-                # on every path (see `_private_dir`).
-                "TMPDIR": os.path.join(workdir, "tmp"),
-            }
-        )
+        env["PYTHONUNBUFFERED"] = "1"
         if self.single_host:
             # Every rank is on this machine: UCX needs no interface but loopback.
             env.setdefault("UCX_NET_DEVICES", "lo")
         mpiexec = find_mpiexec(self.single_host)
-        command = [mpiexec, "-n", "1", sys.executable, "-m", "flyte_hvd.core.bootstrap"]
-        state.proc = subprocess.Popen(
-            command,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
+        state.command = [mpiexec, "-n", "1", sys.executable, "-m", "flyte_hvd.core.bootstrap"]
+        state.spare_env = dict(env)
+        # The rank's own entries. Its temporary files live in the supervisor's folder, which
+        # is removed on every path (see `_private_dir`).
+        assignment = {
+            "control": control,
+            "rank": state.rank,
+            "size": self.size,
+            "job": job_path,
+            "result": os.path.join(workdir, f"result.{state.rank}.pkl"),
+            "tmpdir": os.path.join(workdir, "tmp"),
+        }
+        if self.preload:
+            key = spare.key_of(env, self.preload, state.command)
+            left = self.started_at + self.start_timeout - time.monotonic()
+            state.proc = spare.claim(key, assignment, max(left, 1.0))
+            if state.proc is not None:
+                state.times["spare_claimed"] = time.time()
+        if state.proc is None:
+            env.update(
+                {
+                    rendezvous.CONTROL_ENV: control,
+                    rendezvous.RANK_ENV: str(state.rank),
+                    rendezvous.SIZE_ENV: str(self.size),
+                    rendezvous.JOB_ENV: str(assignment["job"]),
+                    rendezvous.RESULT_ENV: str(assignment["result"]),
+                    "TMPDIR": str(assignment["tmpdir"]),
+                }
+            )
+            state.proc = subprocess.Popen(
+                state.command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
         state.times["spawned"] = time.time()
         for stream, pipe in (("stdout", state.proc.stdout), ("stderr", state.proc.stderr)):
             pump = threading.Thread(target=self._pump, args=(state, stream, pipe), daemon=True)
@@ -363,6 +400,8 @@ class RankSupervisor:
                     conn.sendall(rendezvous.encode({"values": values}))
                 elif op == "joined":
                     state.times["joined"] = time.time()
+                elif op == "warm":
+                    self._start_spare(state)
                 elif op == "failed":
                     state.traceback = message["traceback"]
                     if self.output_log is not None:

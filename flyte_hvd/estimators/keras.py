@@ -58,6 +58,7 @@ class KerasEstimator(HorovodEstimator):
     """
 
     _framework = "keras"
+    _preload = ("flyte_hvd.estimators.keras", "tensorflow", "keras", "flyte_hvd.keras")
     _extension = _EXTENSION
 
     def _check_model(self, features: list[str], labels: list[str]) -> None:

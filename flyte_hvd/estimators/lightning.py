@@ -89,6 +89,7 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
     """
 
     _framework = "lightning"
+    _preload = ("flyte_hvd.estimators.lightning", "torch", "lightning.pytorch", "flyte_hvd.torch")
     _extension = _EXTENSION
     _model_class = TorchModel
 

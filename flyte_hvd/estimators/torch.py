@@ -96,6 +96,7 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
     """
 
     _framework = "torch"
+    _preload = ("flyte_hvd.estimators.torch", "torch", "flyte_hvd.torch")
     _extension = _EXTENSION
 
     def _check_model(self, features: list[str], labels: list[str]) -> None:

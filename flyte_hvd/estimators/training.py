@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from flyte_hvd.core import spare
 from flyte_hvd.core.log import get_logger
 
 logger = get_logger(__name__)
@@ -136,6 +137,8 @@ def rank_run(spec: TrainingSpec, hvd: Any, extension: str,
         if rank == 0 and run.best_value is not None:
             run.best_file = os.path.join(work, f"best{extension}")
             store.download_file(checkpoint_path(store, extension), run.best_file)
+        # The framework is imported: the next fit's rank process may start importing now.
+        spare.rank_is_warm()
         yield run
 
 

@@ -192,6 +192,7 @@ def launch(
     stderr: Any = None,
     verbose: int = 1,
     prefix_output_with_timestamp: bool = False,
+    preload: tuple[str, ...] = (),
 ) -> runner.RunReport:
     """``runner.launch`` on a Spark Connect session (same arguments, same behaviour)."""
     from flyte_hvd.spark.driver_link import DriverServer
@@ -219,7 +220,7 @@ def launch(
     logger.log(level, "running %d ranks in a Spark barrier stage (DataFrame API)", num_proc)
     task = runner._barrier_task(
         job, num_proc, secret, server.address, rank_env, deadline - time.monotonic(),
-        single_host=runner._is_local(conf),
+        single_host=runner._is_local(conf), preload=preload,
     )  # fmt: skip
     spark.addTag(tag)
     try:

@@ -99,6 +99,7 @@ def launch(
     stderr: IO[str] | None = None,
     verbose: int = 1,
     prefix_output_with_timestamp: bool = False,
+    preload: tuple[str, ...] = (),
 ) -> runner.RunReport:
     """``run``, returning the full ``RunReport`` (used by benchmarks and the estimator), on
     the active session of either kind."""
@@ -106,9 +107,9 @@ def launch(
     if is_connect_session(spark):
         return dataframe_stage.launch(
             spark, fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
-            prefix_output_with_timestamp,
+            prefix_output_with_timestamp, preload,
         )  # fmt: skip
     return runner.launch(
         fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
-        prefix_output_with_timestamp,
+        prefix_output_with_timestamp, preload,
     )  # fmt: skip

@@ -104,8 +104,11 @@ def launch(
     stderr: IO[str] | None = None,
     verbose: int = 1,
     prefix_output_with_timestamp: bool = False,
+    preload: tuple[str, ...] = (),
 ) -> RunReport:
-    """``run``, returning the full ``RunReport`` (used by benchmarks and the estimator)."""
+    """``run``, returning the full ``RunReport`` (used by benchmarks and the estimator).
+    ``preload`` names modules that spare rank processes import ahead of the next run
+    (``flyte_hvd.core.spare``); the estimators pass their framework's."""
     from flyte_hvd.spark.driver_link import DriverServer
 
     sc = active_spark_context()
@@ -131,7 +134,7 @@ def launch(
     logger.log(level, "running %d ranks in a Spark barrier stage", num_proc)
     task = _barrier_task(
         job, num_proc, secret, server.address, rank_env, deadline - time.monotonic(),
-        single_host=_is_local(sc),
+        single_host=_is_local(sc), preload=preload,
     )  # fmt: skip
     sc.addJobTag(tag)
     try:
@@ -378,6 +381,7 @@ def _barrier_task(
     env: dict[str, str],
     start_timeout: float,
     single_host: bool = False,
+    preload: tuple[str, ...] = (),
 ) -> Callable[[Any], Any]:
     """The closure each barrier task runs: plain values only, no driver objects."""
 
@@ -409,6 +413,7 @@ def _barrier_task(
             output=link.output,
             watch=ForwardWatch(link.forward),
             single_host=single_host,  # a local[N] master: nothing listens beyond loopback
+            preload=preload,
         )
         # Spark stops a cancelled Python task only by killing its worker, seconds later; the
         # driver closing the link stops the ranks at once.

@@ -15,9 +15,9 @@ shared and noisy, so every comparison alternates ours and the reference ``--roun
   session's first fit: data preparation included) and warm (a second fit on the same
   DataFrame, whose prepared data is reused), with ``prepare_data`` alone timed once more;
 - transform: rows/s of ``KerasModel.transform`` against plain ``model.predict`` on the same
-  rows in one process, with its breakdown (the same Spark query with a UDF that does not
-  call the model, and with larger Arrow batches), and against a row-at-a-time UDF
-  (Horovod's way; measured on a sample).
+  rows in one process, with its breakdown (the query's input alone, in the JVM; the same
+  Spark query with a UDF that does not call the model; larger Arrow batches), and against a
+  row-at-a-time UDF (Horovod's way; measured on a sample).
 
 Ends with one JSON line: per target, our figure, the reference measured in this run, their
 ratio and whether the target is met.
@@ -337,9 +337,10 @@ def main() -> None:
 
 
 def _transform_breakdown(spark, big, model, timed_rps) -> dict:
-    """rows/s of the transform's Spark query without the model call (Arrow in and out, the
-    UDF's Python worker, Spark's row movement), and of the full transform with 4x larger
-    Arrow batches."""
+    """rows/s of the transform's own input (reading the rows and ``vector_to_array``, in the
+    JVM alone), of its Spark query without the model call (that, plus Arrow in and out, the
+    UDF's Python worker and joining the results back to the rows), and of the full transform
+    with 4x larger Arrow batches."""
     import pyarrow as pa
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F
@@ -350,9 +351,12 @@ def _transform_breakdown(spark, big, model, timed_rps) -> dict:
             yield pa.array(np.zeros(len(batch), np.float64))
 
     udf = F.arrow_udf(no_model, "double", ArrowUDFType.SCALAR_ITER)  # type: ignore[call-overload]
-    query = big.select(udf(vector_to_array("features", "float32")).alias("p"))
-    query.agg(F.sum("p")).collect()
-    out = {"without_model": round(timed_rps(lambda: query.agg(F.sum("p")).collect()))}
+    features = vector_to_array("features", "float32")  # the transform's input, as it builds it
+    out = {}
+    for name, query in (("jvm_input_only", big.select(F.size(features).alias("p"))),
+                        ("without_model", big.select(udf(features).alias("p")))):  # fmt: skip
+        query.agg(F.sum("p")).collect()
+        out[name] = round(timed_rps(lambda q=query: q.agg(F.sum("p")).collect()))
     key = "spark.sql.execution.arrow.maxRecordsPerBatch"
     before = spark.conf.get(key)
     spark.conf.set(key, "40000")

@@ -303,7 +303,9 @@ class HorovodModel(Model, MLWritable, MLReadable):
                 f"feature column(s) {missing} are not in the DataFrame; it has {df.columns}."
             )
         # Vectors enter the UDF as arrays (Arrow does not carry Spark's vector type), of
-        # float32: what the models compute in, and half the bytes to move.
+        # float32: what the models compute in, and half the bytes to move. Passing the vector
+        # column itself (the UDF then gets its struct) measured 4x slower on Spark 4.3: the
+        # JVM writes that struct to Arrow far slower than it runs vector_to_array.
         inputs = [
             vector_to_array(F.col(c), "float32")
             if isinstance(df.schema[c].dataType, VectorUDT)

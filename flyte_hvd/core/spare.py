@@ -3,14 +3,14 @@
 A rank process spends seconds importing TensorFlow or torch before it trains, on every
 ``fit``. A run that names modules to preload has its supervisor start one spare per rank it
 runs, as the supervisor's own child (a Spark task's Python worker, which Spark keeps for the
-next task): once that rank calls ``rank_is_warm`` (the estimators do after the first
-training step), or else when the run ends well. The spare is an ordinary rank process
-(``mpiexec -n 1 python -m flyte_hvd.core.bootstrap``) that imports those modules and waits
-on a socket in its own 0700 folder. The next supervisor in that process whose ranks would
-start with the same command, environment and modules hands it a rank instead of starting a
-new process; the spare then joins as any rank does (a new communicator, the run's secret
-over the control socket), runs that one job and exits. So a process never serves two runs,
-and nothing of one run reaches the next.
+next task): once that rank calls ``rank_is_warm`` (the estimators do as training starts), or
+else when the run ends well. The spare is an ordinary rank process (``mpiexec -n 1 python -m
+flyte_hvd.core.bootstrap``) that imports those modules and waits on a socket in its own
+0700 folder. The next supervisor in that process whose ranks would start with the same
+command, environment and modules hands it a rank instead of starting a new process; the
+spare then joins as any rank does (a new communicator, the run's secret over the control
+socket), runs that one job and exits. So a process never serves two runs, and nothing of
+one run reaches the next.
 
 A spare exits by itself once the process that keeps it is gone (Spark stopped the worker or
 the session) or after ``FLYTE_HVD_SPARE_IDLE_S`` seconds (default 300) unclaimed; a failed
@@ -154,8 +154,8 @@ def set_channel(send: Any) -> None:
 
 
 def rank_is_warm() -> None:
-    """Called by a rank once it has imported what it needs (the estimators do after the first
-    training step): its supervisor starts the spare for the next run now, so that the spare's
+    """Called by a rank once it has imported what it needs (the estimators do as training
+    starts): its supervisor starts the spare for the next run now, so that the spare's
     imports run during this run, not at the next one's start. Without the call the spare
     starts when the run ends. Outside a launched rank: nothing."""
     if _to_supervisor:

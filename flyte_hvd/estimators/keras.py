@@ -212,7 +212,6 @@ def train_on_rank(spec: KerasTrainingSpec) -> dict:
             hvd.callbacks.BroadcastGlobalVariablesCallback(0),
             hvd.callbacks.MetricAverageCallback(),
             *spec.callbacks,
-            StepDone(),
         ]
         best_path = os.path.join(run.work, BEST_MODEL_FILENAME)
         checkpoint = spec.checkpoint_callback
@@ -303,14 +302,6 @@ class EpochTensorBoard(keras.callbacks.TensorBoard):
 
     def on_train_batch_end(self, batch, logs=None):
         pass
-
-
-class StepDone(keras.callbacks.Callback):
-    """Every rank: ``training.step_done`` after each step (the broadcast callback has a batch
-    hook already, so Keras calls batch hooks anyway)."""
-
-    def on_train_batch_end(self, batch, logs=None):
-        training.step_done()
 
 
 class RunRecorder(keras.callbacks.Callback):

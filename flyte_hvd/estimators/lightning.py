@@ -193,9 +193,6 @@ def _recorder_class() -> type:
             if self.record is not None:
                 self.record.step_begin()
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            training.step_done()
-
         def on_train_epoch_end(self, trainer, pl_module):
             import flyte_hvd.torch as hvd
 

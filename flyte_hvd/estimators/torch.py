@@ -274,7 +274,6 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
                 inputs, labels, weights = batch_tensors(batch, spec, spec.input_shapes, device)
                 outputs, loss = minibatch(model, optimizer, _transform_outputs, loss_fn, inputs,
                                           labels, weights)  # fmt: skip
-                training.step_done()
                 outputs, labels = _transform_outputs(outputs, labels)
                 _add_metrics(sums, "", loss, outputs, labels, spec)
             logs = _mean(sums, len(train_loader))

@@ -137,13 +137,9 @@ def rank_run(spec: TrainingSpec, hvd: Any, extension: str,
         if rank == 0 and run.best_value is not None:
             run.best_file = os.path.join(work, f"best{extension}")
             store.download_file(checkpoint_path(store, extension), run.best_file)
+        # The framework is imported: the next fit's rank process may start importing now.
+        spare.rank_is_warm()
         yield run
-
-
-def step_done() -> None:
-    """Every rank, after each training step: after the first, this rank's spare for the next
-    fit starts importing the framework (started sooner, its imports slow this fit's start)."""
-    spare.rank_is_warm()
 
 
 class RunRecord:

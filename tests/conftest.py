@@ -41,6 +41,27 @@ def rank_processes() -> list[str]:
     ]
 
 
+def idle_spares(module: str) -> set[int]:
+    """Pids of this session's idle spare rank processes (not their mpiexec) that preload
+    ``module``."""
+    found = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or not _ours(pid) or not idle_spare(pid):
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            is_rank = b"flyte_hvd.core.bootstrap" in argv and b"mpiexec" not in argv[0]
+        except OSError:
+            continue
+        preload = env.get(b"FLYTE_HVD_SPARE_PRELOAD", b"").decode().split(",")
+        if is_rank and module in preload:
+            found.add(int(pid))
+    return found
+
+
 def idle_spare(pid: str) -> bool:
     """Whether ``pid`` is an idle spare rank process or its mpiexec (its socket still there)."""
     from flyte_hvd.core.spare import SPARE_ENV

@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -67,6 +68,30 @@ def _mlp(inputs=3, outputs=1, activation=None):
 @pytest.fixture
 def store(tmp_path):
     return Store.create(str(tmp_path / "store"))
+
+
+def test_a_fit_leaves_spare_ranks_and_the_next_fit_trains_the_same(spark_local2, store):
+    """Each task of a fit starts a spare rank process with Keras imported; a fit that runs
+    on spares (one job each, a new communicator) trains exactly as one on new processes."""
+    from conftest import idle_spares
+
+    df = _regression_df(spark_local2, rows=200)
+
+    def fit(run_id):
+        return KerasEstimator(
+            num_proc=2, store=store, model=_mlp(), optimizer=keras.optimizers.Adam(0.02),
+            loss="mse", feature_cols=["features"], label_cols=["label"], batch_size=16,
+            epochs=2, verbose=0, random_seed=1, run_id=run_id,
+        ).fit(df).getHistory()  # fmt: skip
+
+    before = idle_spares("flyte_hvd.estimators.keras")
+    first = fit("spares_a")
+    deadline = time.monotonic() + 60
+    while len(idle_spares("flyte_hvd.estimators.keras") - before) < 2:
+        assert time.monotonic() < deadline, "the fit's tasks started no spare rank processes"
+        time.sleep(0.2)
+    second = fit("spares_b")
+    np.testing.assert_allclose(second["loss"], first["loss"], rtol=1e-5)
 
 
 def test_regression_fit_transform_save_load(spark_local2, store, tmp_path, no_leftover_ranks):

@@ -96,6 +96,16 @@ def test_a_spare_stands_in_only_for_a_rank_started_the_same_way():
     assert not any("spare_claimed" in t for t in times.values())
 
 
+def test_a_process_keeps_one_idle_spare_per_rank_it_runs():
+    _run(size=1, env={"SETTING": "a"})
+    (older,) = spare._SPARES
+    _run(size=1, env={"SETTING": "b"})  # its spare replaces the one no run would take
+    (newer,) = spare._SPARES
+    assert older.proc.poll() is not None and not os.path.exists(older.folder)
+    _, times = _run(size=1, env={"SETTING": "b"})
+    assert "spare_claimed" in times[0] and newer.proc.poll() is not None
+
+
 def test_a_failed_run_stops_the_spares_and_the_next_run_starts_fresh(no_leftover_ranks):
     def fails():
         import flyte_hvd.core as hvd

@@ -277,7 +277,9 @@ class RankSupervisor:
     def _start_spare(self, state: _Rank) -> None:
         if self.preload and not state.spare_started and not self._stopping_for_failure:
             state.spare_started = True
-            spare.start(state.spare_env, self.preload, state.command, work_base())
+            spare.start(
+                state.spare_env, self.preload, state.command, work_base(), keep=len(self.ranks)
+            )
 
     def cancel(self, reason: str) -> None:
         """Stop the ranks now, from any thread (e.g. the driver ended the run); a ``run`` still

@@ -63,9 +63,12 @@ def key_of(env: dict[str, str], preload: tuple[str, ...], command: list[str]) ->
     return (tuple(command), preload, tuple(sorted(env.items())))
 
 
-def start(env: dict[str, str], preload: tuple[str, ...], command: list[str], base: str) -> None:
+def start(env: dict[str, str], preload: tuple[str, ...], command: list[str], base: str,
+          keep: int = 1) -> None:  # fmt: skip
     """Starts one spare that imports ``preload`` and waits; ``env`` is the rank environment
-    without the run's own entries (control socket, rank, job, result, ``TMPDIR``)."""
+    without the run's own entries (control socket, rank, job, result, ``TMPDIR``). Of this
+    process's idle spares the newest ``keep`` stay: older ones were made for runs started
+    differently (another environment), and each holds a framework in memory."""
     folder = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=base)
     os.mkdir(os.path.join(folder, "tmp"), 0o700)
     spare_env = {
@@ -84,6 +87,8 @@ def start(env: dict[str, str], preload: tuple[str, ...], command: list[str], bas
         start_new_session=True,
     )
     _SPARES.append(Spare(proc, folder, key_of(env, preload, command)))
+    while len(_SPARES) > keep:
+        _stop(_SPARES[0])
 
 
 def claim(key: tuple, assignment: dict[str, Any], timeout: float) -> subprocess.Popen | None:

@@ -25,6 +25,14 @@ def _links(server: DriverServer, n: int = 2) -> list[DriverLink]:
     return [DriverLink(server.address, SECRET, rank) for rank in range(n)]
 
 
+def _until_connected(server: DriverServer, n: int) -> None:
+    """Until the server has taken ``n`` task connections."""
+    deadline = time.monotonic() + 10
+    while len(server._conns) < n:
+        assert time.monotonic() < deadline, "the server never took the connection"
+        time.sleep(0.01)
+
+
 def _until_waiting(server: DriverServer) -> None:
     """Until the server holds a task's value for an unfinished round."""
     deadline = time.monotonic() + 10
@@ -126,10 +134,25 @@ def test_a_task_hears_when_the_driver_ends_the_link_first(server):
     lost = threading.Event()
     link = DriverLink(server.address, SECRET, 0)
     link.on_lost = lambda: (lost.set(), link.close())  # a task stops its ranks, hangs up
+    _until_connected(server, 1)
     started = time.monotonic()
     server.close()  # a failed run's driver: the task still runs
-    assert lost.is_set()
-    assert time.monotonic() - started < 5  # it waited for the task, not its time limit
+    assert lost.is_set()  # close() waited for the task to hang up ...
+    assert time.monotonic() - started < 5  # ... not for its time limit
+
+
+def test_a_task_that_connects_as_the_run_ends_is_hung_up_on(server):
+    """The driver may close while a task's connection waits to be accepted."""
+    links = []
+    for rank in range(20):  # some connect before close() and some race it
+        link = DriverLink(server.address, SECRET, rank % 2)
+        link.on_lost = link.close  # as a task does: stop, then hang up
+        links.append(link)
+    server.close()
+    for link in links:
+        with pytest.raises(RuntimeError, match="lost the connection"):
+            link.all_gather(0, "port", threading.Event())
+        link.close()
 
 
 def test_a_task_closing_its_own_link_is_not_a_lost_driver(server):

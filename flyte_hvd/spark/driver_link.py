@@ -93,11 +93,14 @@ class DriverServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
             with self._lock:
+                if self._closed.is_set():  # accepted as the run ended: hang up
+                    _hang_up(conn)
+                    return
                 self._conns.append(conn)
-            thread.start()
-            self._threads.append(thread)
+                thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
     def _serve(self, conn: socket.socket) -> None:
         with conn, conn.makefile("rb") as stream:
@@ -201,22 +204,30 @@ class DriverServer:
         """Ends the run's link. Tasks still running (a failed run's) see the link end and stop
         their ranks; this waits up to ``CLOSE_WAIT_S`` for them to hang up, so that when
         ``run()`` raises, no rank process is left."""
-        self._closed.set()
+        with self._lock:  # from here on the accepting thread takes no connection
+            self._closed.set()
+            conns, threads = list(self._conns), list(self._threads)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread; close does not
         self._sock.close()
         with self._lock:
-            for conn in self._conns:
+            for conn in conns:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_WR)
         deadline = time.monotonic() + CLOSE_WAIT_S
-        for thread in self._threads:
+        for thread in threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
         with self._lock:
-            for conn in self._conns:  # a task that did not hang up in time
+            for conn in conns:  # a task that did not hang up in time
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
         self.output_log.close(keep=False)  # a no-op once the run's error kept it
+
+
+def _hang_up(conn: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
+    conn.close()
 
 
 def _reply(conn: socket.socket, message: dict[str, Any]) -> None:

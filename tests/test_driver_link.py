@@ -25,6 +25,16 @@ def _links(server: DriverServer, n: int = 2) -> list[DriverLink]:
     return [DriverLink(server.address, SECRET, rank) for rank in range(n)]
 
 
+def _round(links: list[DriverLink], round_: int, values: list[str]) -> list[list[str]]:
+    """Every link sends its value for ``round_`` at once (the last rank first); what each got."""
+    with ThreadPoolExecutor(len(links)) as pool:
+        answers = [
+            pool.submit(link.all_gather, round_, value, threading.Event())
+            for link, value in reversed(list(zip(links, values, strict=True)))
+        ]
+        return [answer.result(timeout=10) for answer in reversed(answers)]
+
+
 def _until_connected(server: DriverServer, n: int) -> None:
     """Until the server has taken ``n`` task connections."""
     deadline = time.monotonic() + 10
@@ -43,17 +53,9 @@ def _until_waiting(server: DriverServer) -> None:
 
 def test_a_round_answers_every_task_in_rank_order(server):
     links = _links(server)
-    never = threading.Event()
-    with ThreadPoolExecutor(2) as pool:
-        # Rank 1 arrives first: the answer is still in rank order.
-        second = pool.submit(links[1].all_gather, 0, "port-b", never)
-        first = pool.submit(links[0].all_gather, 0, "port-a", never)
-        assert first.result(timeout=10) == ["port-a", "port-b"]
-        assert second.result(timeout=10) == ["port-a", "port-b"]
-        # The next round is a new one.
-        again = pool.submit(links[0].all_gather, 1, "x", never)
-        assert links[1].all_gather(1, "y", never) == ["x", "y"]
-        assert again.result(timeout=10) == ["x", "y"]
+    # Rank 1 arrives first: the answer is still in rank order.
+    assert _round(links, 0, ["port-a", "port-b"]) == [["port-a", "port-b"]] * 2
+    assert _round(links, 1, ["x", "y"]) == [["x", "y"]] * 2  # the next round is a new one
     for link in links:
         link.close()
 
@@ -71,10 +73,7 @@ def test_a_failed_rank_aborts_the_waiting_round_and_its_stage_attempt(server):
     with pytest.raises(RuntimeError, match="this stage attempt has failed"):
         links[0].all_gather(1, "stale", never)
     retry = _links(server)
-    with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(retry[0].all_gather, 0, "new-a", never)
-        assert retry[1].all_gather(0, "new-b", never) == ["new-a", "new-b"]
-        assert first.result(timeout=10) == ["new-a", "new-b"]
+    assert _round(retry, 0, ["new-a", "new-b"]) == [["new-a", "new-b"]] * 2
     for link in links + retry:
         link.close()
 
@@ -82,10 +81,8 @@ def test_a_failed_rank_aborts_the_waiting_round_and_its_stage_attempt(server):
 def test_a_lost_task_aborts_the_round(server):
     links = _links(server)
     never = threading.Event()
-    with ThreadPoolExecutor(2) as pool:
-        waiting = pool.submit(links[0].all_gather, 0, "port-a", never)
-        other = pool.submit(links[1].all_gather, 0, "port-b", threading.Event())
-        assert waiting.result(timeout=10) == other.result(timeout=10)
+    assert _round(links, 0, ["port-a", "port-b"]) == [["port-a", "port-b"]] * 2
+    with ThreadPoolExecutor(1) as pool:
         # Rank 1's task is lost while rank 0 waits in the next round.
         waiting = pool.submit(links[0].all_gather, 1, "x", never)
         _until_waiting(server)

@@ -320,16 +320,7 @@ class RankSupervisor:
             if state.proc is not None:
                 state.times["spare_claimed"] = time.time()
         if state.proc is None:
-            env.update(
-                {
-                    rendezvous.CONTROL_ENV: control,
-                    rendezvous.RANK_ENV: str(state.rank),
-                    rendezvous.SIZE_ENV: str(self.size),
-                    rendezvous.JOB_ENV: str(assignment["job"]),
-                    rendezvous.RESULT_ENV: str(assignment["result"]),
-                    "TMPDIR": str(assignment["tmpdir"]),
-                }
-            )
+            env.update(spare.rank_environment(assignment))
             state.proc = subprocess.Popen(
                 state.command,
                 env=env,

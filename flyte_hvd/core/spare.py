@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from flyte_hvd.core import rendezvous
+
 SPARE_ENV = "FLYTE_HVD_SPARE"  # in a spare: the socket it waits on for its rank
 _OWNER_ENV = "FLYTE_HVD_SPARE_OWNER"  # "pid:start time" of the process that keeps it
 _PRELOAD_ENV = "FLYTE_HVD_SPARE_PRELOAD"
@@ -205,17 +207,17 @@ def wait_for_rank() -> dict[str, str]:
                     conn.sendall(b"ok\n")
                 except (OSError, ValueError):
                     continue  # a liveness probe (the stale-folder sweep), or a stranger
-            return _rank_environment(assignment)
+            tempfile.tempdir = None  # the run's folder from now on, not the spare's
+            return rank_environment(assignment)
     finally:
         server.close()
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     os._exit(0)
 
 
-def _rank_environment(assignment: dict[str, Any]) -> dict[str, str]:
-    from flyte_hvd.core import rendezvous
-
-    tempfile.tempdir = None  # the run's folder from now on, not the spare's
+def rank_environment(assignment: dict[str, Any]) -> dict[str, str]:
+    """A rank's own environment entries: where its run is (a new rank gets them at start, a
+    spare with its rank)."""
     return {
         rendezvous.CONTROL_ENV: str(assignment["control"]),
         rendezvous.RANK_ENV: str(assignment["rank"]),

@@ -354,6 +354,7 @@ def _estimator(store, **overrides):
         ({"epochs": 0}, "`epochs` must be an int >= 1"),
         ({"model": "not a model"}, "must be a Keras 3 model"),
         ({"data_loader": object.__new__(ArrowDataLoader)}, "must be a BaseDataLoader subclass"),
+        ({"inmemory_cache_all": "yes"}, "`inmemory_cache_all` must be True"),
     ],
 )  # fmt: skip
 def test_bad_input_fails_before_ranks_start(spark_local2, store, overrides, match):

@@ -142,6 +142,22 @@ def test_inmemory_cache_reads_the_files_once(tmp_path):
     assert set(second) == set(first) and len(second) == len(first) and second != first
 
 
+def test_inmemory_cache_none_keeps_only_a_small_shard(tmp_path, monkeypatch):
+    """``inmemory_cache_all=None`` (the estimators' default) keeps a shard in memory when it
+    decodes to at most AUTO_CACHE_MAX_BYTES, and streams a larger one."""
+    from flyte_hvd.data import loader as loader_module
+
+    path = write_dataset(tmp_path / "d")
+    auto = ArrowDataLoader(path, 4, rank=0, size=2, columns=["id", "x"], inmemory_cache_all=None)
+    # id is int64, x float32 of shape (3,): 20 bytes a row.
+    assert auto.shard_bytes == auto.shard_rows * 20 and auto.inmemory_cache_all
+    monkeypatch.setattr(loader_module, "AUTO_CACHE_MAX_BYTES", auto.shard_bytes - 1)
+    big = ArrowDataLoader(path, 4, rank=0, size=2, columns=["id", "x"], inmemory_cache_all=None)
+    assert not big.inmemory_cache_all
+    explicit = ArrowDataLoader(path, 4, rank=0, size=2, inmemory_cache_all=True)
+    assert explicit.inmemory_cache_all
+
+
 def test_spark_vector_layout_is_expanded(tmp_path):
     # Spark writes a VectorUDT column as struct<type, size, indices, values>: mix dense rows
     # (type 1) and sparse rows (type 0).

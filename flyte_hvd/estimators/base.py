@@ -19,7 +19,7 @@ from pyspark.ml import Estimator, Model
 from pyspark.ml.util import MLReadable, MLWritable
 
 from flyte_hvd.core.checks import require_int
-from flyte_hvd.data.loader import BaseDataLoader
+from flyte_hvd.data.loader import AUTO_CACHE_MAX_BYTES, BaseDataLoader
 from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, MODEL_PARAMS, with_params
 from flyte_hvd.spark.dispatch import (
     active_session,
@@ -84,6 +84,12 @@ class HorovodEstimator(Estimator):
         require_int("epochs", self.getEpochs(), minimum=1)
         if self.getValBatchSize() is not None:
             require_int("val_batch_size", self.getValBatchSize(), minimum=1)
+        if self.getInmemoryCacheAll() not in (None, True, False):
+            raise ValueError(
+                f"`inmemory_cache_all` must be True (keep each rank's shard in memory), False "
+                f"(read it from the store every epoch) or None (keep it when it decodes to at "
+                f"most {AUTO_CACHE_MAX_BYTES >> 20} MiB); found {self.getInmemoryCacheAll()!r}."
+            )
         loader = self.getDataLoader()
         if loader is not None and not (
             isinstance(loader, type) and issubclass(loader, BaseDataLoader)

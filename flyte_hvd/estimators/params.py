@@ -40,7 +40,10 @@ ESTIMATOR_PARAMS: dict[str, tuple[Any, str]] = {
     "checkpoint_callback": (None, "e.g. BestModelCheckpoint; the file path is set for you"),
     "gradient_compression": (None, "e.g. hvd.Compression.fp16"),
     "transformation_fn": (None, "function applied to each batch dict before training"),
-    "inmemory_cache_all": (False, "cache the rank's whole shard in memory after epoch 1"),
+    "inmemory_cache_all": (
+        None,
+        "keep the rank's decoded shard in memory (None: when it is at most 256 MiB)",
+    ),
     "data_loader": (None, "a BaseDataLoader class to read batches (default ArrowDataLoader)"),
     "use_gpu": (True, "pin each rank to its GPU when one is present"),
 }

@@ -52,7 +52,7 @@ class TrainingSpec:
     train_steps_per_epoch: int | None
     validation_steps_per_epoch: int | None
     transformation_fn: Any = None
-    inmemory_cache_all: bool = False
+    inmemory_cache_all: bool | None = None
     data_loader: Any = None
     use_gpu: bool = True
 

@@ -205,6 +205,36 @@ def test_nan_label_is_refused(store, vectors_df):
         prepare(store, nulls, feature_columns=["f_null"])
 
 
+@pytest.mark.parametrize(
+    ("column", "match"),
+    [
+        ("if(id = 4, array(id), arr) as bad", r"`bad` has rows of different lengths \(1 to 2\)"),
+        ("cast(array() as array<double>) as bad", r"`bad` holds empty arrays or vectors"),
+        ("if(id = 4, array(double('NaN'), 1.0), array(id * 1.0, 2.0)) as bad",
+         r"`bad` has 1 NaN or infinite values"),
+    ],
+)  # fmt: skip
+def test_bad_arrays_are_refused_before_anything_is_written(store, vectors_df, column, match):
+    df = vectors_df.selectExpr("*", column)
+    with pytest.raises(ValueError, match=match):
+        prepare(store, df, feature_columns=["bad"])
+    assert not os.listdir(store.prefix_path)
+
+
+def test_non_finite_values_in_sparse_and_dense_vectors_are_counted(store, spark_local2):
+    from pyspark.ml.linalg import Vectors
+
+    rows = [
+        (Vectors.sparse(4, [1, 3], [float("inf"), 2.0]), 0.0),
+        (Vectors.dense([float("nan"), 1.0, float("-inf"), 0.0]), 1.0),
+        (Vectors.sparse(4, [], []), 2.0),
+    ]
+    df = spark_local2.createDataFrame(rows, ["v", "label"])
+    with pytest.raises(ValueError, match=r"`v` has 3 NaN or infinite values"):
+        prepare(store, df, feature_columns=["v"])
+    assert not os.listdir(store.prefix_path)
+
+
 def test_failed_write_leaves_nothing_behind(tmp_path, vectors_df):
     blocker = tmp_path / "a-file"
     blocker.write_text("the validation split cannot go under a file")

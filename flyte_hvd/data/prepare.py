@@ -1,8 +1,8 @@
 """``prepare_data``: a Spark DataFrame to Parquet in the Store, for the ranks to read.
 
-One Spark pass checks the selected columns in Arrow (rows, nulls, NaN labels, vector and array
-lengths, sparse or dense), so bad data fails before anything is written; then each split is
-repartitioned into ``num_processes * partitions_per_process`` files and written, by Spark
+One Spark aggregation checks the selected columns in the JVM (rows, nulls, NaN labels, vector
+and array lengths, sparse or dense), so bad data fails before anything is written; then each
+split is repartitioned into ``num_processes * partitions_per_process`` files and written, by Spark
 itself when the cluster can reach the store's URL, otherwise by each task uploading its file
 through the store's fsspec filesystem. The format is in ``flyte_hvd.data.dataset``.
 
@@ -19,9 +19,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from flyte_hvd.core.environment import local_storage_env
 from flyte_hvd.core.log import get_logger, verbosity_level
@@ -370,62 +368,44 @@ def _complete(store: Store, paths: dict[str, str], key: str) -> bool:
     return True
 
 
-# -- statistics: one pass over the selected columns, in Arrow --------------------------------
+# -- statistics: one aggregation over the selected columns, in Spark ------------------------
 
 
-class _StatsTask:
-    """Per Spark partition: rows, validation rows and per-column nulls, NaNs, lengths and
-    sparse/dense vector counts, as one JSON row (runs in Spark's Python workers)."""
+def _column_stats(c: str, kind: str, dtype: str, check_nan: bool) -> dict[str, Any]:
+    """Spark aggregate expressions of one column's statistics (see ``_collect_stats``)."""
+    from pyspark.sql import functions as F
 
-    def __init__(self, kinds: dict[str, str], nan_checked: set[str], has_split: bool):
-        self.kinds = kinds
-        self.nan_checked = nan_checked
-        self.has_split = has_split
+    col = F.col(_q(c))
 
-    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        out: dict[str, Any] = {"rows": 0, "val_rows": 0, "cols": {}}
-        for c in self.kinds:
-            out["cols"][c] = {
-                "nulls": 0,
-                "nans": 0,
-                "min_len": None,
-                "max_len": None,
-                "sparse": 0,
-                "dense": 0,
-            }
-        for batch in batches:
-            out["rows"] += batch.num_rows
-            if self.has_split:
-                out["val_rows"] += int(pc.sum(batch.column(_SPLIT_COL)).as_py() or 0)
-            for c, kind in self.kinds.items():
-                self._column(out["cols"][c], batch.column(c), kind, c in self.nan_checked)
-        yield pa.RecordBatch.from_pydict({"stats": [json.dumps(out)]})
+    def count(condition: Any) -> Any:
+        return F.sum(F.when(condition, 1).otherwise(0))
 
-    @staticmethod
-    def _column(st: dict[str, Any], arr: pa.Array, kind: str, check_nan: bool) -> None:
-        st["nulls"] += arr.null_count
-        arr = arr.drop_null()
-        if len(arr) == 0:
-            return
-        values = arr
-        if kind == "array":
-            lengths = pc.list_value_length(arr).to_numpy()
-            values = pc.list_flatten(arr)
-        elif kind == "vector":
-            typ = arr.field("type").to_numpy(zero_copy_only=False)
-            vals = arr.field("values")
-            dense_len = pc.list_value_length(vals).to_numpy(zero_copy_only=False)
-            size = arr.field("size").to_numpy(zero_copy_only=False)
-            lengths = np.where(typ == 1, dense_len, size)
-            st["sparse"] += int((typ == 0).sum())
-            st["dense"] += int((typ == 1).sum())
-            values = pc.list_flatten(vals)
-        if kind != "scalar":
-            lo, hi = int(lengths.min()), int(lengths.max())
-            st["min_len"] = lo if st["min_len"] is None else min(st["min_len"], lo)
-            st["max_len"] = hi if st["max_len"] is None else max(st["max_len"], hi)
-        if check_nan and pa.types.is_floating(values.type) and len(values):
-            st["nans"] += int(pc.sum(pc.invert(pc.is_finite(values))).as_py() or 0)
+    def non_finite(x: Any) -> Any:
+        return F.isnan(x) | (F.abs(x) == float("inf"))
+
+    exprs: dict[str, Any] = {"nulls": count(col.isNull())}
+    values = col
+    if kind == "vector":
+        from pyspark.ml.functions import vector_to_array
+
+        values = vector_to_array(col, "float64")
+        # A vector's text form is "[...]" when dense and "(size,[...],[...])" when sparse;
+        # the JVM gives no other view of the vector's type.
+        sparse = col.cast("string").startswith("(")
+        exprs["sparse"] = count(col.isNotNull() & sparse)
+        exprs["dense"] = count(col.isNotNull() & ~sparse)
+    if kind != "scalar":
+        length = F.when(col.isNotNull(), F.size(values))
+        exprs["min_len"], exprs["max_len"] = F.min(length), F.max(length)
+    if check_nan and dtype.startswith("float"):
+        if kind == "scalar":
+            exprs["nans"] = count(non_finite(col))
+        else:
+            bad = F.aggregate(
+                values, F.lit(0), lambda n, x: n + F.when(non_finite(x), 1).otherwise(0)
+            )
+            exprs["nans"] = F.sum(bad)
+    return exprs
 
 
 def _collect_stats(
@@ -435,23 +415,28 @@ def _collect_stats(
     has_split: bool,
     features: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> dict[str, Any]:
-    task = _StatsTask({c: k for c, (k, _) in kinds.items()}, nan_checked, has_split)
-    rows = sel.mapInArrow(task, "stats string").collect()
-    total: dict[str, Any] = {"rows": 0, "val_rows": 0, "cols": {}}
-    for row in rows:
-        part = json.loads(row["stats"])
-        total["rows"] += part["rows"]
-        total["val_rows"] += part["val_rows"]
-        for c, st in part["cols"].items():
-            acc = total["cols"].setdefault(
-                c,
-                {"nulls": 0, "nans": 0, "min_len": None, "max_len": None, "sparse": 0, "dense": 0},
-            )
-            for k in ("nulls", "nans", "sparse", "dense"):
-                acc[k] += st[k]
-            for k, fn in (("min_len", min), ("max_len", max)):
-                if st[k] is not None:
-                    acc[k] = st[k] if acc[k] is None else fn(acc[k], st[k])
+    """Rows, validation rows and, per column, nulls, NaN or infinite values, the least and
+    greatest array or vector length and the sparse and dense vector counts, in one Spark
+    aggregation (in the JVM: no rows cross to Python); a ValueError for data a model cannot
+    take."""
+    from pyspark.sql import functions as F
+
+    named = [F.count(F.lit(1)).alias("rows")]
+    if has_split:
+        named.append(F.sum(F.col(_SPLIT_COL).cast("int")).alias("val_rows"))
+    per_column: dict[str, dict[str, str]] = {}
+    for i, (c, (kind, dtype)) in enumerate(kinds.items()):
+        exprs = _column_stats(c, kind, dtype, c in nan_checked)
+        per_column[c] = {stat: f"s{i}_{stat}" for stat in exprs}
+        named.extend(expr.alias(per_column[c][stat]) for stat, expr in exprs.items())
+    row = sel.agg(*named).collect()[0].asDict()
+    total: dict[str, Any] = {"rows": row["rows"], "val_rows": row.get("val_rows") or 0, "cols": {}}
+    for c, aliases in per_column.items():
+        st = {"nulls": 0, "nans": 0, "min_len": None, "max_len": None, "sparse": 0, "dense": 0}
+        st.update({stat: row[alias] for stat, alias in aliases.items()})
+        for stat in ("nulls", "nans", "sparse", "dense"):
+            st[stat] = int(st[stat] or 0)  # a sum over no rows is null
+        total["cols"][c] = st
     if total["rows"] == 0:
         raise ValueError(
             "the DataFrame has no rows; there is nothing to train on. Check the "

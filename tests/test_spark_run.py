@@ -257,3 +257,52 @@ def test_no_active_session_is_a_clear_error():
 
 def test_no_devices_outside_spark():
     assert get_available_devices() == []
+
+
+SPARES_AHEAD_SCRIPT = """
+import json, os, sys, time
+from pyspark.sql import SparkSession
+from flyte_hvd.spark.dispatch import launch, start_spares
+
+spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+         .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+module = "colorsys"  # any module: a spare imports it, then waits
+start_spares(2, None, (module,)).join(180)
+ahead = []
+for pid in os.listdir("/proc"):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\\0")
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\\0")
+    except OSError:
+        continue
+    is_rank = b"flyte_hvd.core.bootstrap" in argv and b"mpiexec" not in argv[0]
+    if is_rank and b"FLYTE_HVD_SPARE_PRELOAD=" + module.encode() in env:
+        ahead.append(int(pid))
+report = launch(os.getpid, num_proc=2, preload=(module,))
+claimed = sorted(r for r, e in report.events.items() if "spare_claimed" in e)
+print("RESULT " + json.dumps({"ahead": sorted(ahead), "ran_on": report.results,
+                              "claimed": claimed}))
+spark.stop()
+"""
+
+
+def test_spares_started_ahead_take_the_ranks_of_a_new_sessions_first_run(tmp_path):
+    """Estimators call ``start_spares`` before ``prepare_data``: a short job starts a spare
+    rank process (its modules imported) in each Python worker it lands in, and the run's
+    barrier tasks in those workers hand their ranks to them. In a new session those are the
+    only workers, so both ranks of the first run run in the spares started ahead."""
+    import json
+
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    result = subprocess.run(
+        [sys.executable, "-c", SPARES_AHEAD_SCRIPT],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=280,
+    )  # fmt: skip
+    lines = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
+    assert result.returncode == 0 and lines, result.stderr[-3000:]
+    found = json.loads(lines[0][len("RESULT ") :])
+    assert len(found["ahead"]) == 2, found
+    assert found["claimed"] == [0, 1], found
+    assert sorted(found["ran_on"]) == found["ahead"], found

@@ -187,6 +187,32 @@ class _Rank:
         self.spare_started = False
 
 
+def rank_start(extra_env: dict[str, str], single_host: bool) -> tuple[dict[str, str], list[str]]:
+    """The environment (without the run's own entries) and command a rank process of this
+    process starts with."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_MPI_ENV_PREFIXES)}
+    env.update(extra_env)
+    env["PYTHONUNBUFFERED"] = "1"
+    if single_host:
+        # Every rank is on this machine: UCX needs no interface but loopback.
+        env.setdefault("UCX_NET_DEVICES", "lo")
+    mpiexec = find_mpiexec(single_host)
+    return env, [mpiexec, "-n", "1", sys.executable, "-m", "flyte_hvd.core.bootstrap"]
+
+
+def start_spare_ahead(extra_env: dict[str, str], preload: tuple[str, ...],
+                      single_host: bool) -> bool:  # fmt: skip
+    """Starts a spare rank process for a run about to start here (``flyte_hvd.core.spare``),
+    unless spares are off or one started the same way is already idle; whether it started."""
+    if not preload or not spare.enabled():
+        return False
+    env, command = rank_start(extra_env, single_host)
+    if spare.has_idle(spare.key_of(env, tuple(preload), command)):
+        return False
+    spare.start(env, tuple(preload), command, work_base())
+    return True
+
+
 class RankSupervisor:
     """Runs ``job`` on ``ranks`` (of ``size``) and returns ``{rank: return value}``.
 
@@ -294,14 +320,7 @@ class RankSupervisor:
     # -- starting ----------------------------------------------------------------------------
 
     def _spawn(self, state: _Rank, control: str, job_path: str, workdir: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_MPI_ENV_PREFIXES)}
-        env.update(self.env)
-        env["PYTHONUNBUFFERED"] = "1"
-        if self.single_host:
-            # Every rank is on this machine: UCX needs no interface but loopback.
-            env.setdefault("UCX_NET_DEVICES", "lo")
-        mpiexec = find_mpiexec(self.single_host)
-        state.command = [mpiexec, "-n", "1", sys.executable, "-m", "flyte_hvd.core.bootstrap"]
+        env, state.command = rank_start(self.env, self.single_host)
         state.spare_env = dict(env)
         # The rank's own entries. Its temporary files live in the supervisor's folder, which
         # is removed on every path (see `_private_dir`).

@@ -109,6 +109,11 @@ def claim(key: tuple, assignment: dict[str, Any], timeout: float) -> subprocess.
     return None
 
 
+def has_idle(key: tuple) -> bool:
+    """Whether an idle spare started as ``key`` says is waiting in this process."""
+    return any(s.key == key and s.proc.poll() is None for s in _SPARES)
+
+
 def stop_all() -> None:
     """Stops this process's spares (after a failed run: the next run starts fresh)."""
     while _SPARES:

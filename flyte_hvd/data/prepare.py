@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -68,6 +68,7 @@ def prepare_data(
     partitions_per_process: int = 10,
     verbose: int = 0,
     allow_non_finite_features: bool = False,
+    on_checked: Callable[[], Any] | None = None,
 ) -> Iterator[str]:
     """Write ``df``'s selected columns to Parquet in ``store``; yields the dataset index.
 
@@ -89,6 +90,9 @@ def prepare_data(
         verbose: 1 logs what was written or reused at INFO (0: at DEBUG).
         allow_non_finite_features: keep NaN and infinity in feature columns (refused by
             default: they make the loss NaN without a word).
+        on_checked: called once the data passed its checks, just before Spark writes it
+            (not when a prepared dataset is reused); the estimators start rank processes
+            then, so that their imports run during the write.
 
     Raises:
         ValueError: bad arguments or data: a missing column, an unsupported type, no rows,
@@ -114,6 +118,7 @@ def prepare_data(
         partitions_per_process,
         verbose,
         allow_non_finite_features,
+        on_checked,
     )
 
 
@@ -129,6 +134,7 @@ def _prepare(
     partitions_per_process,
     verbose,
     allow_non_finite_features=False,
+    on_checked=None,
 ) -> str:
     _check_count("num_processes", num_processes)
     _check_count("partitions_per_process", partitions_per_process)
@@ -218,6 +224,8 @@ def _prepare(
     stats = _collect_stats(sel, kinds, checked, validation is not None, set(features))
     infos = _column_infos(selected, kinds, stats, compress_sparse)
     _check_split_rows(stats, validation, num_processes)
+    if on_checked is not None:
+        on_checked()
 
     for path in paths.values():  # a split left half-written by a crash
         store.delete(path)

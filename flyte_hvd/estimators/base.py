@@ -26,6 +26,7 @@ from flyte_hvd.spark.dispatch import (
     default_parallelism,
     is_connect_session,
     launch,
+    start_spares,
 )
 
 
@@ -43,6 +44,11 @@ class SparkBackend:
         if self._num_proc is None:
             return default_parallelism(active_session())
         return self._num_proc
+
+    def start_spares(self) -> None:
+        """Rank processes import the framework while ``prepare_data`` runs (classic
+        sessions; see ``flyte_hvd.spark.runner.start_spares``)."""
+        start_spares(self.num_processes(), None, self._preload)
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
             env: dict[str, str] | None = None) -> list[Any]:  # fmt: skip
@@ -150,6 +156,8 @@ class HorovodEstimator(Estimator):
             sample_weight_col=self.getSampleWeightCol(),
             partitions_per_process=self.getPartitionsPerProcess(),
             verbose=self.getVerbose(),
+            # Good data: the ranks' framework imports run while Spark writes it.
+            on_checked=backend.start_spares if isinstance(backend, SparkBackend) else None,
         ) as dataset_idx:
             return self._fit_on_prepared(backend, dataset_idx, self._feature_cols(df.columns))
 

@@ -113,3 +113,12 @@ def launch(
         fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
         prefix_output_with_timestamp, preload,
     )  # fmt: skip
+
+
+def start_spares(num_proc: int, env: dict[str, str] | None, preload: tuple[str, ...]) -> Any:
+    """Spare rank processes started ahead of a run, on a classic session
+    (``runner.start_spares``); nothing on Spark Connect, whose runs start their ranks as
+    usual."""
+    if is_connect_session(active_session()):
+        return None
+    return runner.start_spares(num_proc, env, preload)

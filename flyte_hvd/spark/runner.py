@@ -355,6 +355,62 @@ def stage_attempts(sc: Any) -> int:
 # -- the barrier task ------------------------------------------------------------------------
 
 
+def _task_rank_env(env: dict[str, str], ctx: Any) -> dict[str, str]:
+    """The run's rank environment as this Spark task gives it to its rank: the worker's
+    import path and the task's GPUs added."""
+    rank_env = dict(env)
+    rank_env["PYTHONPATH"] = _worker_import_path(rank_env.get("PYTHONPATH"))
+    gpus = ctx.resources().get("gpu")
+    if gpus is not None and gpus.addresses:
+        rank_env[DEVICES_ENV] = ",".join(gpus.addresses)
+        rank_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus.addresses)
+    return rank_env
+
+
+def start_spares(num_proc: int, env: dict[str, str] | None, preload: tuple[str, ...]) -> Any:
+    """Starts, in a background thread, a short Spark job of ``num_proc`` tasks that each
+    start a spare rank process importing ``preload`` in their Python worker, unless one is
+    idle there (``flyte_hvd.core.spare``). An estimator calls it once ``prepare_data`` has
+    checked the data, before Spark writes it: the ranks' framework imports then run during
+    the write, and the barrier tasks that follow in those workers hand their ranks to the
+    spares (Spark gives a task the Python worker idle longest; in a new session these are
+    the only ones). A task that lands in another worker starts its rank as usual; the spare
+    left idle exits with its worker or after ``FLYTE_HVD_SPARE_IDLE_S``. Returns the thread
+    (None when spares are off); failures are logged, never raised: the run does not depend
+    on it."""
+    from flyte_hvd.core import spare
+
+    if not preload or not spare.enabled():
+        return None
+    sc = active_spark_context()
+    rank_env = {**local_driver_env(sc.master), **_check_env(env)}
+    task = _spare_task(rank_env, tuple(preload), _is_local(sc))
+
+    def submit() -> None:
+        try:
+            sc.setLocalProperty("spark.job.description", "flyte-hvd: spare rank processes")
+            started = sc.parallelize(range(num_proc), num_proc).mapPartitions(task).sum()
+            logger.debug("started %d spare rank process(es) ahead of the run", started)
+        except Exception as error:  # e.g. the session stopped: the run starts its own ranks
+            logger.debug("no spare rank processes ahead of the run: %s", _first_line(error))
+
+    thread = threading.Thread(target=submit, name="flyte-hvd-spares", daemon=True)
+    thread.start()
+    return thread
+
+
+def _spare_task(rank_env: dict[str, str], preload: tuple[str, ...], single_host: bool):
+    def task(_: Any) -> Any:
+        from pyspark import TaskContext
+
+        from flyte_hvd.core.launcher import start_spare_ahead
+
+        env = _task_rank_env(rank_env, TaskContext.get())
+        yield int(start_spare_ahead(env, preload, single_host))
+
+    return task
+
+
 def _driver_host(sc: Any) -> str:
     return sc.getConf().get("spark.driver.host") or "127.0.0.1"
 
@@ -396,12 +452,7 @@ def _barrier_task(
         rank = ctx.partitionId()
         link = DriverLink(driver_address, secret, rank)
         link.event("task_started")
-        rank_env = dict(env)
-        rank_env["PYTHONPATH"] = _worker_import_path(rank_env.get("PYTHONPATH"))
-        gpus = ctx.resources().get("gpu")
-        if gpus is not None and gpus.addresses:
-            rank_env[DEVICES_ENV] = ",".join(gpus.addresses)
-            rank_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus.addresses)
+        rank_env = _task_rank_env(env, ctx)
         supervisor = RankSupervisor(
             job,
             ranks=[rank],

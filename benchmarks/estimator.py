@@ -2,10 +2,12 @@
 ``transform``?
 
     python -m benchmarks.estimator [--rows 200000] [--predict-rows 1000000] [--rounds 3]
+                                   [--epoch-rounds 5]
 
 Same data (rows x 20 float features), same MLP, same batch, in one run. These machines are
 shared and noisy, so every comparison alternates ours and the reference ``--rounds`` times
-(both see the same neighbours) and reports the medians:
+(``--epoch-rounds`` for the epochs, whose sub-second figures vary most) and reports the
+medians, both sides seeing the same neighbours:
 
 - epoch, Keras: the steady epoch (the median of a fit's epochs after the first, which builds
   the graph) of ``KerasEstimator(num_proc=1)`` against plain ``model.fit`` on in-memory numpy;
@@ -182,6 +184,7 @@ def main() -> None:
     parser.add_argument("--predict-rows", type=int, default=1_000_000)
     parser.add_argument("--row-udf-rows", type=int, default=3_000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--epoch-rounds", type=int, default=5)
     args = parser.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
@@ -221,11 +224,11 @@ def main() -> None:
 
     # Steady epochs, alternating ours and plain.
     keras_ours, keras_plain, keras_pairs = _alternate(
-        args.rounds, lambda: estimator_fit(df, store, 1)["steady_epoch_s"],
+        args.epoch_rounds, lambda: estimator_fit(df, store, 1)["steady_epoch_s"],
         lambda: plain_keras_fit(x, y),
     )  # fmt: skip
     torch_ours, torch_plain, torch_pairs = _alternate(
-        args.rounds, lambda: estimator_fit(df, store, 1, "torch")["steady_epoch_s"],
+        args.epoch_rounds, lambda: estimator_fit(df, store, 1, "torch")["steady_epoch_s"],
         lambda: plain_torch_fit(x, y),
     )  # fmt: skip
 
@@ -314,7 +317,8 @@ def main() -> None:
         ),
     }
     print(f"{args.rows} rows x {FEATURES} features, global batch {GLOBAL_BATCH}, "
-          f"{EPOCHS} epochs a fit, {args.rounds} alternating rounds")  # fmt: skip
+          f"{EPOCHS} epochs a fit, {args.epoch_rounds} alternating rounds for the epochs, "
+          f"{args.rounds} for transform")  # fmt: skip
     for name, r in results.items():
         ratio = "" if r["ratio"] is None else f"  ratio {r['ratio']:.2f}"
         print(f"{name:<24} ours {r['ours']:>12,.3f}  reference {r['reference'] or 0:>12,.3f}"
@@ -326,6 +330,7 @@ def main() -> None:
         "rows": args.rows,
         "predict_rows": args.predict_rows,
         "rounds": args.rounds,
+        "epoch_rounds": args.epoch_rounds,
         "targets": results,
         "pairs": {"keras_epoch_s": keras_pairs, "torch_epoch_s": torch_pairs,
                   "transform_rows_per_s": transform_pairs},

@@ -19,7 +19,11 @@ medians, both sides seeing the same neighbours:
 - transform: rows/s of ``KerasModel.transform`` against plain ``model.predict`` on the same
   rows in one process, with its breakdown (the query's input alone, in the JVM; the same
   Spark query with a UDF that does not call the model; larger Arrow batches), and against a
-  row-at-a-time UDF (Horovod's way; measured on a sample).
+  row-at-a-time UDF (Horovod's way; measured on a sample); and the CPU seconds of one
+  transform in Spark's JVM and in its Python workers, against plain predict's.
+
+The cold first step also reports how busy the machine's cores were until that step and the
+CPU seconds a new rank spends importing its framework (Keras and TensorFlow).
 
 Ends with one JSON line: per target, our figure, the reference measured in this run, their
 ratio and whether the target is met.
@@ -31,8 +35,10 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -85,6 +91,78 @@ def _data(rows: int):
 
 def _steady(seconds: list[float]) -> float:
     return statistics.median(seconds[1:])
+
+
+def _busy_cores() -> tuple[float, float]:
+    """(busy, all) CPU seconds of the whole machine so far, from /proc/stat."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:9]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - idle) / hz, sum(ticks) / hz
+
+
+def _process_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _pyspark_workers(jvm_pid: int) -> list[int]:
+    """The JVM's descendant processes that are PySpark's daemon or its Python workers."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    found, frontier = [], [jvm_pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        for pid in children:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"pyspark" in f.read():
+                        found.append(pid)
+            except OSError:
+                continue
+        frontier = children
+    return found
+
+
+def _cpu_split(jvm_pid: int, action) -> dict:
+    """CPU seconds that ``action`` cost the JVM (local mode: driver and executors) and the
+    PySpark Python workers, and the wall time it took."""
+
+    def snapshot() -> dict[int, float]:
+        out = {}
+        for pid in [jvm_pid, *_pyspark_workers(jvm_pid)]:
+            try:
+                out[pid] = _process_cpu_s(pid)
+            except OSError:
+                continue
+        return out
+
+    before = snapshot()
+    start = time.perf_counter()
+    action()
+    wall = time.perf_counter() - start
+    after = snapshot()
+    spent = {pid: t - before.get(pid, 0.0) for pid, t in after.items()}
+    jvm = spent.pop(jvm_pid, 0.0)
+    python = sum(spent.values())
+    return {"wall_s": round(wall, 2), "jvm_cpu_s": round(jvm, 2),
+            "python_workers_cpu_s": round(python, 2),
+            "busy_cores": round((jvm + python) / wall, 2)}  # fmt: skip
+
+
+def _import_cpu_s(module: str) -> float:
+    """CPU seconds a fresh interpreter spends importing ``module`` (what each new rank pays)."""
+    code = f"import time; t = time.process_time(); import {module}; print(time.process_time() - t)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return round(float(out.stdout.split()[-1]), 2)
 
 
 def plain_keras_fit(x, y) -> float:
@@ -143,12 +221,31 @@ def estimator_fit(df, store, num_proc: int, framework: str = "keras") -> dict:
             model=model, optimizer=torch.optim.Adam(model.parameters(), 0.001),
             loss=torch.nn.functional.mse_loss, **common,
         )  # fmt: skip
+    samples: list[tuple[float, float, float]] = []  # (time, busy, all) CPU seconds
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.1):
+            samples.append((time.time(), *_busy_cores()))
+
+    sampler = threading.Thread(target=sample, daemon=True)
     started = time.time()
-    fitted = estimator.fit(df)
+    samples.append((started, *_busy_cores()))
+    sampler.start()
+    try:
+        fitted = estimator.fit(df)
+    finally:
+        done.set()
+        sampler.join()
     state = json.loads(store.read(store.get_state_path(run_id)))
+    # How busy the machine's cores were from fit() to the first step: near 1 means the
+    # time to the first step is bought with CPU work, not lost waiting.
+    upto = [s for s in samples if s[0] <= state["first_step_at"]]
+    busy = (upto[-1][1] - upto[0][1]) / max(upto[-1][2] - upto[0][2], 1e-9)
     return {
         "steady_epoch_s": _steady(state["epoch_seconds"]),
         "to_first_step_s": state["first_step_at"] - started,
+        "to_first_step_cpu_busy": round(busy, 2),
         "model": fitted,
     }
 
@@ -261,6 +358,15 @@ def main() -> None:
 
     transform_rps, plain_rps, transform_pairs = _alternate(args.rounds, transform, plain_predict)
     breakdown = _transform_breakdown(spark, big, model, timed_rps)
+    # Where the CPU goes: Spark's JVM (local mode: driver and executors in one) against its
+    # Python workers (model calls, Arrow in and out), and plain predict in this process.
+    jvm_pid = int(spark._jvm.java.lang.ProcessHandle.current().pid())
+    cpu = {"transform": _cpu_split(jvm_pid, transform)}
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
+    plain_predict()
+    plain_cpu, plain_wall = time.process_time() - cpu_start, time.perf_counter() - wall_start
+    cpu["plain_predict"] = {"wall_s": round(plain_wall, 2), "cpu_s": round(plain_cpu, 2),
+                            "busy_cores": round(plain_cpu / plain_wall, 2)}  # fmt: skip
 
     model_bytes = spark.sparkContext.broadcast(model._model_bytes)
 
@@ -278,6 +384,7 @@ def main() -> None:
     sample.select(row_udf("features").alias("p")).agg(F.sum("p")).collect()
     row_rps = args.row_udf_rows / (time.perf_counter() - start)
     spark.stop()
+    import_cpu = _import_cpu_s("keras")  # TensorFlow under it: what every Keras rank imports
 
     limits = TARGETS
     results = {
@@ -325,6 +432,9 @@ def main() -> None:
               f"{ratio}  target {r['target']}  {'pass' if r['pass'] else 'MISS'}")  # fmt: skip
     print(f"prepare_data alone (2 ranks, a new write): {prepare_s:.2f} s")
     print(f"transform breakdown: {json.dumps(breakdown)}")
+    print(f"CPU, {args.predict_rows} rows: {json.dumps(cpu)}")
+    print(f"cold first step: machine {cold['to_first_step_cpu_busy']:.0%} busy; a rank's "
+          f"framework import costs {import_cpu:.2f} CPU s")  # fmt: skip
     print(json.dumps({
         "benchmark": "estimator",
         "rows": args.rows,
@@ -336,8 +446,11 @@ def main() -> None:
                   "transform_rows_per_s": transform_pairs},
         "first_step_s": {"cold": round(cold["to_first_step_s"], 2),
                          "warm": round(warm["to_first_step_s"], 2),
-                         "prepare_data_s": round(prepare_s, 2)},
+                         "prepare_data_s": round(prepare_s, 2),
+                         "cold_cpu_busy": cold["to_first_step_cpu_busy"],
+                         "rank_framework_import_cpu_s": import_cpu},
         "transform_breakdown_rows_per_s": breakdown,
+        "predict_cpu": cpu,
     }))  # fmt: skip
 
 

@@ -235,6 +235,38 @@ def test_non_finite_values_in_sparse_and_dense_vectors_are_counted(store, spark_
     assert not os.listdir(store.prefix_path)
 
 
+def test_splits_are_written_in_files_of_at_most_their_share_of_rows(store, vectors_df):
+    idx = prepare(store, vectors_df, validation="is_val", partitions_per_process=3)
+    # 2 processes x 3 = 6 files a split, written by 2 tasks (the data is small): train's 48
+    # rows in files of at most 8, validation's 12 in files of at most 2.
+    for path, rows, most in ((store.get_train_data_path(idx), N - N // 5, 8),
+                             (store.get_val_data_path(idx), N // 5, 2)):  # fmt: skip
+        names = sorted(n for n in os.listdir(path) if n.endswith(".parquet"))
+        counts = [pq.ParquetFile(os.path.join(path, n)).metadata.num_rows for n in names]
+        assert sum(counts) == rows and max(counts) <= most, counts
+        assert 6 <= len(counts) <= 7, counts  # a task's last file may hold the remainder
+
+
+def test_vector_columns_are_told_sparse_dense_or_mixed(store, spark_local2):
+    from pyspark.ml.linalg import Vectors
+
+    rows = [
+        (
+            Vectors.sparse(2, [0, 1], [1.0, 2.0]) if i % 2 else Vectors.dense([1.0, 2.0]),
+            Vectors.sparse(2, [0, 1], [float(i), 1.0]),  # every slot set: still sparse
+            Vectors.dense([float("nan") if i == 3 else 0.0, 0.0]),  # NaN, zeros: still dense
+            0.0,
+        )
+        for i in range(6)
+    ]
+    df = spark_local2.createDataFrame(rows, ["mixed", "full_sparse", "dense", "label"])
+    idx = prepare(store, df, feature_columns=["mixed", "full_sparse", "dense"],
+                  allow_non_finite_features=True)  # fmt: skip
+    train, _ = get_dataset_metadata(store, idx)
+    kinds = {c: train.column(c).kind for c in ("mixed", "full_sparse", "dense")}
+    assert kinds == {"mixed": "vector", "full_sparse": "sparse_vector", "dense": "dense_vector"}
+
+
 def test_failed_write_leaves_nothing_behind(tmp_path, vectors_df):
     blocker = tmp_path / "a-file"
     blocker.write_text("the validation split cannot go under a file")
@@ -257,7 +289,12 @@ def test_staged_upload_to_s3_and_back(s3_server, vectors_df):
     listed = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=key_prefix)
     names = sorted(o["Key"].rsplit("/", 1)[1] for o in listed["Contents"])
     assert METADATA_FILENAME in names
-    assert len([n for n in names if n.endswith(".parquet")]) == train.files >= 2
+    parquet = [n for n in names if n.endswith(".parquet")]
+    assert len(parquet) == train.files >= 2
+    # Files of at most a quarter of the rows (2 processes x 2 files), each uploaded whole.
+    folder = store.fs_path(store.get_train_data_path(idx))
+    counts = [pq.ParquetFile(store.fs.open(f"{folder}/{n}")).metadata.num_rows for n in parquet]
+    assert sum(counts) == train.rows and max(counts) <= -(-train.rows // 4), counts
     # Both ranks read their shards back from S3: disjoint, and together every row.
     remote = store.to_remote(dataset_idx=idx)
     shards = []

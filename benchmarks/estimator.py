@@ -17,10 +17,12 @@ medians, both sides seeing the same neighbours:
   session's first fit: data preparation included) and warm (a second fit on the same
   DataFrame, whose prepared data is reused), with ``prepare_data`` alone timed once more;
 - transform: rows/s of ``KerasModel.transform`` against plain ``model.predict`` on the same
-  rows in one process, with its breakdown (the query's input alone, in the JVM; the same
-  Spark query with a UDF that does not call the model; larger Arrow batches), and against a
-  row-at-a-time UDF (Horovod's way; measured on a sample); and the CPU seconds of one
-  transform in Spark's JVM and in its Python workers, against plain predict's.
+  rows in one process (the session has the Python-worker settings HorovodSpark tasks get:
+  Unix domain sockets; ``--spark-default-sockets`` leaves Spark's loopback TCP), with its
+  breakdown (the query's input alone, in the JVM; the same Spark query with a UDF that does
+  not call the model; larger Arrow batches), against a row-at-a-time UDF (Horovod's way;
+  measured on a sample), and the CPU seconds of one transform in Spark's JVM and in its
+  Python workers, against plain predict's.
 
 The cold first step also reports how busy the machine's cores were until that step and the
 CPU seconds a new rank spends importing its framework (Keras and TensorFlow).
@@ -282,6 +284,11 @@ def main() -> None:
     parser.add_argument("--row-udf-rows", type=int, default=3_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epoch-rounds", type=int, default=5)
+    parser.add_argument(
+        "--spark-default-sockets", action="store_true",
+        help="leave Spark's Python workers on loopback TCP (Spark's default) instead of the "
+        "Unix domain sockets HorovodSpark tasks get",
+    )  # fmt: skip
     args = parser.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
@@ -293,14 +300,19 @@ def main() -> None:
 
     from flyte_hvd.data.prepare import prepare_data
     from flyte_hvd.data.store import Store
+    from flyte_hvd.flyte.task import PYTHON_WORKER_CONF
 
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.memory", "4g")
-        .getOrCreate()
-    )
+    # The Python-worker settings a HorovodSpark task's session gets (see flyte_hvd.flyte.task).
+    spark_conf = {} if args.spark_default_sockets else dict(PYTHON_WORKER_CONF)
+    builder = SparkSession.builder.master("local[2]")
+    for key, value in {
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.driver.memory": "4g",
+        **spark_conf,
+    }.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     x, y = _data(args.rows)
     pdf = pd.DataFrame({"features": list(x), "label": y[:, 0].astype(float)})
@@ -423,6 +435,7 @@ def main() -> None:
             transform_rps / row_rps,
         ),
     }
+    print(f"Spark settings beyond local[2]: {spark_conf or 'none'}")
     print(f"{args.rows} rows x {FEATURES} features, global batch {GLOBAL_BATCH}, "
           f"{EPOCHS} epochs a fit, {args.epoch_rounds} alternating rounds for the epochs, "
           f"{args.rounds} for transform")  # fmt: skip
@@ -441,6 +454,7 @@ def main() -> None:
         "predict_rows": args.predict_rows,
         "rounds": args.rounds,
         "epoch_rounds": args.epoch_rounds,
+        "spark_conf": spark_conf,
         "targets": results,
         "pairs": {"keras_epoch_s": keras_pairs, "torch_epoch_s": torch_pairs,
                   "transform_rows_per_s": transform_pairs},

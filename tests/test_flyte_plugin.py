@@ -22,7 +22,7 @@ from flytekitplugins.spark import Spark
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.flyte import HorovodSpark, HorovodSparkFunctionTask
 from flyte_hvd.flyte.rank import RankSpec, _to_literal_map
-from flyte_hvd.flyte.task import GPU_EXECUTOR_CONF, _pickle_body
+from flyte_hvd.flyte.task import GPU_EXECUTOR_CONF, PYTHON_WORKER_CONF, _pickle_body
 
 pytestmark = pytest.mark.flyte
 
@@ -159,6 +159,7 @@ def test_get_custom_has_the_derived_spark_settings_and_overrides():
         "spark.executor.cores": "2",
         "spark.task.cpus": "2",
         "spark.dynamicAllocation.enabled": "false",
+        **PYTHON_WORKER_CONF,  # Python workers on Unix domain sockets
         "spark.executor.resource.gpu.amount": "1",
         "spark.task.resource.gpu.amount": "1",
         "spark.executor.resource.gpu.vendor": "nvidia.com",

@@ -44,6 +44,11 @@ GPU_EXECUTOR_CONF = {
     "spark.executorEnv.TF_FORCE_GPU_ALLOW_GROWTH": "true",
 }
 
+# Spark's JVM talks to its Python workers over Unix domain sockets instead of TCP on loopback
+# (Spark 4.1+; off by default): `transform`'s Arrow batches go both ways through them, and
+# measured 1.25x the rows/s of TCP on 2 cores (430k -> 540k rows/s, 1 M rows, 20 features).
+PYTHON_WORKER_CONF = {"spark.python.unix.domain.socket.enabled": "true"}
+
 
 @dataclass(frozen=True)
 class HorovodSpark:
@@ -52,7 +57,8 @@ class HorovodSpark:
     It mirrors ``flytekitplugins.spark.Spark`` field for field (``Spark`` is not frozen, so a
     frozen config cannot extend it) and derives the Spark settings a barrier stage needs from
     ``num_proc``: one executor per rank with ``cores_per_rank`` cores, ``spark.task.cpus`` of
-    the same, dynamic allocation off, and ``gpus_per_rank`` GPUs per executor and task. Keys in
+    the same, dynamic allocation off, Python workers on Unix domain sockets
+    (``PYTHON_WORKER_CONF``), and ``gpus_per_rank`` GPUs per executor and task. Keys in
     ``spark_conf`` override the derived ones; a ``spark_conf`` that leaves fewer than
     ``num_proc`` task slots is refused here rather than at run time.
 
@@ -135,6 +141,7 @@ class HorovodSpark:
             "spark.executor.cores": str(self.cores_per_rank),
             "spark.task.cpus": str(self.cores_per_rank),
             "spark.dynamicAllocation.enabled": "false",
+            **PYTHON_WORKER_CONF,
         }
         if gpus and self.gpus_per_rank:
             conf["spark.executor.resource.gpu.amount"] = str(self.gpus_per_rank)

@@ -179,14 +179,18 @@ def _loss_function(spec: TorchTrainingSpec, losses: list[Any]) -> Callable:
     weights = spec.loss_weights or [1.0 / n] * n
 
     def loss_fn(outputs: list, labels: list, sample_weights: Any) -> Any:
-        total = 0
+        # Each step runs this: a lone loss of weight 1 is returned as it is, without the two
+        # graph nodes (x * 1.0, 0 + x) that would change nothing but the step's time.
+        total = None
         for out, label, fn, w in zip(outputs, labels, fns, weights, strict=True):
             if sample_weights is None:
-                total = total + fn(out, label) * w
+                term = fn(out, label)
             else:
                 # Per-row losses times their weights, averaged over the batch (Horovod's rule).
-                total = total + (fn(out, label, reduction="none").flatten() * sample_weights
-                                 ).mean() * w  # fmt: skip
+                term = (fn(out, label, reduction="none").flatten() * sample_weights).mean()
+            if w != 1.0:
+                term = term * w
+            total = term if total is None else total + term
         return total
 
     return loss_fn

@@ -35,7 +35,7 @@ ESTIMATOR_PARAMS: dict[str, tuple[Any, str]] = {
     "random_seed": (None, "seed for the framework and the data shuffle"),
     "train_steps_per_epoch": (None, "steps per epoch (default: rows / (batch_size * ranks))"),
     "validation_steps_per_epoch": (None, "validation steps per epoch"),
-    "partitions_per_process": (10, "Parquet partitions per rank"),
+    "partitions_per_process": (10, "Parquet files per rank and split"),
     "run_id": (None, "name of the run in the store; an existing one resumes"),
     "checkpoint_callback": (None, "e.g. BestModelCheckpoint; the file path is set for you"),
     "gradient_compression": (None, "e.g. hvd.Compression.fp16"),

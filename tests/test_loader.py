@@ -386,6 +386,33 @@ def test_tf_dataset_casts_float64_columns_only(tmp_path):
     assert a.numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+@pytest.mark.parametrize("cached", [True, False])
+def test_float64_columns_decode_as_asked(tmp_path, cached):
+    root = tmp_path / "d"
+    os.makedirs(root)
+    values = np.linspace(0, 1, 8)
+    pq.write_table(
+        pa.table({"a": values, "b": np.arange(8, dtype=np.int64),
+                  "v": pa.array([[x, -x] for x in values], pa.list_(pa.float64()))}),
+        os.path.join(root, "part-0.parquet"),
+    )  # fmt: skip
+
+    def make(**kwargs):
+        return ArrowDataLoader(str(root), 4, shuffle=False, inmemory_cache_all=cached, **kwargs)
+
+    plain, narrow = make(), make(float64_as="float32")
+    for got, want in zip(narrow.iter_epoch(0), plain.iter_epoch(0), strict=True):
+        assert {k: v.dtype.name for k, v in got.items()} == {
+            "a": "float32", "b": "int64", "v": "float32"
+        }  # fmt: skip
+        for k in got:
+            np.testing.assert_array_equal(got[k], want[k].astype(got[k].dtype))
+    assert narrow.output_specs["v"] == (np.dtype("float32"), (4, 2))
+    assert narrow.shard_bytes == plain.shard_bytes - 8 * (4 + 2 * 4)
+    with pytest.raises(ValueError, match=r"`float64_as` must be a floating-point dtype.*'int8'"):
+        make(float64_as="int8")
+
+
 def test_rank_side_modules_import_neither_spark_nor_tensorflow():
     import subprocess
     import sys

@@ -49,6 +49,18 @@ _CACHED_BLOCK_BATCHES = 64  # batches per crossing from the in-memory shard
 AUTO_CACHE_MAX_BYTES = 256 << 20
 
 
+def _float_dtype(arg: str, value: Any) -> np.dtype:
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind != "f":
+        raise ValueError(
+            f"`{arg}` must be a floating-point dtype such as 'float32'; found {value!r}."
+        )
+    return dtype
+
+
 class BaseDataLoader(abc.ABC):
     """One rank's batches: ``len(loader)`` batches per epoch, a new epoch per ``iter``.
 
@@ -131,12 +143,7 @@ class BaseDataLoader(abc.ABC):
 
         specs = self.output_specs
         if float64_as is not None:
-            cast_to = np.dtype(float64_as)
-            if cast_to.kind != "f":
-                raise ValueError(
-                    f"`float64_as` must be a floating-point dtype such as 'float32'; "
-                    f"found {float64_as!r}."
-                )
+            cast_to = _float_dtype("float64_as", float64_as)
             specs = {
                 c: (cast_to if dtype == np.float64 else dtype, shape)
                 for c, (dtype, shape) in specs.items()
@@ -234,6 +241,9 @@ class ArrowDataLoader(BaseDataLoader):
             ``None`` does so when the shard decodes to at most ``AUTO_CACHE_MAX_BYTES``
             (256 MiB), as the estimators do by default.
         steps_per_epoch: override the batches per epoch (it must be equal on every rank).
+        float64_as: decode float64 columns as this floating-point dtype (the estimators pass
+            ``"float32"``, what the models compute in: the in-memory shard then holds half the
+            bytes, and batches go to the model without a conversion each step).
     """
 
     def __init__(
@@ -252,6 +262,7 @@ class ArrowDataLoader(BaseDataLoader):
         seed: int = 0,
         inmemory_cache_all: bool | None = False,
         steps_per_epoch: int | None = None,
+        float64_as: str | None = None,
     ):
         super().__init__()
         require_int("batch_size", batch_size, 1)
@@ -274,6 +285,11 @@ class ArrowDataLoader(BaseDataLoader):
         names = list(columns) if columns is not None else self.metadata.column_names
         self._infos = {n: self.metadata.column(n) for n in names}
         self.columns = names
+        cast_to = _float_dtype("float64_as", float64_as) if float64_as is not None else None
+        self._dtypes = {
+            n: cast_to if cast_to is not None and i.dtype == "float64" else np.dtype(i.dtype)
+            for n, i in self._infos.items()
+        }
 
         fragments = list(open_parquet_dataset(fs, fs_path).get_fragments())
         self.total_rows = sum(f.metadata.num_rows for f in fragments)
@@ -295,7 +311,7 @@ class ArrowDataLoader(BaseDataLoader):
     @property
     def shard_bytes(self) -> int:
         """This rank's shard's size once decoded (what ``inmemory_cache_all`` keeps)."""
-        row = sum(np.dtype(i.dtype).itemsize * i.size for i in self._infos.values())
+        row = sum(self._dtypes[n].itemsize * i.size for n, i in self._infos.items())
         return self.shard_rows * row
 
     def __len__(self) -> int:
@@ -303,7 +319,7 @@ class ArrowDataLoader(BaseDataLoader):
 
     @property
     def output_specs(self) -> dict[str, tuple[np.dtype, tuple[int | None, ...]]]:
-        return {n: (np.dtype(i.dtype), (self.batch_size, *i.shape)) for n, i in self._infos.items()}
+        return {n: (self._dtypes[n], (self.batch_size, *i.shape)) for n, i in self._infos.items()}
 
     def _iterate(self, epoch: int) -> Iterator[Batch]:
         entropy = [self.seed, epoch, self.rank]
@@ -334,7 +350,11 @@ class ArrowDataLoader(BaseDataLoader):
         return fragment.to_table(columns=self.columns).slice(start, stop - start)
 
     def _decode(self, table: pa.Table) -> Batch:
-        return {n: decode_column(table.column(n), info) for n, info in self._infos.items()}
+        batch = {}
+        for n, info in self._infos.items():
+            values = decode_column(table.column(n), info)
+            batch[n] = values if values.dtype == self._dtypes[n] else values.astype(self._dtypes[n])
+        return batch
 
     def _passes(self, rng: np.random.Generator) -> Iterator[pa.Table | None]:
         """The shard's pieces, in a new shuffled order each pass, pass after pass (None ends

@@ -210,6 +210,9 @@ def make_loaders(spec: TrainingSpec, rank: int, size: int) -> tuple[Any, Any | N
     from flyte_hvd.data.loader import ArrowDataLoader, TransformedLoader
 
     loader_cls = spec.data_loader or ArrowDataLoader
+    # The models compute in float32 (the ranks convert every float batch): Spark's doubles are
+    # decoded as float32 once, not converted step after step.
+    options = {"float64_as": "float32"} if issubclass(loader_cls, ArrowDataLoader) else {}
     train_meta, val_meta = spec.metadata
     columns = [*spec.features, *spec.labels]
     if spec.sample_weight_col:
@@ -229,6 +232,7 @@ def make_loaders(spec: TrainingSpec, rank: int, size: int) -> tuple[Any, Any | N
             seed=spec.random_seed or 0,
             inmemory_cache_all=spec.inmemory_cache_all,
             steps_per_epoch=steps,
+            **options,
         )
         if spec.transformation_fn is not None:
             loader = TransformedLoader(loader, spec.transformation_fn)

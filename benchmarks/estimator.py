@@ -18,7 +18,8 @@ medians, both sides seeing the same neighbours:
   DataFrame, whose prepared data is reused), with ``prepare_data`` alone timed once more;
 - transform: rows/s of ``KerasModel.transform`` against plain ``model.predict`` on the same
   rows in one process (the session has the Python-worker settings HorovodSpark tasks get:
-  Unix domain sockets; ``--spark-default-sockets`` leaves Spark's loopback TCP), with its
+  Unix domain sockets, pyspark imported from its package; ``--spark-default-workers`` leaves
+  Spark's loopback TCP and its own daemon), with its
   breakdown (the query's input alone, in the JVM; the same Spark query with a UDF that does
   not call the model; larger Arrow batches), against a row-at-a-time UDF (Horovod's way;
   measured on a sample), and the CPU seconds of one transform in Spark's JVM and in its
@@ -285,9 +286,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epoch-rounds", type=int, default=5)
     parser.add_argument(
-        "--spark-default-sockets", action="store_true",
-        help="leave Spark's Python workers on loopback TCP (Spark's default) instead of the "
-        "Unix domain sockets HorovodSpark tasks get",
+        "--spark-default-workers", action="store_true",
+        help="leave Spark's Python workers as Spark starts them (loopback TCP, its own daemon) "
+        "instead of with the settings HorovodSpark tasks get (PYTHON_WORKER_CONF)",
     )  # fmt: skip
     args = parser.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -303,7 +304,7 @@ def main() -> None:
     from flyte_hvd.flyte.task import PYTHON_WORKER_CONF
 
     # The Python-worker settings a HorovodSpark task's session gets (see flyte_hvd.flyte.task).
-    spark_conf = {} if args.spark_default_sockets else dict(PYTHON_WORKER_CONF)
+    spark_conf = {} if args.spark_default_workers else dict(PYTHON_WORKER_CONF)
     builder = SparkSession.builder.master("local[2]")
     for key, value in {
         "spark.ui.enabled": "false",

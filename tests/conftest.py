@@ -119,12 +119,16 @@ def _spark_session(kind: str, configure):
             _spark["session"].stop()
         from pyspark.sql import SparkSession
 
+        from flyte_hvd.flyte.task import PYTHON_WORKER_CONF
+
         builder = (
             SparkSession.builder.appName(f"flyte-hvd-tests-{kind}")
             .config("spark.ui.enabled", "false")
             .config("spark.ui.showConsoleProgress", "false")
             .config("spark.sql.shuffle.partitions", "4")
         )
+        for key, value in PYTHON_WORKER_CONF.items():  # the Python workers a task's gets
+            builder = builder.config(key, value)
         _spark["session"] = configure(builder).getOrCreate()
         _spark["session"].sparkContext.setLogLevel("ERROR")
         _spark["kind"] = kind

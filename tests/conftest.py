@@ -127,7 +127,7 @@ def _spark_session(kind: str, configure):
             .config("spark.ui.showConsoleProgress", "false")
             .config("spark.sql.shuffle.partitions", "4")
         )
-        for key, value in PYTHON_WORKER_CONF.items():  # the Python workers a task's gets
+        for key, value in PYTHON_WORKER_CONF.items():  # as a HorovodSpark task's session
             builder = builder.config(key, value)
         _spark["session"] = configure(builder).getOrCreate()
         _spark["session"].sparkContext.setLogLevel("ERROR")

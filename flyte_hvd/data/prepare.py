@@ -387,6 +387,13 @@ def _complete(store: Store, paths: dict[str, str], key: str) -> bool:
 # -- statistics: one aggregation over the selected columns, in Spark ------------------------
 
 
+def _non_finite(x: Any) -> Any:
+    """Whether a number is NaN or infinite, as a Spark expression."""
+    from pyspark.sql import functions as F
+
+    return F.isnan(x) | (F.abs(x) == float("inf"))
+
+
 def _column_stats(c: str, kind: str, dtype: str, check_nan: bool) -> dict[str, Any]:
     """Spark aggregate expressions of one column's statistics (see ``_collect_stats``)."""
     from pyspark.sql import functions as F
@@ -395,9 +402,6 @@ def _column_stats(c: str, kind: str, dtype: str, check_nan: bool) -> dict[str, A
 
     def count(condition: Any) -> Any:
         return F.sum(F.when(condition, 1).otherwise(0))
-
-    def non_finite(x: Any) -> Any:
-        return F.isnan(x) | (F.abs(x) == float("inf"))
 
     exprs: dict[str, Any] = {"nulls": count(col.isNull())}
     values = col
@@ -416,7 +420,7 @@ def _column_stats(c: str, kind: str, dtype: str, check_nan: bool) -> dict[str, A
         exprs["min_len"], exprs["max_len"] = F.min(length), F.max(length)
     if check_nan and dtype.startswith("float"):
         if kind == "scalar":
-            exprs["nans"] = count(non_finite(col))
+            exprs["nans"] = count(_non_finite(col))
         else:
             # Rows holding a NaN or an infinity, by the row's greatest and least value (NaN
             # sorts above every number): compiled code, where a per-value lambda is
@@ -436,11 +440,7 @@ def _count_non_finite(sel: Any, c: str, kind: str) -> int:
 
     col = F.col(_q(c))
     values = vector_to_array(col, "float64") if kind == "vector" else col
-    bad = F.aggregate(
-        values,
-        F.lit(0),
-        lambda n, x: n + F.when(F.isnan(x) | (F.abs(x) == float("inf")), 1).otherwise(0),
-    )
+    bad = F.aggregate(values, F.lit(0), lambda n, x: n + F.when(_non_finite(x), 1).otherwise(0))
     return int(sel.agg(F.sum(bad)).collect()[0][0] or 0)
 
 

@@ -126,9 +126,10 @@ def test_regression_fit_transform_save_load(spark_local2, store, tmp_path, no_le
     assert store.fs.ls(store.fs_path(store.get_logs_path(run)))
 
     path = str(tmp_path / "saved")
-    model.setOutputCols(["prediction"]).save(path)
+    model.setOutputCols(["prediction"]).setTransformPartitionBytes(1 << 20).save(path)
     loaded = KerasModel.load(path)
     assert loaded.getOutputCols() == ["prediction"] and loaded.getRunId() == run
+    assert loaded.getTransformPartitionBytes() == 1 << 20
     sample = df.limit(20)
     before = [r.prediction for r in model.transform(sample).collect()]
     after = [r.prediction for r in loaded.transform(sample).collect()]
@@ -398,6 +399,87 @@ def test_save_and_load_through_s3(s3_server, monkeypatch):
     np.testing.assert_allclose(loaded.getModel().predict(x, verbose=0), expected)
     with pytest.raises(ValueError, match="already exists"):
         model.save(url)
+
+
+def _partition_ids(df) -> int:
+    from pyspark.sql import functions as F
+
+    return df.select(F.spark_partition_id().alias("p")).distinct().count()
+
+
+def test_transform_merges_small_partitions_and_each_row_keeps_its_prediction(spark):
+    """On both session kinds: 30 small partitions become one per task slot (local[2]: 2), or
+    as many as the size target asks; None keeps them; every row gets its own prediction."""
+    from pyspark.ml.functions import array_to_vector
+    from pyspark.sql import functions as F
+
+    from flyte_hvd.estimators.keras import model_to_bytes
+    from flyte_hvd.spark.dispatch import estimated_bytes
+
+    network = _mlp()
+    model = KerasModel(
+        model_bytes=model_to_bytes(network), feature_columns=["features"], label_columns=["label"]
+    )
+    rows = 600
+    ids = F.col("id").cast("double")
+    df = spark.range(0, rows, numPartitions=30).select(
+        "id", array_to_vector(F.array(F.sin(ids), F.cos(ids), ids / 100)).alias("features")
+    )
+    i = np.arange(rows, dtype=np.float64)
+    expected = network.predict(np.stack([np.sin(i), np.cos(i), i / 100], 1), verbose=0)[:, 0]
+
+    size = estimated_bytes(df)
+    assert size is not None and 0 < size < 1 << 20
+    for transformer, partitions in (
+        (model, 2),  # the data is tiny: one partition per task slot
+        (model.copy().setTransformPartitionBytes(None), 30),  # the DataFrame's own
+        (model.copy().setTransformPartitionBytes(-(-size // 5)), 5),  # about size / 5 each
+    ):
+        out = transformer.transform(df)
+        assert _partition_ids(out) == partitions
+        got = dict(out.select("id", "label__output").collect())
+        assert sorted(got) == list(range(rows))
+        np.testing.assert_allclose([got[k] for k in range(rows)], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_transform_partition_bytes_must_be_a_positive_int_or_none(spark_local2):
+    model = KerasModel(model_bytes=None, feature_columns=["features"], label_columns=["label"])
+    for bad in (0, -1, 2.5, "64MB", True):
+        with pytest.raises(ValueError, match=r"`transform_partition_bytes` must be a number"):
+            model.setTransformPartitionBytes(bad)
+    assert model.setTransformPartitionBytes(None).getTransformPartitionBytes() is None
+    # Given to the constructor, it is checked when transform is called, before any Spark work.
+    df = _regression_df(spark_local2, rows=20)
+    unchecked = KerasModel(
+        model_bytes=None, feature_columns=["features"], label_columns=["label"],
+        transform_partition_bytes=1.5,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"found 1.5"):
+        unchecked.transform(df)
+
+
+def test_size_estimate_is_read_from_the_cost_plan():
+    """Connect sessions read the optimizer's estimate from the plan's text (Spark's rounded
+    units); a plan without statistics gives none."""
+    from flyte_hvd.spark import dataframe_stage
+
+    class Plan:
+        def __init__(self, text):
+            self.text = text
+
+        def _explain_string(self, mode):
+            assert mode == "cost"
+            return self.text
+
+    root = "Project [a#1], Statistics(sizeInBytes={}, rowCount=1.00E+6)\n+- Relation ..."
+    for shown, expected in (
+        ("209.8 MiB", int(209.8 * (1 << 20))),
+        ("512.0 B", 512),
+        ("1.5 KiB", 1536),
+        ("8.0 EiB", 8 << 60),
+    ):
+        assert dataframe_stage.estimated_bytes(Plan(root.format(shown))) == expected
+    assert dataframe_stage.estimated_bytes(Plan("== Physical Plan ==\nScan ...")) is None
 
 
 def test_unknown_parameter_and_output_name_clash(spark_local2, store):

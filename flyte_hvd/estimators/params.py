@@ -56,6 +56,11 @@ MODEL_PARAMS: dict[str, tuple[Any, str]] = {
     "output_cols": (None, "prediction columns (default <label>__output)"),
     "custom_objects": ({}, "custom objects needed to load the model"),
     "metadata": (None, "per-column dtype and shape recorded by prepare_data"),
+    "transform_partition_bytes": (
+        64 << 20,
+        "transform merges the input's partitions into ones of about this many bytes (Spark's "
+        "size estimate), no fewer than the cluster's task slots; None keeps them as they are",
+    ),
 }
 
 

@@ -75,6 +75,20 @@ def default_parallelism(spark: Any) -> int:
     return int(match.group(1))
 
 
+_BYTE_UNITS = {"B": 0, "KiB": 10, "MiB": 20, "GiB": 30, "TiB": 40, "PiB": 50, "EiB": 60}
+
+
+def estimated_bytes(df: Any) -> int | None:
+    """The optimizer's size estimate of ``df``'s plan, read from its cost explanation (one
+    analysis round trip, no job): the root's ``Statistics(sizeInBytes=209.8 MiB, ...)``, in
+    Spark's rounded units. None when the explanation gives none."""
+    plan = df._explain_string(mode="cost")
+    match = re.search(r"Statistics\(sizeInBytes=([0-9.]+(?:E[+-]?[0-9]+)?) ?([KMGTPE]iB|B)\b", plan)
+    if match is None:
+        return None
+    return int(float(match.group(1)) * (1 << _BYTE_UNITS[match.group(2)]))
+
+
 def task_slots(spark: Any, conf: SessionConf | None = None) -> int:
     """How many tasks the cluster can run at once now, as far as a Connect session can tell:
     executor cores (the default parallelism) over ``spark.task.cpus``, and, when tasks ask

@@ -55,6 +55,22 @@ def active_session() -> Any:
     return session
 
 
+# Spark assumes `spark.sql.defaultSizeInBytes` (Long.MaxValue, 8 EiB) for a plan it cannot
+# size; no real estimate comes near.
+_UNKNOWN_SIZE = 1 << 60
+
+
+def estimated_bytes(df: Any) -> int | None:
+    """Spark's estimate of ``df``'s size in bytes: the optimizer's statistics of its plan, which
+    adaptive execution and join planning go by (exact for a cached DataFrame; a filter keeps its
+    input's size, so it errs high). None where the plan has no estimate."""
+    if is_connect_session(df.sparkSession):
+        size = dataframe_stage.estimated_bytes(df)
+    else:
+        size = int(df._jdf.queryExecution().optimizedPlan().stats().sizeInBytes())
+    return None if size is None or size >= _UNKNOWN_SIZE else size
+
+
 def task_slots(spark: Any) -> int:
     """How many tasks the cluster of ``spark`` can run at once now."""
     if is_connect_session(spark):

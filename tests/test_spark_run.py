@@ -57,6 +57,35 @@ def test_env_and_kwargs_reach_fn(spark):
     assert run(fn, kwargs={"suffix": "!"}, num_proc=2, env={"MY_SETTING": "on"}) == ["on!"] * 2
 
 
+def test_ranks_share_a_local_masters_cores(spark):
+    """Spark gives its Python workers OMP_NUM_THREADS = spark.task.cpus (1); on local[2] the
+    ranks divide the 2 cores instead, and `env` still has the last word."""
+
+    def threads():
+        return os.environ["OMP_NUM_THREADS"]
+
+    assert run(threads, num_proc=1) == ["2"]
+    assert run(threads, num_proc=2) == ["1", "1"]
+    assert run(threads, num_proc=1, env={"OMP_NUM_THREADS": "3"}) == ["3"]
+
+
+def test_local_thread_shares_by_master():
+    from flyte_hvd.core.environment import local_threads_env
+
+    share = {
+        ("local", 1): "1",
+        ("local[4]", 1): "4",
+        ("local[4]", 3): "1",
+        ("local[8, 2]", 2): "4",  # with task retries
+        ("local[*]", 1): str(os.cpu_count()),
+        ("local[2]", 4): "1",  # never 0
+    }
+    for (master, ranks), threads in share.items():
+        assert local_threads_env(master, ranks) == {"OMP_NUM_THREADS": threads}, master
+    for master in ("local-cluster[2,1,1024]", "spark://host:7077", "k8s://https://api:443"):
+        assert local_threads_env(master, 1) == {}, master
+
+
 def test_ranks_import_code_added_with_add_py_file(spark, tmp_path):
     """Code shipped with SparkContext.addPyFile (how Flyte ships fast-registered code) is
     importable in the rank processes, not only in Spark's Python workers; and AWS_* settings

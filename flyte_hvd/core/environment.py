@@ -3,24 +3,47 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 # Storage settings a local master's ranks and Python workers take from the driver as it is now.
 FORWARDED_ENV_PREFIXES = ("AWS_", "FSSPEC_")
 
 
-def local_driver_env(master: str) -> dict[str, str]:
+def local_driver_env(master: str, num_proc: int) -> dict[str, str]:
     """On a ``local``/``local-cluster`` Spark master the ranks and Python workers are the
     driver's own descendants on this host, but their environment is the one Spark started
     with: S3 credentials or an endpoint the driver set since (``AWS_*``) would be missing.
     Pass the driver's current ones, as an executor pod on a cluster gets them from its own
-    secret. The same holds for the driver's import path (``driver_import_path``). On any
-    other master this is empty: nothing driver-local crosses to other hosts."""
+    secret. The same holds for the driver's import path (``driver_import_path``), and each
+    of ``num_proc`` ranks gets its share of a ``local[N]`` master's cores
+    (``local_threads_env``). On any other master this is empty: nothing driver-local crosses
+    to other hosts."""
     env = local_storage_env(master)
     path = driver_import_path() if master.startswith("local") else ""
     if path:
         env["PYTHONPATH"] = path
+    env.update(local_threads_env(master, num_proc))
     return env
+
+
+def local_threads_env(master: str, num_proc: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for each of ``num_proc`` ranks on a ``local``/``local[N]``/
+    ``local[*]`` master: the master's cores divided among the ranks (at least 1).
+
+    Spark gives every Python worker ``OMP_NUM_THREADS`` = ``spark.task.cpus`` (1 unless set),
+    and a rank inherits its worker's environment; PyTorch and OpenMP libraries size their
+    thread pools by it. On a cluster that is the rank's share of its executor (what
+    ``HorovodSpark``'s ``cores_per_rank`` sets), but on a local master the ranks are all that
+    computes on the machine while they train: one rank of a ``local[8]`` session would use 1
+    core of 8 (TensorFlow, which sizes its pools by the cores, uses all of them). A ``local``
+    master without brackets has one core; ``local-cluster`` keeps Spark's setting."""
+    match = re.fullmatch(r"local(?:\[(\d+|\*)(?:,\s*\d+)?\])?", master.strip())
+    if match is None:
+        return {}
+    cores = match.group(1)
+    total = (os.cpu_count() or 1) if cores == "*" else int(cores or 1)
+    return {"OMP_NUM_THREADS": str(max(1, total // max(1, num_proc)))}
 
 
 def local_storage_env(master: str) -> dict[str, str]:

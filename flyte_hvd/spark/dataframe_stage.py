@@ -215,7 +215,7 @@ def launch(
     num_proc = runner._check_num_proc(default_parallelism(spark) if num_proc is None else num_proc)
     timeout = runner._resolve_start_timeout(start_timeout)
     job = runner._pickle_job(fn, args, kwargs)
-    rank_env = {**local_driver_env(conf.master), **runner._check_env(env)}
+    rank_env = {**local_driver_env(conf.master, num_proc), **runner._check_env(env)}
     submitted_at = time.time()
     deadline = time.monotonic() + timeout
     wait_for_slots(spark, conf, num_proc, deadline, timeout)

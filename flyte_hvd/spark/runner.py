@@ -115,7 +115,7 @@ def launch(
     num_proc = _check_num_proc(sc.defaultParallelism if num_proc is None else num_proc)
     timeout = _resolve_start_timeout(start_timeout)
     job = _pickle_job(fn, args, kwargs)
-    rank_env = {**local_driver_env(sc.master), **_check_env(env)}
+    rank_env = {**local_driver_env(sc.master, num_proc), **_check_env(env)}
     stall_config = stall.StallConfig.from_env({**os.environ, **rank_env})
     submitted_at = time.time()
     deadline = time.monotonic() + timeout
@@ -383,7 +383,7 @@ def start_spares(num_proc: int, env: dict[str, str] | None, preload: tuple[str, 
     if not preload or not spare.enabled():
         return None
     sc = active_spark_context()
-    rank_env = {**local_driver_env(sc.master), **_check_env(env)}
+    rank_env = {**local_driver_env(sc.master, num_proc), **_check_env(env)}
     task = _spare_task(rank_env, tuple(preload), _is_local(sc))
 
     def submit() -> None:

@@ -88,6 +88,39 @@ def test_the_next_run_gets_spares_that_run_one_job_each(no_leftover_ranks):
     assert {s.proc.pid for s in spare._SPARES}.isdisjoint(spares)
 
 
+def _collector():
+    import gc
+
+    return gc.isenabled(), gc.get_freeze_count()
+
+
+def test_ranks_import_with_the_collector_paused_and_run_with_it_on(no_leftover_ranks):
+    """A new rank loads its job, a spare its modules, with the garbage collector paused; what
+    they imported is frozen, and the job runs with the collector on."""
+    for _ in ("new ranks", "spares"):
+        results, _ = _run(_collector)
+        assert [(on, frozen > 1000) for on, frozen in results.values()] == [(True, True)] * 2
+
+
+def test_collector_paused_restores_the_collectors_state():
+    import gc
+
+    from flyte_hvd.core.job import collector_paused
+
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # it was off before
+    finally:
+        gc.enable()
+        gc.unfreeze()
+    with pytest.raises(ValueError), collector_paused():
+        raise ValueError("an import that fails")
+    assert gc.isenabled()
+    gc.unfreeze()
+
+
 def test_a_spare_stands_in_only_for_a_rank_started_the_same_way():
     _run(env={"SETTING": "a"})
     _, times = _run(env={"SETTING": "b"})

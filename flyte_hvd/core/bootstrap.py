@@ -60,8 +60,8 @@ def main() -> None:
             HOROVOD_CROSS_SIZE=str(topo.cross_size),
         )
         client.send({"op": "joined"})
-        with open(job_path, "rb") as f:
-            job = cloudpickle.load(f)
+        with open(job_path, "rb") as f, job_module.collector_paused():
+            job = cloudpickle.load(f)  # imports the modules it names (the framework)
         spare.set_channel(client.send)
         probe = stall.Probe(client.send).start()
         try:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flyte_hvd.core import rendezvous
+from flyte_hvd.core.job import collector_paused
 
 SPARE_ENV = "FLYTE_HVD_SPARE"  # in a spare: the socket it waits on for its rank
 _OWNER_ENV = "FLYTE_HVD_SPARE_OWNER"  # "pid:start time" of the process that keeps it
@@ -193,8 +194,9 @@ def wait_for_rank() -> dict[str, str]:
     server.bind(f"{path}.new")
     server.listen(4)
     os.rename(f"{path}.new", path)
-    for name in filter(None, env.pop(_PRELOAD_ENV, "").split(",")):
-        importlib.import_module(name)
+    with collector_paused():
+        for name in filter(None, env.pop(_PRELOAD_ENV, "").split(",")):
+            importlib.import_module(name)
     server.settimeout(1.0)
     deadline = time.monotonic() + idle
     try:

@@ -287,3 +287,24 @@ def test_bad_input_fails_before_ranks_start(spark_local2, store, case, match, mo
     df = _regression_df(spark_local2, rows=20)
     with pytest.raises(ValueError, match=match):
         _bad(store, case).fit(df)
+
+
+def test_batch_tensors_share_ready_arrays_and_convert_the_others():
+    """A step's batch as tensors: float32 C arrays (the in-memory shard's) are used as they
+    are; read-only views of Arrow memory and other dtypes are copied into what torch takes."""
+    from types import SimpleNamespace
+
+    from flyte_hvd.estimators.torch_model import batch_tensors
+
+    spec = SimpleNamespace(features=["x"], labels=["y", "k"], sample_weight_col="w")
+    ready = np.arange(12, dtype=np.float32).reshape(4, 3)
+    read_only = np.linspace(0, 1, 4)  # float64
+    read_only.flags.writeable = False
+    batch = {"x": ready, "y": read_only, "k": np.arange(4, dtype=np.int32), "w": read_only}
+    for device in ("cpu", torch.device("cpu")):  # Lightning passes the name
+        (x,), (y, k), w = batch_tensors(batch, spec, [[-1, 3]], device)
+        assert x.data_ptr() == ready.ctypes.data  # no copy
+        assert (y.dtype, k.dtype, w.dtype) == (torch.float32, torch.int64, torch.float32)
+        np.testing.assert_allclose(y.numpy(), read_only)
+        y += 1  # writable: a copy, the loader's memory is untouched
+        assert read_only[0] == 0

@@ -278,7 +278,6 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
                 inputs, labels, weights = batch_tensors(batch, spec, spec.input_shapes, device)
                 outputs, loss = minibatch(model, optimizer, _transform_outputs, loss_fn, inputs,
                                           labels, weights)  # fmt: skip
-                outputs, labels = _transform_outputs(outputs, labels)
                 _add_metrics(sums, "", loss, outputs, labels, spec)
             logs = _mean(sums, len(train_loader))
             if val_loader is not None:
@@ -316,6 +315,9 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
 def _add_metrics(sums: dict[str, float], prefix: str, loss: Any, outputs: list, labels: list,
                  spec: TorchTrainingSpec) -> None:  # fmt: skip
     sums[f"{prefix}loss"] = sums.get(f"{prefix}loss", 0.0) + float(loss.detach())
+    if not spec.metrics:  # runs every step: the outputs are shaped only for metrics
+        return
+    outputs, labels = _transform_outputs(outputs, labels)
     for metric in spec.metrics:
         name = getattr(metric, "__name__", type(metric).__name__)
         for out, label, column in zip(outputs, labels, spec.labels, strict=True):

@@ -173,22 +173,28 @@ def batch_tensors(
     None): floats as float32, integer labels as int64."""
     import torch
 
-    def tensor(values: np.ndarray, dtype: Any = None) -> Any:
+    on_cpu = torch.device(device).type == "cpu"  # a device or its name ("cpu")
+
+    def tensor(values: np.ndarray, dtype: Any) -> Any:
         # Loader batches may be read-only views of Arrow buffers; torch wants writable memory.
-        return torch.from_numpy(np.require(values, dtype=dtype, requirements=["C", "W"]))
+        # Runs every step: arrays that are already right (the in-memory shard's) go as they are.
+        flags = values.flags
+        if values.dtype != dtype or not (flags.c_contiguous and flags.writeable):
+            values = np.require(values, dtype=dtype, requirements=["C", "W"])
+        out = torch.from_numpy(values)
+        return out if on_cpu else out.to(device)
 
     inputs = [
-        tensor(batch[c], np.float32).to(device).reshape(shape)
+        tensor(batch[c], np.float32).reshape(shape)
         for c, shape in zip(spec.features, input_shapes, strict=True)
     ]
     labels = []
     for c in spec.labels:
         values = batch[c]
-        dtype = np.float32 if values.dtype.kind in "fc" else np.int64
-        labels.append(tensor(values, dtype).to(device))
+        labels.append(tensor(values, np.float32 if values.dtype.kind in "fc" else np.int64))
     weights = None
     if spec.sample_weight_col:
-        weights = tensor(batch[spec.sample_weight_col], np.float32).to(device)
+        weights = tensor(batch[spec.sample_weight_col], np.float32)
     return inputs, labels, weights
 
 

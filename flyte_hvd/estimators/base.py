@@ -253,7 +253,8 @@ class HorovodEstimator(Estimator):
 class HorovodModel(Model, MLWritable, MLReadable):
     """A trained model as a ``pyspark.ml`` Transformer: ``transform`` appends one prediction
     column per label, computed on Arrow batches by an iterator Arrow UDF with the model loaded
-    once per Python worker (never one row at a time)."""
+    once per Python worker (never one row at a time), after merging small input partitions
+    (``transform_partition_bytes``; rows may then come back in another order)."""
 
     if TYPE_CHECKING:  # ``with_params`` adds a ``getX``/``setX`` pair per param
         _param_defaults: ClassVar[dict[str, Any]]

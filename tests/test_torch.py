@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import cloudpickle
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -83,6 +84,21 @@ def test_size_one_behaves_like_the_wrapped_optimizer(hvd):
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a, b)
     assert opt.step(lambda: None) is None  # a closure runs before the reduction
+
+
+def test_one_rank_registers_no_gradient_hooks(hvd):
+    """As Horovod: with no peer there is nothing to reduce, so no per-parameter hooks run each
+    step, and passes accumulate until step() as with the wrapped optimizer."""
+    model = torch.nn.Linear(3, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert opt._hvd.hooks == []
+    x = torch.ones(2, 3)
+    for _ in range(3):  # more passes than backward_passes_per_step: summed, as in plain torch
+        model(x).sum().backward()
+    np.testing.assert_allclose(model.weight.grad.numpy(), np.full((1, 3), 6.0))
+    opt.step()
+    opt.zero_grad()
+    assert model.weight.grad is None
 
 
 def test_tensor_results_are_tensors_on_one_rank(hvd):

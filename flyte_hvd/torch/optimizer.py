@@ -94,9 +94,16 @@ class _Reducer:
         self.fired = False  # a gradient arrived since the last synchronize
         self.synchronized = False  # synchronize() ran since the last step()
         self.should_synchronize = True
-        # Ranks outside the process set (and lone ranks) step on their own gradients.
+        # Ranks outside the process set (and lone ranks) step on their own gradients. With no
+        # peer to reduce with there are no hooks either, as in Horovod: each one is a call
+        # from autograd into Python per parameter per step (5% of a small MLP's step), and
+        # the misuse they catch only matters where gradients are reduced.
         self.comm = async_comm_of(ps) if self.size > 1 else None
-        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+        self.hooks = (
+            [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+            if self.comm is not None
+            else []
+        )
 
     def remove_hooks(self) -> None:
         for hook in self.hooks:

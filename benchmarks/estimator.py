@@ -1,7 +1,7 @@
 """What do the estimators cost next to the same work done by hand, and how fast is
 ``transform``?
 
-    python -m benchmarks.estimator [--rows 200000] [--predict-rows 1000000] [--rounds 3]
+    python -m benchmarks.estimator [--rows 200000] [--predict-rows 1000000] [--rounds 5]
                                    [--epoch-rounds 5]
 
 Same data (rows x 20 float features), same MLP, same batch, in one run. These machines are
@@ -20,13 +20,16 @@ medians, both sides seeing the same neighbours:
   rows in one process (the session has the Python-worker settings HorovodSpark tasks get:
   Unix domain sockets, pyspark imported from its package; ``--spark-default-workers`` leaves
   Spark's loopback TCP and its own daemon), with its
-  breakdown (the query's input alone, in the JVM; the same Spark query with a UDF that does
-  not call the model; larger Arrow batches), against a row-at-a-time UDF (Horovod's way;
-  measured on a sample), and the CPU seconds of one transform in Spark's JVM and in its
-  Python workers, against plain predict's.
+  breakdown (the same transform on the DataFrame's own partitions, one per 10 k rows as
+  ``createDataFrame`` of pandas makes them, instead of the ones it merges them into; on the
+  merged partitions, the query's input alone, in the JVM, and the same Spark query with a UDF
+  that does not call the model; larger Arrow batches), against a row-at-a-time UDF (Horovod's
+  way; measured on a sample), and the CPU seconds of one transform in Spark's JVM and in its
+  Python workers, against plain predict's, with the CPU one more Spark task costs.
 
 The cold first step also reports how busy the machine's cores were until that step and the
-CPU seconds a new rank spends importing its framework (Keras and TensorFlow).
+CPU seconds a new rank spends importing its framework (Keras and TensorFlow), as ranks import
+it (garbage collector paused) and with the collector running.
 
 Ends with one JSON line: per target, our figure, the reference measured in this run, their
 ratio and whether the target is met.
@@ -161,9 +164,16 @@ def _cpu_split(jvm_pid: int, action) -> dict:
             "busy_cores": round((jvm + python) / wall, 2)}  # fmt: skip
 
 
-def _import_cpu_s(module: str) -> float:
-    """CPU seconds a fresh interpreter spends importing ``module`` (what each new rank pays)."""
-    code = f"import time; t = time.process_time(); import {module}; print(time.process_time() - t)"
+def _import_cpu_s(module: str, collector_paused: bool = True) -> float:
+    """CPU seconds a fresh interpreter spends importing ``module``: as each new rank imports
+    it (Python's garbage collector paused, ``flyte_hvd.core.job.collector_paused``), or with
+    the collector running."""
+    imports = (
+        f"from flyte_hvd.core.job import collector_paused\nwith collector_paused(): import {module}"
+        if collector_paused
+        else f"import {module}"
+    )
+    code = f"import time\nt = time.process_time()\n{imports}\nprint(time.process_time() - t)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return round(float(out.stdout.split()[-1]), 2)
 
@@ -283,7 +293,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--predict-rows", type=int, default=1_000_000)
     parser.add_argument("--row-udf-rows", type=int, default=3_000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--epoch-rounds", type=int, default=5)
     parser.add_argument(
         "--spark-default-workers", action="store_true",
@@ -351,7 +361,9 @@ def main() -> None:
     ).cache()  # fmt: skip
     big.count()
     # Warm up every Python worker first (TensorFlow import, model load), as plain predict
-    # runs in a process that has both already.
+    # runs in a process that has both already; then one untimed full run of each side, so
+    # that both are measured in their steady state (the JVM compiles the transform's per-row
+    # code during its first full run; TensorFlow's predict loop speeds up over its first).
     model.transform(big.sample(0.002, seed=0)).agg(F.sum("label__output")).collect()
     keras_model.predict(xp[:10_000], batch_size=10_000, verbose=0)
 
@@ -360,8 +372,13 @@ def main() -> None:
         action()
         return args.predict_rows / (time.perf_counter() - start)
 
-    def transform() -> float:
-        return timed_rps(lambda: model.transform(big).agg(F.sum("label__output")).collect())
+    def transform(transformer=model) -> float:
+        return timed_rps(lambda: transformer.transform(big).agg(F.sum("label__output")).collect())
+
+    # The same model keeping the DataFrame's own partitions (one task per 10 k rows here).
+    as_given = model.copy({model.transform_partition_bytes: None})
+    partitions = {"input": big.rdd.getNumPartitions(),
+                  "transform": model.transform(big).rdd.getNumPartitions()}  # fmt: skip
 
     def plain_predict() -> float:
         # The same rows as a pandas column of arrays, as a user holding them would have them.
@@ -369,12 +386,24 @@ def main() -> None:
         return timed_rps(lambda: keras_model.predict(
             np.stack(frame["features"].to_numpy()), batch_size=10_000, verbose=0))  # fmt: skip
 
+    transform(), plain_predict()
     transform_rps, plain_rps, transform_pairs = _alternate(args.rounds, transform, plain_predict)
-    breakdown = _transform_breakdown(spark, big, model, timed_rps)
+    breakdown = _transform_breakdown(spark, big, partitions["transform"], model, timed_rps)
+    breakdown["as_given_partitions"] = round(transform(as_given))
     # Where the CPU goes: Spark's JVM (local mode: driver and executors in one) against its
     # Python workers (model calls, Arrow in and out), and plain predict in this process.
     jvm_pid = int(spark._jvm.java.lang.ProcessHandle.current().pid())
-    cpu = {"transform": _cpu_split(jvm_pid, transform)}
+    cpu = {
+        "transform": _cpu_split(jvm_pid, transform),
+        "transform_as_given_partitions": _cpu_split(jvm_pid, lambda: transform(as_given)),
+    }
+    # What one more Spark task costs: the CPU the as-given partitions' extra tasks add.
+    extra_tasks = partitions["input"] - partitions["transform"]
+    task_cpu_ms = {
+        side: round(1000 * (cpu["transform_as_given_partitions"][side] - cpu["transform"][side])
+                    / max(extra_tasks, 1), 1)
+        for side in ("jvm_cpu_s", "python_workers_cpu_s")
+    }  # fmt: skip
     cpu_start, wall_start = time.process_time(), time.perf_counter()
     plain_predict()
     plain_cpu, plain_wall = time.process_time() - cpu_start, time.perf_counter() - wall_start
@@ -398,6 +427,7 @@ def main() -> None:
     row_rps = args.row_udf_rows / (time.perf_counter() - start)
     spark.stop()
     import_cpu = _import_cpu_s("keras")  # TensorFlow under it: what every Keras rank imports
+    import_cpu_collector_on = _import_cpu_s("keras", collector_paused=False)
 
     limits = TARGETS
     results = {
@@ -445,10 +475,15 @@ def main() -> None:
         print(f"{name:<24} ours {r['ours']:>12,.3f}  reference {r['reference'] or 0:>12,.3f}"
               f"{ratio}  target {r['target']}  {'pass' if r['pass'] else 'MISS'}")  # fmt: skip
     print(f"prepare_data alone (2 ranks, a new write): {prepare_s:.2f} s")
+    print(
+        f"transform partitions: {partitions['input']} in the DataFrame, {partitions['transform']}"
+        f" after transform merged them; one more task costs {task_cpu_ms} ms of CPU"
+    )
     print(f"transform breakdown: {json.dumps(breakdown)}")
     print(f"CPU, {args.predict_rows} rows: {json.dumps(cpu)}")
     print(f"cold first step: machine {cold['to_first_step_cpu_busy']:.0%} busy; a rank's "
-          f"framework import costs {import_cpu:.2f} CPU s")  # fmt: skip
+          f"framework import costs {import_cpu:.2f} CPU s ({import_cpu_collector_on:.2f} with "
+          f"the garbage collector running)")  # fmt: skip
     print(json.dumps({
         "benchmark": "estimator",
         "rows": args.rows,
@@ -463,17 +498,20 @@ def main() -> None:
                          "warm": round(warm["to_first_step_s"], 2),
                          "prepare_data_s": round(prepare_s, 2),
                          "cold_cpu_busy": cold["to_first_step_cpu_busy"],
-                         "rank_framework_import_cpu_s": import_cpu},
+                         "rank_framework_import_cpu_s": import_cpu,
+                         "framework_import_cpu_s_collector_on": import_cpu_collector_on},
+        "transform_partitions": partitions,
         "transform_breakdown_rows_per_s": breakdown,
         "predict_cpu": cpu,
+        "transform_task_cpu_ms": task_cpu_ms,
     }))  # fmt: skip
 
 
-def _transform_breakdown(spark, big, model, timed_rps) -> dict:
-    """rows/s of the transform's own input (reading the rows and ``vector_to_array``, in the
-    JVM alone), of its Spark query without the model call (that, plus Arrow in and out, the
-    UDF's Python worker and joining the results back to the rows), and of the full transform
-    with 4x larger Arrow batches."""
+def _transform_breakdown(spark, big, partitions: int, model, timed_rps) -> dict:
+    """rows/s, on the partitions the transform merges ``big`` into, of the transform's own
+    input (reading the rows and ``vector_to_array``, in the JVM alone) and of its Spark query
+    without the model call (that, plus Arrow in and out, the UDF's Python worker and joining
+    the results back to the rows); and of the full transform with 4x larger Arrow batches."""
     import pyarrow as pa
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F
@@ -485,9 +523,10 @@ def _transform_breakdown(spark, big, model, timed_rps) -> dict:
 
     udf = F.arrow_udf(no_model, "double", ArrowUDFType.SCALAR_ITER)  # type: ignore[call-overload]
     features = vector_to_array("features", "float32")  # the transform's input, as it builds it
+    merged = big.coalesce(partitions)
     out = {}
-    for name, query in (("jvm_input_only", big.select(F.size(features).alias("p"))),
-                        ("without_model", big.select(udf(features).alias("p")))):  # fmt: skip
+    for name, query in (("jvm_input_only", merged.select(F.size(features).alias("p"))),
+                        ("without_model", merged.select(udf(features).alias("p")))):  # fmt: skip
         query.agg(F.sum("p")).collect()
         out[name] = round(timed_rps(lambda q=query: q.agg(F.sum("p")).collect()))
     key = "spark.sql.execution.arrow.maxRecordsPerBatch"

@@ -445,7 +445,7 @@ def test_transform_merges_small_partitions_and_each_row_keeps_its_prediction(spa
 def test_transform_partition_bytes_must_be_a_positive_int_or_none(spark_local2):
     model = KerasModel(model_bytes=None, feature_columns=["features"], label_columns=["label"])
     for bad in (0, -1, 2.5, "64MB", True):
-        with pytest.raises(ValueError, match=r"`transform_partition_bytes` must be a number"):
+        with pytest.raises(ValueError, match=r"`transform_partition_bytes` must be an int >= 1"):
             model.setTransformPartitionBytes(bad)
     assert model.setTransformPartitionBytes(None).getTransformPartitionBytes() is None
     # Given to the constructor, it is checked when transform is called, before any Spark work.

@@ -438,14 +438,8 @@ class ModelReader:
 
 
 def _partition_bytes(value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"`transform_partition_bytes` must be a number of bytes >= 1 (e.g. 64 << 20) or "
-            f"None to keep the DataFrame's partitions; found {value!r}."
-        )
-    return int(value)
+    """A ``transform_partition_bytes`` value: bytes (an int >= 1), or None."""
+    return None if value is None else require_int("transform_partition_bytes", value, 1)
 
 
 def _merge_small_partitions(df: Any, partition_bytes: int | None) -> Any:

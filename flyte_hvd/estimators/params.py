@@ -59,7 +59,7 @@ MODEL_PARAMS: dict[str, tuple[Any, str]] = {
     "transform_partition_bytes": (
         64 << 20,
         "transform merges the input's partitions into ones of about this many bytes (Spark's "
-        "size estimate), no fewer than the cluster's task slots; None keeps them as they are",
+        "size estimate), no fewer than the cluster's default parallelism; None keeps them",
     ),
 }
 

@@ -59,6 +59,9 @@ def test_rossmann_runs_on_two_simulated_hosts_that_share_only_s3():
         for _, size, _, local_rank, local_size, _, cross_size in ranks.values():
             assert (size, local_rank, local_size, cross_size) == ("2", "0", "1", "2")
 
+        # Rank 0's Keras progress bar (the estimator's default verbose) crossed hosts intact.
+        assert re.search(r"^\[0\]<stdout>:\d+/\d+ ━+ .*/step", output, re.M), output[-6000:]
+
         # The run's artefacts are in S3.
         (summary,) = re.findall(r"model:\s+(s3://\S+)", output)
         run_path = summary.removeprefix(f"s3://{STORE_BUCKET}/").rsplit("/", 1)[0]

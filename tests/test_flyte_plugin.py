@@ -24,6 +24,8 @@ from flyte_hvd.flyte import HorovodSpark, HorovodSparkFunctionTask
 from flyte_hvd.flyte.rank import RankSpec, _to_literal_map
 from flyte_hvd.flyte.task import GPU_EXECUTOR_CONF, PYTHON_WORKER_CONF, _pickle_body
 
+from test_output import assert_shown, printer
+
 pytestmark = pytest.mark.flyte
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,6 +59,17 @@ def rank_file(greeting: str) -> FlyteFile:
     with open(path, "w") as f:
         f.write(f"{greeting} from rank {hvd.rank()} of {hvd.size()}")
     return FlyteFile(path)
+
+
+@task(task_config=HorovodSpark(num_proc=2))
+def printing() -> int:
+    return printer()()
+
+
+def test_rank_output_of_any_bytes_reaches_the_task_log(spark_local2, capfd):
+    assert printing() == 0
+    captured = capfd.readouterr()
+    assert_shown(captured.out + captured.err)
 
 
 @task

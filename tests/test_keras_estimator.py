@@ -507,3 +507,27 @@ def test_save_runs_false_removes_the_run_folder_after_fit(spark_local2, tmp_path
     assert model.getModel().predict(np.ones((2, 3)), verbose=0).shape == (2, 1)
     assert not store.exists(store.get_run_path("transient"))
     assert store.fs.ls(store.fs_path(store.prefix_path))  # prepared data stays for reuse
+
+
+class Summary(keras.callbacks.Callback):
+    """Model code that prints Keras' box-drawn summary on every rank."""
+
+    def on_train_begin(self, logs=None):
+        self.model.summary()
+
+
+def test_default_verbose_shows_rank_0s_progress_bar_and_summaries(spark_local2, store, capfd):
+    """The defaults users run: `verbose` left at 1 (Keras' progress bar draws `━`) and
+    `model.summary()` (box characters) in the model code."""
+    df = _regression_df(spark_local2, rows=200)
+    KerasEstimator(
+        num_proc=2, store=store, model=_mlp(), optimizer=keras.optimizers.Adam(0.02),
+        loss="mse", feature_cols=["features"], label_cols=["label"], batch_size=16, epochs=2,
+        callbacks=[Summary()],
+    ).fit(df)  # fmt: skip
+    lines = capfd.readouterr().out.splitlines()
+    bars = [line for line in lines if "/step" in line and "━" in line]
+    assert len(bars) == 2 and all(line.startswith("[0]<stdout>:") for line in bars), bars
+    for rank in (0, 1):
+        assert any(line.startswith(f"[{rank}]<stdout>:") and "Total params" in line
+                   for line in lines)  # fmt: skip

@@ -308,3 +308,58 @@ def test_batch_tensors_share_ready_arrays_and_convert_the_others():
         np.testing.assert_allclose(y.numpy(), read_only)
         y += 1  # writable: a copy, the loader's memory is untouched
         assert read_only[0] == 0
+
+
+# -- the defaults users run ----------------------------------------------------------------
+
+
+class Celsius(torch.nn.Module):
+    """Model code that prints non-ASCII text on its first call, on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+        self.printed = False
+
+    def forward(self, x):
+        if not self.printed:
+            self.printed = True
+            print("first batch at 21 °C → ok 🙂")
+        return self.net(x)
+
+
+def test_torch_default_verbose_with_non_ascii_model_output(spark_local2, store, capfd):
+    df = _regression_df(spark_local2, rows=200)
+    model = Celsius()
+    params = dict(
+        num_proc=2, store=store, model=model, loss=F.mse_loss, feature_cols=["features"],
+        label_cols=["label"], batch_size=16, epochs=2,
+        optimizer=torch.optim.Adam(model.parameters(), 0.02),
+    )  # fmt: skip
+    TorchEstimator(**params).fit(df)
+    out = capfd.readouterr().out
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>:first batch at 21 °C → ok 🙂" in out
+
+
+class SummarizedRegressor(Regressor):
+    def on_train_start(self):
+        from lightning.pytorch.utilities.model_summary import ModelSummary
+
+        print(ModelSummary(self))
+
+
+def test_lightning_default_verbose_shows_rank_0s_bar_and_summary(spark_local2, store, capfd):
+    df = _regression_df(spark_local2, rows=200)
+    LightningEstimator(
+        num_proc=2, store=store, model=SummarizedRegressor(), feature_cols=["features"],
+        label_cols=["label"], batch_size=16, epochs=2,
+    ).fit(df)  # fmt: skip
+    captured = capfd.readouterr()
+    lines = (captured.out + captured.err).splitlines()
+    # Lightning's rich progress bar (stdout) or its tqdm one (stderr), at rank 0 only
+    bars = [line for line in lines if "Epoch 1" in line and "it/s" in line]
+    assert bars and all(line.startswith("[0]<") for line in bars), bars
+    for rank in (0, 1):
+        assert any(line.startswith(f"[{rank}]<stdout>:") and "Trainable params" in line
+                   for line in lines)  # fmt: skip

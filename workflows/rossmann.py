@@ -241,7 +241,6 @@ def train(
         batch_size=hp.batch_size,
         epochs=hp.epochs,
         random_seed=hp.seed,
-        verbose=2,
         run_id=run_id,
         checkpoint_callback=BestModelCheckpoint(monitor="val_loss"),
     )

@@ -19,6 +19,7 @@ import cloudpickle
 from flyte_hvd.core import job as job_module
 from flyte_hvd.core import rendezvous, spare, stall, state
 from flyte_hvd.core.log import get_logger
+from flyte_hvd.core.output import adopt_rank_pipes
 
 logger = get_logger("flyte_hvd.core.bootstrap")  # run as __main__ (python -m)
 # A level for the flyte_hvd logger in rank processes (e.g. INFO), which log to stderr; the
@@ -27,6 +28,7 @@ LOG_LEVEL_ENV = "FLYTE_HVD_LOG_LEVEL"
 
 
 def main() -> None:
+    adopt_rank_pipes()  # before anything prints: the rank's output bypasses mpiexec
     env = os.environ
     if env.get(LOG_LEVEL_ENV):
         logging.basicConfig(format="%(name)s %(levelname)s: %(message)s", stream=sys.stderr)

@@ -30,9 +30,18 @@ import cloudpickle
 
 from flyte_hvd.core import rendezvous, spare, stall
 from flyte_hvd.core.errors import RanksFailedError, RendezvousTimeoutError
+from flyte_hvd.core.output import (
+    ByteSink,
+    LineSplitter,
+    OutputLog,
+    OutputSink,
+    RankOutput,
+    console_sink,
+    open_rank_pipes,
+    render,
+)
 
-OutputSink = Callable[[int, str, str], None]
-"""``sink(rank, stream, line)``: where a rank's output lines go (``stream`` is stdout/stderr)."""
+__all__ = ["ByteSink", "OutputLog", "OutputSink", "RankOutput", "console_sink"]
 
 # Variables of an enclosing MPI launch: a rank inheriting them would join the wrong job.
 _MPI_ENV_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "MPI_LOCALNRANKS")
@@ -112,64 +121,6 @@ def find_mpiexec(single_host: bool = False) -> str:
     return found
 
 
-def console_sink(stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> OutputSink:
-    """Write rank lines as ``[rank]<stream>:line`` to the given streams (default: sys's)."""
-    lock = threading.Lock()
-
-    def sink(rank: int, stream: str, line: str) -> None:
-        target = (stdout or sys.stdout) if stream == "stdout" else (stderr or sys.stderr)
-        with lock:
-            target.write(f"[{rank}]<{stream}>:{line}\n")
-            target.flush()
-
-    return sink
-
-
-class OutputLog:
-    """Every rank's output lines and the failing ranks' tracebacks, held in memory (the last
-    ``max_lines``) and written to a file only when the run fails: the error then names the
-    file instead of repeating all the output. Nothing is on disk while the run lasts, so a
-    killed launcher leaves nothing behind."""
-
-    def __init__(self, max_lines: int = 50_000):
-        self._lines: deque[str] = deque(maxlen=max_lines)
-        self._dropped = 0
-        self._lock = threading.Lock()
-        self._closed = False
-        self.path: str | None = None
-
-    def write(self, rank: int, stream: str, line: str) -> None:
-        with self._lock:
-            if len(self._lines) == self._lines.maxlen:
-                self._dropped += 1
-            self._lines.append(f"[{rank}]<{stream}>:{line}")
-
-    def tee(self, sink: OutputSink) -> OutputSink:
-        def both(rank: int, stream: str, line: str) -> None:
-            self.write(rank, stream, line)
-            sink(rank, stream, line)
-
-        return both
-
-    def close(self, keep: bool) -> str | None:
-        """Write the file (``keep``) and return its path, or drop the lines. Only the first
-        call counts."""
-        with self._lock:
-            if self._closed:
-                return self.path
-            self._closed = True
-            lines, self._lines = self._lines, deque()
-        if not keep:
-            return None
-        fd, path = tempfile.mkstemp(prefix="flyte-hvd-output-", suffix=".log")
-        with os.fdopen(fd, "w", errors="replace") as f:
-            if self._dropped:
-                f.write(f"({self._dropped} earlier lines were dropped)\n")
-            f.writelines(line + "\n" for line in lines)
-        self.path = path
-        return path
-
-
 class _Rank:
     def __init__(self, rank: int):
         self.rank = rank
@@ -179,6 +130,8 @@ class _Rank:
         self.traceback: str | None = None
         self.exit_string: str | None = None
         self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
+        self.tail_splitter = LineSplitter(piece_bytes=4096)
+        self.outputs: tuple[int, int] | None = None  # read ends of the rank's own pipes
         self.done = False
         self.times: dict[str, float] = {}  # event -> wall-clock time, comparable across hosts' logs
         self.pumps: list[threading.Thread] = []
@@ -224,7 +177,8 @@ class RankSupervisor:
         secret: the run's secret; every supervisor of a run must pass the same one.
         start_timeout: seconds for every rank to start and join; the run fails after that.
         env: extra environment for the ranks.
-        output: where rank output lines go.
+        output: where the ranks' output bytes go as they are read (a ``ByteSink``: it must
+            not block; by default a ``RankOutput`` on this process's console).
         single_host: every rank of the run is on this machine: start them with nothing
             listening on a network interface (``mpiexec.gforker``, UCX on loopback).
         watch: decides from the ranks' probe reports whether the run is stuck (see
@@ -243,7 +197,7 @@ class RankSupervisor:
         secret: str,
         start_timeout: float = 600.0,
         env: dict[str, str] | None = None,
-        output: OutputSink | None = None,
+        output: ByteSink | None = None,
         watch: Any = None,
         output_log: OutputLog | None = None,
         timeout_hint: str = "`start_timeout` (or HOROVOD_SPARK_START_TIMEOUT)",
@@ -261,7 +215,8 @@ class RankSupervisor:
         self.secret = secret
         self.start_timeout = start_timeout
         self.env = dict(env or {})
-        self.output = output or console_sink()
+        self._own_output = RankOutput() if output is None else None
+        self.output: ByteSink = output or self._own_output.write  # type: ignore[union-attr]
         if watch is None and len(ranks) == size:
             watch = stall.StallWatch(size, stall.StallConfig.from_env({**os.environ, **self.env}))
         self.watch = watch or stall.ForwardWatch(lambda kind, rank, message: None)
@@ -296,6 +251,8 @@ class RankSupervisor:
             self._stop_all()
             server.close()
             shutil.rmtree(workdir, ignore_errors=True)
+            if self._own_output is not None:
+                self._own_output.close(keep=False)
         for state in self.ranks.values():  # the next run's ranks, if no rank asked earlier
             self._start_spare(state)
         return results
@@ -335,26 +292,70 @@ class RankSupervisor:
         if self.preload:
             key = spare.key_of(env, self.preload, state.command)
             left = self.started_at + self.start_timeout - time.monotonic()
-            state.proc = spare.claim(key, assignment, max(left, 1.0))
-            if state.proc is not None:
+            claimed = spare.claim(key, assignment, max(left, 1.0))
+            if claimed is not None:
+                state.proc, state.outputs = claimed
                 state.times["spare_claimed"] = time.time()
         if state.proc is None:
-            env.update(spare.rank_environment(assignment))
-            state.proc = subprocess.Popen(
-                state.command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
+            state.outputs, write_ends, pipes_env = open_rank_pipes()
+            env.update(spare.rank_environment(assignment), **pipes_env)
+            try:
+                state.proc = subprocess.Popen(
+                    state.command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    pass_fds=write_ends,
+                )
+            finally:
+                for fd in write_ends:
+                    os.close(fd)
         state.times["spawned"] = time.time()
-        for stream, pipe in (("stdout", state.proc.stdout), ("stderr", state.proc.stderr)):
-            pump = threading.Thread(target=self._pump, args=(state, stream, pipe), daemon=True)
+        assert state.outputs is not None
+        pumps: list[tuple[Callable[..., None], str, Any]] = [
+            (self._pump_launcher, "stdout", state.proc.stdout),
+            (self._pump_launcher, "stderr", state.proc.stderr),
+            (self._pump_rank, "stdout", state.outputs[0]),
+            (self._pump_rank, "stderr", state.outputs[1]),
+        ]
+        for target, stream, source in pumps:
+            pump = threading.Thread(target=target, args=(state, stream, source), daemon=True)
             pump.start()
             state.pumps.append(pump)
 
-    def _pump(self, state: _Rank, stream: str, pipe: IO[bytes]) -> None:
+    def _pump_rank(self, state: _Rank, stream: str, fd: int) -> None:
+        """Reads the rank's own pipe as fast as it is written: every byte goes on at once to
+        ``output``, which must not block (see ``flyte_hvd.core.output``)."""
+        try:
+            while True:
+                try:
+                    data = os.read(fd, 1 << 16)
+                except InterruptedError:
+                    continue
+                except OSError:
+                    break
+                if not data:
+                    break
+                if stream == "stderr":
+                    self._keep_tail(state, data)
+                self.output(state.rank, stream, data)
+        finally:
+            os.close(fd)
+            if stream == "stderr":
+                self._keep_tail(state, None)
+            self.output(state.rank, stream, b"")
+
+    @staticmethod
+    def _keep_tail(state: _Rank, data: bytes | None) -> None:
+        lines = state.tail_splitter.feed(data) if data else state.tail_splitter.flush()
+        state.stderr_tail.extend(render(line) for line, _ in lines[-_STDERR_TAIL_LINES:])
+
+    def _pump_launcher(self, state: _Rank, stream: str, pipe: IO[bytes]) -> None:
+        """mpiexec's own output: its report of how the rank ended is kept, its banner is
+        dropped (the run's error says it better), anything else (say, Python failing to
+        start) is the rank's output."""
         held_blank = False  # mpiexec's banner starts with a blank line: hold blanks back
         for raw in pipe:
             line = raw.decode(errors="replace").rstrip("\n")
@@ -370,15 +371,15 @@ class RankSupervisor:
                 held_blank = False
                 continue
             if held_blank:
-                self.output(state.rank, stream, "")
+                self.output(state.rank, stream, b"\n")
             held_blank = not line
             if held_blank:
                 continue
             if stream == "stderr":
                 state.stderr_tail.append(line)
-            self.output(state.rank, stream, line)
+            self.output(state.rank, stream, raw if raw.endswith(b"\n") else raw + b"\n")
         if held_blank:
-            self.output(state.rank, stream, "")
+            self.output(state.rank, stream, b"\n")
         pipe.close()
 
     # -- control socket ----------------------------------------------------------------------
@@ -656,7 +657,7 @@ def launch_local(
     if not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1:
         raise ValueError(f"`num_proc` must be an int >= 1; found {num_proc!r}.")
     check_start_timeout(start_timeout)
-    log = OutputLog()
+    shown = RankOutput(display=output)
     supervisor = RankSupervisor(
         job,
         ranks=list(range(num_proc)),
@@ -665,17 +666,17 @@ def launch_local(
         secret=new_secret(),
         start_timeout=start_timeout,
         env=env,
-        output=log.tee(output or console_sink()),
-        output_log=log,
+        output=shown.write,
+        output_log=shown.log,
         timeout_hint=timeout_hint,
         single_host=True,
     )
     try:
         results = supervisor.run()
     except RanksFailedError as error:
-        raise RanksFailedError(error.failures, error.summary, log.close(keep=True)) from None
+        raise RanksFailedError(error.failures, error.summary, shown.close(keep=True)) from None
     finally:
-        log.close(keep=False)
+        shown.close(keep=False)
     return [results[r] for r in range(num_proc)]
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from flyte_hvd.core import rendezvous
 from flyte_hvd.core.job import collector_paused
+from flyte_hvd.core.output import open_rank_pipes
 
 SPARE_ENV = "FLYTE_HVD_SPARE"  # in a spare: the socket it waits on for its rank
 _OWNER_ENV = "FLYTE_HVD_SPARE_OWNER"  # "pid:start time" of the process that keeps it
@@ -56,6 +57,7 @@ class Spare:
     proc: subprocess.Popen
     folder: str
     key: tuple
+    outputs: tuple[int, int]  # read ends of its stdout and stderr pipes (``core.output``)
 
 
 _SPARES: list[Spare] = []  # this process's idle spares
@@ -81,22 +83,34 @@ def start(env: dict[str, str], preload: tuple[str, ...], command: list[str], bas
         _PRELOAD_ENV: ",".join(preload),
         "TMPDIR": os.path.join(folder, "tmp"),
     }
-    proc = subprocess.Popen(
-        command,
-        env=spare_env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    _SPARES.append(Spare(proc, folder, key_of(env, preload, command)))
+    outputs, write_ends, pipes_env = open_rank_pipes()
+    try:
+        proc = subprocess.Popen(
+            command,
+            env={**spare_env, **pipes_env},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            pass_fds=write_ends,
+        )
+    except BaseException:
+        for fd in outputs:
+            os.close(fd)
+        raise
+    finally:
+        for fd in write_ends:
+            os.close(fd)
+    _SPARES.append(Spare(proc, folder, key_of(env, preload, command), outputs))
     while len(_SPARES) > keep:
         _stop(_SPARES[0])
 
 
-def claim(key: tuple, assignment: dict[str, Any], timeout: float) -> subprocess.Popen | None:
+def claim(key: tuple, assignment: dict[str, Any],
+          timeout: float) -> tuple[subprocess.Popen, tuple[int, int]] | None:  # fmt: skip
     """Hands the rank in ``assignment`` to an idle spare started as ``key`` says; returns its
-    process, or None when there is none (the caller starts a new one)."""
+    process and the read ends of its output pipes (the caller's from now on), or None when
+    there is none (the caller starts a new one)."""
     for spare in list(_SPARES):
         if spare.proc.poll() is not None:  # it timed out, or its imports failed
             _forget(spare)
@@ -105,7 +119,7 @@ def claim(key: tuple, assignment: dict[str, Any], timeout: float) -> subprocess.
             continue
         _SPARES.remove(spare)
         if _hand_over(spare, assignment, timeout):
-            return spare.proc
+            return spare.proc, spare.outputs
         _stop(spare)
     return None
 
@@ -154,6 +168,9 @@ def _forget(spare: Spare) -> None:
     for pipe in (spare.proc.stdout, spare.proc.stderr):
         if pipe is not None:
             pipe.close()
+    for fd in spare.outputs:
+        with contextlib.suppress(OSError):
+            os.close(fd)
     shutil.rmtree(spare.folder, ignore_errors=True)
 
 

@@ -268,8 +268,9 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
             callbacks=callbacks,
             default_root_dir=run.work,
             use_distributed_sampler=False,
-            enable_progress_bar=False,
-            enable_model_summary=run.rank == 0 and spec.verbose > 1,
+            # As Horovod: rank 0 shows Lightning's progress bar and model summary.
+            enable_progress_bar=run.rank == 0 and spec.verbose >= 1,
+            enable_model_summary=run.rank == 0 and spec.verbose >= 1,
             num_sanity_val_steps=0,
             log_every_n_steps=max(1, min(50, len(train))),
         )

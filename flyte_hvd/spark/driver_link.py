@@ -15,19 +15,26 @@ costs a second however fast the tasks arrive.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import hmac
 import json
 import queue
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from flyte_hvd.core.launcher import OutputLog
+from flyte_hvd.core.output import (
+    PIECE_BYTES,
+    RankOutput,
+    Spool,
+    console_sink,
+    decode_tag,
+    encode_tag,
+)
 
 
 def _proof(secret: str) -> str:
@@ -64,10 +71,11 @@ class DriverServer:
         self.stuck: tuple[int, str] | None = None
         self._closed = threading.Event()
         self.attempts_started = 0  # how many times the stage's tasks have started
-        self._stdout, self._stderr = stdout, stderr
-        self._timestamps = prefix_output_with_timestamp
         self._lock = threading.Lock()
-        self.output_log = OutputLog()  # kept, and named in the error, if the run fails
+        # The ranks' output: shown on the driver's console, and every byte in the full-output
+        # file that a failed run's error names.
+        self.output = RankOutput(console_sink(stdout, stderr, prefix_output_with_timestamp))
+        self.output_log = self.output.log
         self.events: dict[int, dict[str, float]] = {}
         self.failures: dict[int, tuple[int, str]] = {}  # rank -> (stage attempt, traceback)
         self._sock = socket.create_server((host, 0))
@@ -134,7 +142,7 @@ class DriverServer:
             if kind == "gather":
                 self._gather(message, conn, born)
             elif kind == "out":
-                self._print(rank, message["stream"], message["text"])
+                self.output.write(rank, message["stream"], base64.b64decode(message["data"]))
             elif kind == "event":
                 self.events.setdefault(rank, {})[message["name"]] = message["time"]
                 if message["name"] == "task_started":
@@ -183,15 +191,6 @@ class DriverServer:
                 _reply(task_conn, {"round": round_, "aborted": why})
         self._gathers.clear()
 
-    def _print(self, rank: int, stream: str, text: str) -> None:
-        target = (
-            (self._stdout or sys.stdout) if stream == "stdout" else (self._stderr or sys.stderr)
-        )
-        self.output_log.write(rank, stream, text)
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S ") if self._timestamps else ""
-        target.write(f"{stamp}[{rank}]<{stream}>:{text}\n")
-        target.flush()
-
     def latest_failures(self) -> dict[int, str]:
         """Tracebacks from the latest stage attempt that reported any."""
         with self._lock:
@@ -221,7 +220,11 @@ class DriverServer:
             for conn in conns:  # a task that did not hang up in time
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
-        self.output_log.close(keep=False)  # a no-op once the run's error kept it
+        self.output.close(keep=False)  # a no-op once the run's error kept the file
+
+    def output_file(self) -> str | None:
+        """Shows what is left of the ranks' output and keeps the full-output file: its path."""
+        return self.output.close(keep=True)
 
 
 def _hang_up(conn: socket.socket) -> None:
@@ -258,6 +261,11 @@ class DriverLink:
         self._rounds: queue.Queue[dict[str, Any]] = queue.Queue()
         self._lost = threading.Event()  # the driver closed the link
         self._closing = False
+        # Rank output waits here, never blocking the ranks, while one thread sends it.
+        self._spool = Spool()
+        self._sender = threading.Thread(target=self._send_output, name="flyte-hvd-link-output",
+                                        daemon=True)  # fmt: skip
+        self._sender.start()
         # Called once if the driver closes the link first: its run is over (it raised, or the
         # driver is gone), so whatever this task still runs is for nobody.
         self.on_lost: Callable[[], None] | None = None
@@ -289,8 +297,33 @@ class DriverLink:
             except OSError:
                 self._sock = None
 
-    def output(self, rank: int, stream: str, text: str) -> None:
-        self._send({"kind": "out", "rank": rank, "stream": stream, "text": text})
+    def output(self, rank: int, stream: str, data: bytes) -> None:
+        """A rank's output bytes (a ``ByteSink``: returns at once; ``b""`` ends the stream)."""
+        self._spool.put(encode_tag(rank, stream), data)
+
+    def _send_output(self) -> None:
+        """Sends the spooled output in order, consecutive bytes of one stream together."""
+        while (records := self._spool.get()) is not None:
+            batch: list[bytes] = []
+            for i, (tag, data) in enumerate(records):
+                batch.append(data)
+                last = i + 1 == len(records)
+                if (
+                    last
+                    or records[i + 1][0] != tag
+                    or not data
+                    or not records[i + 1][1]
+                    or (sum(map(len, batch)) >= PIECE_BYTES)
+                ):
+                    rank, stream, _ = decode_tag(tag)
+                    payload = base64.b64encode(b"".join(batch)).decode()
+                    self._send({"kind": "out", "rank": rank, "stream": stream, "data": payload})
+                    batch = []
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Sends what output is left (waiting at most ``timeout`` seconds)."""
+        self._spool.close()
+        self._sender.join(timeout)
 
     def event(self, name: str, at: float | None = None) -> None:
         self._send({"kind": "event", "rank": self.rank, "name": name, "time": at or time.time()})
@@ -323,6 +356,7 @@ class DriverLink:
     def failed(self, traceback: str) -> bool:
         """Reports this rank's failure; returns whether the driver ends the run here (no
         stage attempt left), False when it lets Spark retry or cannot be reached."""
+        self.drain()  # the rank's last output reaches the driver before its failure
         self._send({"kind": "failed", "rank": self.rank, "traceback": traceback})
         if not self._connected():
             return False
@@ -333,6 +367,7 @@ class DriverLink:
 
     def close(self) -> None:
         self._closing = True
+        self.drain()
         with self._lock:
             if self._sock is not None:
                 # shutdown wakes the reader thread; close alone may leave it in recv.

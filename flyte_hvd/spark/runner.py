@@ -262,7 +262,7 @@ def stage_failure(server: Any, num_proc: int, error: BaseException | None = None
         return RanksFailedError(
             failures,
             summary=f"rank {first} failed; the Spark barrier stage was stopped",
-            output_log=server.output_log.close(keep=True),
+            output_log=server.output_file(),
         )
     return RuntimeError(
         f"the Spark barrier stage of {num_proc} ranks failed before any rank reported an "

@@ -3,6 +3,9 @@ endpoint (moto's server)."""
 
 from __future__ import annotations
 
+import base64
+import importlib.util
+import logging
 import os
 import pickle
 import subprocess
@@ -10,10 +13,15 @@ import sys
 import textwrap
 import uuid
 
+import fsspec
 import pytest
 
+from flyte_hvd.data import store as store_module
+from flyte_hvd.data.dataset import METADATA_FILENAME
 from flyte_hvd.data.store import (
+    AbstractFilesystemStore,
     DBFSLocalStore,
+    FilesystemStore,
     HDFSStore,
     LocalStore,
     RemoteStore,
@@ -36,13 +44,17 @@ from flyte_hvd.data.store import (
         ("/dbfs/ml/x", DBFSLocalStore),
         ("dbfs:/ml/x", DBFSLocalStore),
         ("file:///dbfs/ml/x", DBFSLocalStore),
+        ("file:/dbfs/ml/x", DBFSLocalStore),
+        ("memory://exp", FilesystemStore),
+        ("gs://bucket/x", FilesystemStore),
+        ("abfs://container/x", FilesystemStore),
     ],
 )
 def test_store_class_follows_the_scheme(path, cls):
     assert store_class_for(path) is cls
 
 
-@pytest.mark.parametrize("path", ["gs://bucket/x", "", None])
+@pytest.mark.parametrize("path", ["nosuch://bucket/x", "", None])
 def test_unsupported_or_empty_prefix_is_refused(path):
     with pytest.raises(ValueError, match="prefix_path"):
         Store.create(path)
@@ -79,13 +91,16 @@ def test_overrides_and_file_urls(tmp_path):
     assert store.get_train_data_path(1) == f"{tmp_path}/train.1"
     assert store.get_val_data_path(1) == f"{tmp_path}/s/intermediate_val_data.1"
     assert store.get_checkpoint_path("r", ".keras") == f"{tmp_path}/elsewhere/r/model.h5"
-    assert store.get_checkpoint_path("r") == f"{tmp_path}/elsewhere/r/model.h5"
+    assert store.get_checkpoint_filename() == "model.h5"
+    # Without an extension: Horovod's meaning, the folder that holds the run's checkpoint.
+    assert store.get_checkpoint_path("r") == f"{tmp_path}/elsewhere/r"
+    assert store.to_remote("r").checkpoint_path("") == f"{tmp_path}/elsewhere/r/model.h5"
     assert not store.saving_runs
 
 
 def test_checkpoint_path_needs_an_extension_without_a_chosen_file_name(tmp_path):
     store = Store.create(str(tmp_path / "store"))
-    for bad in ("", "keras", "./x"):
+    for bad in ("keras", "./x"):
         with pytest.raises(ValueError, match=r"`extension` must be .* found"):
             store.get_checkpoint_path("r", bad)
 
@@ -311,3 +326,318 @@ def test_s3_bad_credentials_fail_at_create(s3_server, s3_prefix, overrides, caus
 def test_s3_missing_bucket_fails_at_create(s3_server):
     with pytest.raises(RuntimeError, match="the bucket `no-such-bucket` does not exist"):
         Store.create("s3://no-such-bucket/x", storage_options=s3_server.storage_options())
+
+
+# -- Horovod's Store API -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Forget which one-time warnings were given, so a test sees its own."""
+    monkeypatch.setattr(store_module, "_warned", set())
+
+
+@pytest.fixture
+def memory_prefix():
+    """A memory:// prefix of its own, emptied afterwards (fsspec's memory is process-wide)."""
+    prefix = f"memory://flyte-hvd-tests/{uuid.uuid4().hex[:8]}"
+    yield prefix
+    memory = fsspec.filesystem("memory")
+    if memory.exists(prefix):
+        memory.rm(prefix, recursive=True)
+
+
+@pytest.fixture(params=["local", "memory"])
+def any_store(request, tmp_path, memory_prefix):
+    """The same checks on a LocalStore and on a FilesystemStore over fsspec's memory://."""
+    if request.param == "local":
+        return LocalStore(str(tmp_path / "store"))
+    return FilesystemStore(memory_prefix)
+
+
+def test_create_gives_a_filesystem_store_for_other_fsspec_protocols(memory_prefix, tmp_path):
+    store = Store.create(memory_prefix, temp_dir=str(tmp_path / "scratch"))
+    assert type(store) is FilesystemStore
+    assert store.protocol == "memory"
+    assert store.temp_dir == str(tmp_path / "scratch")  # Store.create passes kwargs on
+    assert store.get_train_data_path(2) == f"{memory_prefix}/intermediate_train_data.2"
+    assert store.get_localized_path(store.get_run_path("r")) == (
+        f"/{memory_prefix[len('memory://') :]}/runs/r"
+    )
+    assert fsspec.filesystem("memory").exists(store.get_localized_path(store.prefix_path))
+
+
+def test_every_store_is_an_abstract_filesystem_store(tmp_path, memory_prefix):
+    stores = [
+        LocalStore(str(tmp_path)),
+        DBFSLocalStore("dbfs:/ml/x"),
+        HDFSStore("hdfs://nn:8020/x"),
+        S3Store("s3://bucket/x"),
+        FilesystemStore(memory_prefix),
+    ]
+    for store in stores:
+        assert isinstance(store, AbstractFilesystemStore)
+        assert isinstance(store, Store)
+
+
+def test_horovod_path_names(any_store):
+    store = any_store
+    run = store.get_run_path("r1")
+    assert store.get_checkpoint_filename() == "checkpoint"
+    assert store.get_checkpoint_filename(".keras") == "checkpoint.keras"
+    # Horovod's idiom names the same file as ours.
+    assert store.join(store.get_checkpoint_path("r1"), store.get_checkpoint_filename(".pt")) == (
+        store.get_checkpoint_path("r1", ".pt")
+    )
+    assert store.get_checkpoint_path("r1") == run
+    assert store.get_logs_subdir() == "logs"
+    assert store.get_logs_path("r1") == store.join(run, store.get_logs_subdir())
+    assert store.saving_runs() is True and store.saving_runs
+    assert not Store.create(store.prefix_path, save_runs=False).saving_runs()
+    train = store.get_train_data_path("7")
+    assert store.get_data_metadata_path(train) == store.join(train, METADATA_FILENAME)
+    assert store.get_filesystem() is store.fs
+    assert isinstance(store.get_filesystem(), fsspec.AbstractFileSystem)
+    with pytest.raises(ValueError, match=r"`extension` must be .* found 'keras'"):
+        store.get_checkpoint_filename("keras")
+
+
+def test_full_and_localized_paths_on_a_local_store(tmp_path):
+    store = LocalStore(str(tmp_path / "s"))
+    run = store.get_run_path("r")
+    assert store.get_full_path(run) == f"file://{tmp_path}/s/runs/r"
+    assert store.get_full_path(f"file://{run}/") == f"file://{run}"
+    assert store.get_full_path("s3://bucket/key") == "s3://bucket/key"  # another store's URL
+    assert store.get_localized_path(store.get_full_path(run)) == run
+    full = pickle.loads(pickle.dumps(store.get_full_path_fn()))  # travels to the ranks
+    assert full(run) == store.get_full_path(run)
+
+
+def test_full_and_localized_paths_on_a_memory_store(memory_prefix):
+    store = FilesystemStore(memory_prefix + "/")
+    local = memory_prefix[len("memory://") :]
+    assert store.prefix_path == memory_prefix
+    assert store.get_full_path(f"/{local}/x") == f"memory:///{local}/x"
+    assert store.get_localized_path(f"{memory_prefix}/x") == f"/{local}/x"
+    assert store.get_localized_path(store.get_full_path(f"/{local}/x")) == f"/{local}/x"
+    assert store.get_full_path("gs://bucket/k") == "gs://bucket/k"
+    with pytest.raises(ValueError, match=r"scheme `s3`.*`memory://`"):
+        FilesystemStore(memory_prefix, train_path="s3://bucket/train")
+    store.write_text(store.get_state_path("r"), "{}")
+    assert store.fs.cat_file(store.get_localized_path(store.get_state_path("r"))) == b"{}"
+
+
+def test_local_output_dir_then_sync_into_the_run(any_store, tmp_path):
+    store = any_store
+    store.temp_dir = str(tmp_path / "scratch")  # made on first use
+    local_dir = pickle.loads(pickle.dumps(store.get_local_output_dir_fn("r1")))
+    sync = store.sync_fn("r1")
+    with local_dir() as folder:
+        assert os.path.isdir(folder)
+        assert os.path.dirname(folder) == str(tmp_path / "scratch")
+        os.makedirs(os.path.join(folder, "logs"))
+        with open(os.path.join(folder, "checkpoint.keras"), "wb") as f:
+            f.write(b"epoch-1")
+        with open(os.path.join(folder, "logs", "events"), "wb") as f:
+            f.write(b"e")
+        run = store.get_run_path("r1")
+        assert sorted(sync(folder)) == sorted(
+            [store.join(run, "checkpoint.keras"), store.join(run, "logs/events")]
+        )
+        assert store.read(store.join(run, "logs/events")) == b"e"
+        assert sync(folder) == []  # nothing changed since
+        with open(os.path.join(folder, "checkpoint.keras"), "wb") as f:
+            f.write(b"epoch-2!")
+        shipped = pickle.loads(pickle.dumps(sync))  # a rank's copy keeps what it uploaded
+        assert shipped(folder) == [store.join(run, "checkpoint.keras")]
+        assert store.read(store.get_checkpoint_path("r1", ".keras")) == b"epoch-2!"
+        assert store.get_checkpoints("r1") == [store.get_checkpoint_path("r1", ".keras")]
+    assert not os.path.exists(folder)  # removed on exit
+    with pytest.raises(FileNotFoundError, match=r"`local_run_path`.*is not a folder"):
+        sync(str(tmp_path / "missing"))
+
+
+def test_copy_puts_a_folders_contents_into_the_target(any_store, tmp_path):
+    store = any_store
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.txt").write_bytes(b"a")
+    (src / "sub" / "b.txt").write_bytes(b"b")
+    target = store.join(store.prefix_path, "copied")
+    store.write_text(store.join(target, "old.txt"), "already there")
+
+    with pytest.raises(ValueError, match=r"is a folder; pass `recursive=True`"):
+        store.copy(str(src), target)
+    counter = fsspec.callbacks.Callback()
+    written = store.copy(str(src), target, recursive=True, callback=counter, overwrite=True)
+    # Into `target` itself, not `target/src`, although `target` existed.
+    assert written == [store.join(target, "a.txt"), store.join(target, "sub/b.txt")]
+    assert (counter.size, counter.value) == (2, 2)
+    assert store.read(store.join(target, "sub/b.txt")) == b"b"
+    assert store.read_text(store.join(target, "old.txt")) == "already there"
+
+    assert store.copy(str(src / "a.txt"), store.join(target, "single")) == [
+        store.join(target, "single")
+    ]
+    assert store.read(store.join(target, "single")) == b"a"
+    with pytest.raises(FileNotFoundError, match=r"`lpath`=.* does not exist"):
+        store.copy(str(tmp_path / "nothing"), target)
+
+
+def test_read_serialized_keras_model_is_horovods_encoding(any_store):
+    store = any_store
+    path = store.get_checkpoint_path("r1", ".keras")
+    store.write_bytes(path, b"PK\x03\x04 a keras zip")
+    encoded = store.read_serialized_keras_model(path, None, {})
+    assert isinstance(encoded, str) and encoded.isascii()
+    # Horovod's codec.loads_base64 is cloudpickle.loads(base64.b64decode(...)).
+    assert pickle.loads(base64.b64decode(encoded)) == b"PK\x03\x04 a keras zip"
+    with pytest.raises(FileNotFoundError, match="no checkpoint at `ckpt_path`"):
+        store.read_serialized_keras_model(store.get_checkpoint_path("r2", ".keras"), None, {})
+    with pytest.raises(ValueError, match=r"is a folder .*one Keras model file"):
+        store.read_serialized_keras_model(store.get_run_path("r1"), None, {})
+
+
+def test_parquet_on_a_memory_store(memory_prefix):
+    store = Store.create(memory_prefix)
+    path = store.get_train_data_path("1")
+    assert not store.is_parquet_dataset(path)
+    _write_parquet(store, path, 5)
+    assert store.is_parquet_dataset(path)
+    assert store.get_parquet_dataset(path).count_rows() == 5
+    store.delete(path)
+    assert not store.exists(path)
+
+
+def test_matches_per_class():
+    assert LocalStore.matches("/tmp/x") and LocalStore.matches("file:///tmp/x")
+    assert not LocalStore.matches("s3://bucket/x")
+    assert S3Store.matches("s3://b/x") and S3Store.matches("s3a://b/x")
+    assert HDFSStore.matches("hdfs://nn:8020/x") and not HDFSStore.matches("/x")
+    assert DBFSLocalStore.matches("dbfs:/x") and DBFSLocalStore.matches("file:/dbfs/x")
+    assert DBFSLocalStore.matches_dbfs("/dbfs/x") and not DBFSLocalStore.matches("/tmp/x")
+    assert FilesystemStore.matches("memory://x") and FilesystemStore.matches("gs://b/x")
+    assert FilesystemStore.matches("/tmp/x")  # local, through fsspec's file://
+    assert not FilesystemStore.matches("nosuch://x")
+
+
+def test_unknown_scheme_says_what_to_use():
+    for make in (Store.create, FilesystemStore):
+        with pytest.raises(ValueError, match=r"scheme `nosuch`, which neither .* fsspec"):
+            make("nosuch://bucket/x")
+
+
+def test_known_scheme_without_its_package_names_the_package(monkeypatch):
+    from fsspec.registry import known_implementations
+
+    monkeypatch.setitem(
+        known_implementations,
+        "flytehvdfake",
+        {"class": "flyte_hvd_no_such_pkg.FakeFS", "err": "Install flyte_hvd_no_such_pkg"},
+    )
+    with pytest.raises(
+        ImportError, match=r"package `flyte_hvd_no_such_pkg` is not installed.*pip install"
+    ) as err:
+        Store.create("flytehvdfake://bucket/x")
+    assert err.value.name == "flyte_hvd_no_such_pkg"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("paramiko") is not None, reason="paramiko is here")
+def test_sftp_without_paramiko_names_paramiko():
+    with pytest.raises(ImportError, match=r"`sftp`.*`paramiko` is not installed"):
+        Store.create("sftp://host/x")
+
+
+def test_hdfs_takes_horovods_arguments(monkeypatch, caplog, tmp_path, fresh_warnings):
+    made = {}
+
+    class FakeHadoop:  # records what pyarrow's HadoopFileSystem would get; no cluster needed
+        def __init__(self, **kwargs):
+            made.update(kwargs)
+
+    monkeypatch.setattr("fsspec.implementations.arrow.HadoopFileSystem", FakeHadoop)
+    with caplog.at_level(logging.WARNING, logger="flyte_hvd"):
+        store = HDFSStore(
+            "hdfs://nn:8020/user/me/exp",
+            host="other-nn",
+            port=9000,
+            user="me",
+            kerb_ticket="/tmp/krb5cc_1",
+            driver="libhdfs3",
+            extra_conf={"dfs.replication": "2"},
+            temp_dir=str(tmp_path / "t"),
+            runs_path="/user/me/runs",
+            storage_options={"replication": 1},
+        )
+        HDFSStore("hdfs:///x", None, None, None, None, "libhdfs3")  # Horovod's positions
+    assert [r.getMessage() for r in caplog.records if "driver" in r.getMessage()] == [
+        "`HDFSStore` got `driver`='libhdfs3', which is accepted for Horovod compatibility "
+        "and does nothing here: pyarrow's HadoopFileSystem always uses libhdfs."
+    ]
+    assert (store.host, store.port, store.temp_dir) == ("other-nn", 9000, str(tmp_path / "t"))
+    # Paths keep the URL's namenode; a bare absolute path gets it too.
+    assert store.get_runs_path() == "hdfs://nn:8020/user/me/runs"
+    assert store.get_full_path("/data/x") == "hdfs://nn:8020/data/x"
+    assert store.get_localized_path(store.get_run_path("r")) == "/user/me/runs/r"
+    assert isinstance(store.fs, FakeHadoop)
+    assert made == {
+        "host": "other-nn",
+        "port": 9000,
+        "user": "me",
+        "kerb_ticket": "/tmp/krb5cc_1",
+        "extra_conf": {"dfs.replication": "2"},
+        "replication": 1,
+    }
+    bare = HDFSStore("/user/me/exp")
+    assert bare.prefix_path == "hdfs:///user/me/exp" and (bare.host, bare.port) == ("default", 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prefix_path": "s3://bucket/x"}, r"scheme `s3`; `HDFSStore` expects"),
+        ({"prefix_path": "relative/x"}, r"not an HDFS path"),
+        ({"prefix_path": "hdfs://nn/x", "port": "8020"}, r"`port` must be an integer"),
+        ({"prefix_path": "hdfs://nn/x", "extra_conf": "a=b"}, r"`extra_conf` must be a dict"),
+    ],
+)
+def test_hdfs_refuses_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HDFSStore(**kwargs)
+
+
+def test_dbfs_and_local_take_horovods_arguments(tmp_path, caplog, fresh_warnings):
+    dbfs = DBFSLocalStore(
+        "file:/dbfs/ml/exp", None, None, None, None, False, None, "model.keras"
+    )  # Horovod's positional order: train, val, test, runs, save_runs, options, checkpoint
+    assert dbfs.prefix_path == "/dbfs/ml/exp" and not dbfs.saving_runs()
+    assert dbfs.get_checkpoint_filename() == "model.keras"
+    assert dbfs.get_full_path(dbfs.get_run_path("r")) == "file:///dbfs/ml/exp/runs/r"
+    assert DBFSLocalStore.normalize_path("dbfs:/ml/x") == "/dbfs/ml/x"
+    with pytest.raises(ValueError, match=r"is not a DBFS path; `DBFSLocalStore` expects"):
+        DBFSLocalStore(str(tmp_path))
+    with pytest.raises(ValueError, match=r"not a DBFS path"):
+        DBFSLocalStore.normalize_path("/tmp/x")
+
+    with caplog.at_level(logging.WARNING, logger="flyte_hvd"):
+        local = LocalStore(str(tmp_path), storage_options={}, not_an_option=1)
+        LocalStore(str(tmp_path), not_an_option=2)
+    assert local.prefix_path == str(tmp_path)
+    warned = [r.getMessage() for r in caplog.records if "not_an_option" in r.getMessage()]
+    assert len(warned) == 1 and "`LocalStore` got `not_an_option`" in warned[0]
+
+
+def test_remote_view_has_horovods_attributes(any_store):
+    store = any_store
+    remote = pickle.loads(pickle.dumps(store.to_remote("r1", "i3")))
+    assert remote.test_data_path == store.get_test_data_path("i3")
+    assert remote.runs_path == store.get_runs_path()
+    assert remote.checkpoint_filename == "checkpoint"
+    assert remote.logs_subdir == "logs"
+    assert remote.saving_runs is True
+    with remote.get_local_output_dir() as folder:
+        with open(os.path.join(folder, "checkpoint"), "wb") as f:
+            f.write(b"m")
+        assert remote.sync(folder) == [store.join(store.get_run_path("r1"), "checkpoint")]
+        assert remote.sync(folder) == []  # the same function each time: only changes go
+    assert store.get_checkpoints("r1") == [store.join(store.get_run_path("r1"), "checkpoint")]

@@ -65,3 +65,34 @@ def driver_import_path() -> str:
         if not path.startswith(own) and path not in paths and os.path.exists(path):
             paths.append(path)
     return os.pathsep.join(paths)
+
+
+# What ranks never take from the driver's environment: it describes the driver's own host,
+# process, interpreter or Spark role, not the job (the ranks' host and Spark give them theirs).
+_HOST_ENV = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "OLDPWD", "HOSTNAME", "TMPDIR", "TEMP",
+    "TMP", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONEXECUTABLE", "VIRTUAL_ENV",
+    "LD_LIBRARY_PATH", "LD_PRELOAD", "CLASSPATH", "SHLVL", "_", "CUDA_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS", "DISPLAY", "TERM_SESSION_ID", "FLYTE_HVD_SPARE",
+    "FLYTE_HVD_SPARE_OWNER", "FLYTE_HVD_SPARE_PRELOAD", "FLYTE_HVD_OUTPUT_FDS",
+})  # fmt: skip
+_HOST_ENV_PREFIXES = (
+    "SPARK_", "PYSPARK_", "JAVA_", "JDK_", "HADOOP_", "YARN_", "KUBERNETES_", "XDG_", "SSH_",
+    "CONDA_", "JPY_", "PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "FLYTE_HVD_RANK",
+    "FLYTE_HVD_SIZE", "FLYTE_HVD_CONTROL", "FLYTE_HVD_JOB", "FLYTE_HVD_RESULT",
+)  # fmt: skip
+
+
+def driver_env() -> dict[str, str]:
+    """The driver's environment as it is now, for ranks started without an explicit ``env``
+    (Horovod's ``run`` and ``SparkBackend`` default ``env`` to ``os.environ``): a variable set
+    on the driver before the call (``HOROVOD_TIMELINE``, ``TF_CPP_MIN_LOG_LEVEL``, a tracking
+    URI) reaches every rank. Left out: what describes the driver's own host, interpreter or
+    Spark role (``PATH``, ``HOME``, ``PYTHONPATH``, ``JAVA_HOME``, ``SPARK_*``,
+    ``CUDA_VISIBLE_DEVICES``, thread counts, MPI launch variables, ...)."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _HOST_ENV and not k.startswith(_HOST_ENV_PREFIXES)
+    }

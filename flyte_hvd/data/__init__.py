@@ -17,6 +17,8 @@ _LAZY = {
     "HDFSStore": "flyte_hvd.data.store",
     "DBFSLocalStore": "flyte_hvd.data.store",
     "RemoteStore": "flyte_hvd.data.store",
+    "AbstractFilesystemStore": "flyte_hvd.data.store",
+    "FilesystemStore": "flyte_hvd.data.store",
     "prepare_data": "flyte_hvd.data.prepare",
     "read_metadata": "flyte_hvd.data.dataset",
     "get_dataset_metadata": "flyte_hvd.data.dataset",

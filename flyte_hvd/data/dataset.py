@@ -26,11 +26,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flyte_hvd.data.parquet import as_arrow_filesystem, open_parquet_dataset
+from flyte_hvd.data.parquet import METADATA_FILENAME, as_arrow_filesystem, open_parquet_dataset
 from flyte_hvd.data.store import RemoteStore, Store
 
 FORMAT = "flyte_hvd.dataset/1"
-METADATA_FILENAME = "_flyte_hvd_metadata.json"
 FIELD_METADATA_KEY = "flyte_hvd"  # per column, in the Spark and Arrow schemas
 SCHEMA_METADATA_KEY = b"flyte_hvd.columns"
 SPARK_ROW_METADATA_KEY = b"org.apache.spark.sql.parquet.row.metadata"

@@ -130,6 +130,7 @@ class BaseDataLoader(abc.ABC):
         sample_weight_col: str | None = None,
         prefetch: int | None = 2,
         float64_as: str | None = None,
+        shapes: dict[str, Sequence[int]] | None = None,
     ) -> Any:
         """A ``tf.data.Dataset`` of ``x``, ``(x, y)`` or ``(x, y, w)`` for ``model.fit``.
 
@@ -138,10 +139,25 @@ class BaseDataLoader(abc.ABC):
         dataset has a known cardinality of ``len(self)``. ``float64_as`` (e.g. ``"float32"``,
         what Keras computes in; Spark's doubles arrive as float64) casts the float64 columns,
         a group of batches at a time on the way in rather than batch by batch in the graph.
+        ``shapes`` gives columns another shape per row with as many values (a flat vector of
+        784 for a model input of 28 x 28 x 1), as Horovod shapes features to the model.
         """
         import tensorflow as tf
 
-        specs = self.output_specs
+        specs = dict(self.output_specs)  # per column: dtype and batch shape
+        rows: dict[str, tuple[int, ...]] = {}  # per column: a row's shape, where reshaped
+        for c, shape in (shapes or {}).items():
+            if c not in specs:
+                continue
+            batch, *row = specs[c][1]
+            per_row = math.prod(d or 1 for d in row)
+            if math.prod(shape) != per_row:
+                raise ValueError(
+                    f"column `{c}` holds {per_row} value(s) per row (shape {tuple(row)}); it "
+                    f"cannot take the shape {tuple(shape)}."
+                )
+            rows[c] = tuple(shape)
+            specs[c] = (specs[c][0], (batch, *shape))
         if float64_as is not None:
             cast_to = _float_dtype("float64_as", float64_as)
             specs = {
@@ -171,6 +187,8 @@ class BaseDataLoader(abc.ABC):
         def generate() -> Iterator[Any]:
             for group in self._next_groups():
                 values = {c: np.asarray(group[c], specs[c][0]) for c in columns}
+                for c, row in rows.items():
+                    values[c] = values[c].reshape(*values[c].shape[:2], *row)
                 out = tuple(pack(values, names) for names in parts)
                 yield out[0] if single else out
 

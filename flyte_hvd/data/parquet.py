@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# The JSON sidecar ``prepare_data`` writes inside each dataset's folder (``dataset``).
+METADATA_FILENAME = "_flyte_hvd_metadata.json"
+
 
 def open_parquet_dataset(filesystem: Any, path: str) -> Any:
     """A ``pyarrow.dataset.Dataset`` of the Parquet files under ``path``, files sorted by path.

@@ -12,24 +12,50 @@ Every write that replaces a file is atomic, so a process that dies mid-write nev
 last good checkpoint: file systems write a temporary file beside the target and rename it;
 object stores publish an object only when its single PUT (or multipart upload) completes.
 
+Horovod's Store API (``horovod.spark.common.store``, 0.28) is here under its names, so code
+written for Horovod runs with only the import changed: ``Store.create``,
+``AbstractFilesystemStore``, ``FilesystemStore`` (any fsspec URL: ``memory://``, ``gs://``,
+``abfs://``...), ``LocalStore``, ``HDFSStore``, ``DBFSLocalStore`` and their methods
+(``get_checkpoint_filename``, ``get_local_output_dir_fn``, ``sync_fn``, ``get_full_path``,
+``get_localized_path``, ``copy``, ``matches``...). Where a meaning differs, the method says so.
+
 This module imports neither pyspark nor TensorFlow: ranks use it through ``to_remote``.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import functools
 import os
+import pickle
 import posixpath
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 import fsspec
 
-from flyte_hvd.data.parquet import open_parquet_dataset
+from flyte_hvd.core.log import get_logger
+from flyte_hvd.data.parquet import METADATA_FILENAME, open_parquet_dataset
+
+__all__ = [
+    "AbstractFilesystemStore",
+    "DBFSLocalStore",
+    "FilesystemStore",
+    "HDFSStore",
+    "LocalStore",
+    "RemoteStore",
+    "S3Store",
+    "Store",
+    "store_class_for",
+]
+
+logger = get_logger(__name__)
 
 CHECKPOINT_STEM = "checkpoint"  # + the framework's extension, unless a file name is chosen
 STATE_FILENAME = "state.json"
@@ -39,10 +65,49 @@ VAL_DATA_NAME = "intermediate_val_data"
 TEST_DATA_NAME = "intermediate_test_data"
 RUNS_DIRNAME = "runs"
 _TMP_SUFFIX = ".tmp"
+# Protocols whose single PUT publishes an object atomically and that have no real directories.
+_OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "oss"})
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    """Log ``message`` once per process (a Horovod argument that does nothing here)."""
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+
+
+class _SavingRuns:
+    """``Store.saving_runs``: truthy like the bool it holds (our property) and returning it
+    when called (Horovod's ``saving_runs()`` method), so both spellings work."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: bool) -> None:
+        self._value = bool(value)
+
+    def __bool__(self) -> bool:
+        return self._value
+
+    def __call__(self) -> bool:
+        return self._value
+
+    def __eq__(self, other: object) -> bool:
+        return self._value == (other._value if isinstance(other, _SavingRuns) else other)
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+    def __repr__(self) -> str:
+        return repr(self._value)
 
 
 class Store:
     """Paths and atomic file operations for one prefix; use ``Store.create(prefix_path)``.
+
+    This is also Horovod's ``AbstractFilesystemStore`` (an alias): every Store here sits on a
+    filesystem (fsspec's), and ``Store.create`` returns the right subclass for a URL.
 
     Args:
         prefix_path: root of everything the Store writes (a local path or a URL).
@@ -56,6 +121,10 @@ class Store:
             ranks; prefer environment variables or instance roles for secrets.
         checkpoint_filename: name of the model file in a run (default: ``checkpoint`` plus
             the framework's extension: ``.keras``, ``.pt``, ``.ckpt``).
+        temp_dir: local folder for temporary files (``get_local_output_dir_fn``'s folders,
+            files staged before an upload); default: the system's temporary folder.
+        **kwargs: other keyword arguments are accepted, as Horovod's stores accept them, and
+            ignored with a warning (once per name), since they mean nothing here.
     """
 
     schemes: ClassVar[tuple[str, ...]] = ()
@@ -73,7 +142,17 @@ class Store:
         save_runs: bool = True,
         storage_options: dict[str, Any] | None = None,
         checkpoint_filename: str | None = None,
+        temp_dir: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
     ):
+        for key in kwargs:
+            _warn_once(
+                f"{type(self).__name__}.{key}",
+                f"`{type(self).__name__}` got `{key}`, which is not one of its arguments; it is "
+                f"ignored (Horovod's stores ignore unknown keyword arguments too). Check the "
+                f"spelling if you meant `train_path`, `val_path`, `test_path`, `runs_path`, "
+                f"`save_runs`, `storage_options`, `checkpoint_filename` or `temp_dir`.",
+            )
         self.prefix_path = self.normalize(_check_path("prefix_path", prefix_path))
         self._train_path = self._own_path("train_path", train_path, TRAIN_DATA_NAME)
         self._val_path = self._own_path("val_path", val_path, VAL_DATA_NAME)
@@ -94,6 +173,7 @@ class Store:
                 f"found {checkpoint_filename!r}."
             )
         self.checkpoint_filename = name
+        self.temp_dir = None if temp_dir is None else _check_path("temp_dir", temp_dir)
         self._fs: fsspec.AbstractFileSystem | None = None
 
     # -- construction ------------------------------------------------------------------------
@@ -108,27 +188,45 @@ class Store:
         save_runs: bool = True,
         storage_options: dict[str, Any] | None = None,
         checkpoint_filename: str | None = None,
+        **kwargs: Any,
     ) -> Store:
         """The Store for ``prefix_path``'s scheme, checked writable now rather than mid-run.
 
+        Local paths and ``file://`` give a ``LocalStore``, ``s3://``/``s3a://`` an
+        ``S3Store``, ``hdfs://`` an ``HDFSStore``, ``dbfs:/`` and ``/dbfs/`` a
+        ``DBFSLocalStore``; any other protocol fsspec knows (``memory://``, ``gs://``,
+        ``abfs://``...) a ``FilesystemStore``. ``kwargs`` go to that class (e.g. ``temp_dir``,
+        or ``user``/``kerb_ticket`` for HDFS).
+
         Raises:
             ValueError: an unsupported scheme or a malformed argument.
+            ImportError: fsspec knows the scheme but the package serving it is not installed
+                (the message names it).
             RuntimeError: the prefix cannot be created or written (the message names the
                 path and the cause: permission, missing bucket, bad credentials...).
         """
         cls = store_class_for(prefix_path)
+        # By keyword: HDFSStore's positional arguments after the prefix are Horovod's
+        # host/port/user..., not train_path/val_path...
         store = cls(
             prefix_path,
-            train_path,
-            val_path,
-            test_path,
-            runs_path,
-            save_runs,
-            storage_options,
-            checkpoint_filename,
+            train_path=train_path,
+            val_path=val_path,
+            test_path=test_path,
+            runs_path=runs_path,
+            save_runs=save_runs,
+            storage_options=storage_options,
+            checkpoint_filename=checkpoint_filename,
+            **kwargs,
         )
         store.check_writable()
         return store
+
+    @classmethod
+    def matches(cls, path: str) -> bool:
+        """Whether this Store class handles ``path``'s scheme (Horovod's ``matches``);
+        ``Store.create`` uses the first class that does, ``FilesystemStore`` last."""
+        return _scheme_of(_check_path("path", path)) in cls.schemes
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -156,16 +254,39 @@ class Store:
         return self.join(self._runs_path, _check_run_id(run_id))
 
     def get_checkpoint_path(self, run_id: str, extension: str = "") -> str:
-        """The run's model file: ``checkpoint_filename`` when one was chosen, else
-        ``checkpoint<extension>`` (the framework's: ``.keras``, ``.pt``, ``.ckpt``)."""
+        """Where a run's model goes.
+
+        With an ``extension`` (the framework's: ``.keras``, ``.pt``, ``.ckpt``): the model
+        file, ``checkpoint_filename`` when one was chosen, else ``checkpoint<extension>``.
+        Without one (Horovod's call, ``get_checkpoint_path(run_id)``): the folder that holds
+        the run's checkpoint files, i.e. the run's folder, so that Horovod's
+        ``join(get_checkpoint_path(run_id), get_checkpoint_filename())`` names the file.
+        Horovod returns None there when ``save_runs`` is False; here the run's folder is used
+        during training either way (and removed after fit), so its path is returned.
+        """
+        run_path = self.get_run_path(run_id)
+        if extension == "":
+            return run_path
+        return self.join(run_path, self.get_checkpoint_filename(extension))
+
+    def get_checkpoint_filename(self, extension: str = "") -> str:
+        """The model file's name inside a run's folder (Horovod's method).
+
+        ``checkpoint_filename`` when one was chosen; else ``checkpoint`` followed by
+        ``extension``: plain ``checkpoint`` as Horovod names it, ``checkpoint.keras`` etc.
+        as our estimators write it (they pass their framework's extension).
+
+        Raises:
+            ValueError: ``extension`` is not empty and not a file extension such as '.keras'.
+        """
         if self.checkpoint_filename is not None:
-            return self.join(self.get_run_path(run_id), self.checkpoint_filename)
-        if not extension.startswith(".") or "/" in extension:
+            return self.checkpoint_filename
+        if extension and (not extension.startswith(".") or "/" in extension):
             raise ValueError(
                 f"`extension` must be the model format's file extension such as '.keras' or "
                 f"'.pt' (this Store has no `checkpoint_filename`); found {extension!r}."
             )
-        return self.join(self.get_run_path(run_id), CHECKPOINT_STEM + extension)
+        return CHECKPOINT_STEM + extension
 
     def get_state_path(self, run_id: str) -> str:
         return self.join(self.get_run_path(run_id), STATE_FILENAME)
@@ -173,26 +294,48 @@ class Store:
     def get_logs_path(self, run_id: str) -> str:
         return self.join(self.get_run_path(run_id), LOGS_DIRNAME)
 
+    def get_logs_subdir(self) -> str:
+        """The name of a run's TensorBoard folder (``logs``), as Horovod's method gives it."""
+        return LOGS_DIRNAME
+
+    def get_data_metadata_path(self, path: str) -> str:
+        """Where the metadata of the dataset at ``path`` lives: ``prepare_data``'s JSON sidecar
+        inside the dataset's folder. (Horovod keeps a pickled cache beside the folder; the
+        sidecar plays that role here and is read by ``read_metadata``.)"""
+
+        return self.join(self.normalize(_check_path("path", path)), METADATA_FILENAME)
+
     def get_checkpoints(self, run_id: str, suffix: str | None = None) -> list[str]:
         """Finished checkpoint files of a run (default: those with the chosen checkpoint file's
-        suffix, else ``checkpoint.*``), sorted; in-flight temporaries are never listed."""
+        suffix, else ``checkpoint`` and ``checkpoint.*``), sorted, as full paths; in-flight
+        temporaries are never listed. (Horovod's default ``suffix`` is '.ckpt'; pass it to get
+        only those.)"""
         if suffix is None and self.checkpoint_filename is not None:
             suffix = posixpath.splitext(self.checkpoint_filename)[1]
         run_path = self.get_run_path(run_id)
         if not self.exists(run_path):
             return []
-        names = [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.fs_path(run_path))]
+        names = [
+            posixpath.basename(p.rstrip("/"))
+            for p in self.fs.ls(self.fs_path(run_path), detail=False)
+        ]
         return sorted(
             self.join(run_path, n)
             for n in names
-            if (n.endswith(suffix) if suffix is not None else n.startswith(CHECKPOINT_STEM + "."))
+            if (
+                n.endswith(suffix)
+                if suffix is not None
+                else n == CHECKPOINT_STEM or n.startswith(CHECKPOINT_STEM + ".")
+            )
             and not n.startswith(".")
             and not n.endswith(_TMP_SUFFIX)
         )
 
     @property
-    def saving_runs(self) -> bool:
-        return self._save_runs
+    def saving_runs(self) -> _SavingRuns:
+        """Whether a run's folder is kept after fit; use it as a bool (``if
+        store.saving_runs:``) or call it as Horovod does (``store.saving_runs()``)."""
+        return _SavingRuns(self._save_runs)
 
     def join(self, *parts: str) -> str:
         return posixpath.join(*parts)
@@ -214,6 +357,30 @@ class Store:
         """``path`` as a URL a Spark job writes to (when the cluster has the connector)."""
         return path
 
+    def get_localized_path(self, path: str) -> str:
+        """``path`` without the scheme and host, as the fsspec filesystem ``fs`` takes it
+        (Horovod's name for ``fs_path``)."""
+        return self.fs_path(_check_path("path", path))
+
+    def get_full_path(self, path: str) -> str:
+        """``path`` as a full URL in this store (``file:///...`` for local stores); a path
+        that already names another scheme is returned unchanged, as Horovod does."""
+        path = _check_path("path", path)
+        scheme = _scheme_of(path)
+        if scheme and scheme not in self._own_schemes():
+            return path
+        return self._full_url(path)
+
+    def get_full_path_fn(self) -> Callable[[str], str]:
+        """A function giving ``get_full_path`` (picklable, so it can travel to the ranks)."""
+        return self.get_full_path
+
+    def _own_schemes(self) -> tuple[str, ...]:
+        return self.schemes
+
+    def _full_url(self, path: str) -> str:
+        return self.normalize(path)
+
     # -- filesystems -------------------------------------------------------------------------
 
     @property
@@ -226,6 +393,12 @@ class Store:
     @property
     def arrow_filesystem(self) -> Any:
         """A filesystem ``pyarrow.dataset`` reads from (paths from ``fs_path``)."""
+        return self.fs
+
+    def get_filesystem(self) -> fsspec.AbstractFileSystem:
+        """The fsspec filesystem (``fs``), as Horovod's ``FilesystemStore.get_filesystem``
+        returns it; it takes ``get_localized_path`` paths. For a pyarrow filesystem use
+        ``arrow_filesystem``."""
         return self.fs
 
     def _make_fs(self) -> fsspec.AbstractFileSystem:
@@ -249,7 +422,7 @@ class Store:
     def write_bytes(self, path: str, data: bytes) -> None:
         """Atomically replace ``path`` with ``data``: readers see the old or the new file,
         never a partial one, even if this process dies mid-write."""
-        with tempfile.TemporaryDirectory(prefix="flyte-hvd-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="flyte-hvd-", dir=self._local_temp_dir()) as tmp:
             local = os.path.join(tmp, "data")
             with open(local, "wb") as f:
                 f.write(data)
@@ -288,14 +461,123 @@ class Store:
         """Upload every file under ``local_dir`` (e.g. TensorBoard logs), each atomically;
         returns the remote paths written."""
         written = []
-        for root, _, files in os.walk(local_dir):
-            for name in sorted(files):
-                local = os.path.join(root, name)
-                rel = os.path.relpath(local, local_dir).replace(os.sep, "/")
-                remote = self.join(remote_dir, rel)
-                self.upload_file(local, remote)
-                written.append(remote)
+        for local, rel in _local_files(local_dir):
+            remote = self.join(remote_dir, rel)
+            self.upload_file(local, remote)
+            written.append(remote)
         return written
+
+    def copy(
+        self,
+        lpath: str,
+        rpath: str,
+        recursive: bool = False,
+        callback: Any = None,
+        **kwargs: Any,
+    ) -> list[str]:
+        """Copy the local file or folder ``lpath`` to ``rpath`` in the store (Horovod's
+        ``copy``); returns the store paths written.
+
+        A file is written at ``rpath``. A folder needs ``recursive=True``, and its contents
+        land directly in ``rpath`` (``rpath/<relative path>``), never in a new
+        ``rpath/<folder name>`` even when ``rpath`` exists: unlike fsspec's ``put``, as in
+        Horovod. Each file replaces its target atomically.
+
+        Args:
+            lpath: a local file or folder.
+            rpath: where it goes in this store.
+            recursive: copy a folder's contents (required for a folder).
+            callback: an fsspec ``Callback``: told the number of files, then each one done.
+            **kwargs: Horovod passes them to fsspec's ``put_file`` (e.g. ``overwrite=True``);
+                every write here replaces its target, so they are ignored.
+
+        Raises:
+            FileNotFoundError: ``lpath`` does not exist.
+            ValueError: ``lpath`` is a folder and ``recursive`` is False.
+        """
+        lpath = _check_path("lpath", lpath)
+        rpath = _check_path("rpath", rpath)
+        # overwrite=True (what Horovod's sync passes) is what every write here does anyway.
+        ignored = sorted(k for k, v in kwargs.items() if not (k == "overwrite" and v is True))
+        if ignored:
+            _warn_once(
+                "Store.copy.kwargs",
+                f"`Store.copy` ignores {ignored}: they are fsspec `put_file` options in "
+                f"Horovod; here every file it writes replaces its target atomically.",
+            )
+        if os.path.isdir(lpath):
+            if not recursive:
+                raise ValueError(
+                    f"`lpath`={lpath!r} is a folder; pass `recursive=True` to copy its contents "
+                    f"into `rpath`={rpath!r}, or give a file."
+                )
+            pairs = [(local, self.join(rpath, rel)) for local, rel in _local_files(lpath)]
+        elif os.path.isfile(lpath):
+            pairs = [(lpath, rpath)]
+        else:
+            raise FileNotFoundError(
+                f"`lpath`={lpath!r} does not exist; `copy` sends a local file or folder into "
+                f"the store."
+            )
+        if callback is not None:
+            callback.set_size(len(pairs))
+        for local, remote in pairs:
+            self.upload_file(local, remote)
+            if callback is not None:
+                callback.relative_update(1)
+        return [remote for _, remote in pairs]
+
+    def get_local_output_dir_fn(
+        self, run_id: str
+    ) -> Callable[[], contextlib.AbstractContextManager[str]]:
+        """A function returning a context manager that yields a fresh local folder for the
+        run's output (checkpoints, logs) and removes it on exit; ``sync_fn`` uploads such a
+        folder. It is picklable, so it can travel to the ranks; the folder is made under
+        ``temp_dir`` when one was given."""
+        return functools.partial(_local_output_dir, self.temp_dir, _check_run_id(run_id))
+
+    def sync_fn(self, run_id: str) -> Callable[[str], list[str]]:
+        """A function that uploads a local folder into the run's folder in the store (each
+        file replaced atomically, paths kept relative) and returns the store paths written.
+        Called again, it uploads only the files that changed since (size or modification
+        time), so it can run after every epoch. It is picklable (ranks call it)."""
+        return _RunSync(self, self.get_run_path(run_id))
+
+    def read_serialized_keras_model(
+        self, ckpt_path: str, model: Any = None, custom_objects: Any = None
+    ) -> str:
+        """The Keras model file at ``ckpt_path``, read through the store, serialized as
+        Horovod's estimators pass models around: base64 (ASCII) of the pickled file bytes,
+        which Horovod's ``codec.loads_base64`` (or ``pickle.loads(base64.b64decode(s))``)
+        turns back into the bytes of a ``.keras``/``.h5`` file.
+
+        Horovod loads the model with TensorFlow and saves it again; a whole-model file
+        (what ``ModelCheckpoint`` writes here) already is that serialized model, so it is
+        read as is, without TensorFlow. ``model`` (the structure for a weights-only
+        checkpoint) and ``custom_objects`` (needed only to load the model) are accepted for
+        Horovod's signature and not needed.
+
+        Raises:
+            FileNotFoundError: there is no file at ``ckpt_path``.
+            ValueError: ``ckpt_path`` is a folder (e.g. a TensorFlow SavedModel), not one file.
+        """
+        ckpt_path = _check_path("ckpt_path", ckpt_path)
+        target = self.fs_path(ckpt_path)
+        if self.fs.isdir(target):
+            raise ValueError(
+                f"`ckpt_path`={ckpt_path!r} is a folder (a TensorFlow SavedModel?); expected "
+                f"one Keras model file such as a '.keras' or '.h5' checkpoint. Save whole-model "
+                f"checkpoints to a single file."
+            )
+        if not self.fs.exists(target):
+            raise FileNotFoundError(
+                f"no checkpoint at `ckpt_path`={ckpt_path!r}; check the run id, or that the "
+                f"run saved a checkpoint (`store.get_checkpoints(run_id)` lists them)."
+            )
+        data = self.read(ckpt_path)
+        return base64.b64encode(pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)).decode(
+            "ascii"
+        )
 
     def delete(self, path: str) -> None:
         """Remove ``path`` (recursively); a missing path is not an error."""
@@ -353,6 +635,11 @@ class Store:
         if path:
             self.fs.makedirs(path, exist_ok=True)
 
+    def _local_temp_dir(self) -> str | None:
+        if self.temp_dir is not None:
+            os.makedirs(self.temp_dir, exist_ok=True)
+        return self.temp_dir
+
     def _replace(self, tmp: str, target: str) -> None:
         self.fs.mv(tmp, target)
 
@@ -364,6 +651,12 @@ class Store:
         if run_id is not None:
             _check_run_id(run_id)
         return RemoteStore(store=self, run_id=run_id, dataset_idx=dataset_idx)
+
+
+# Horovod's base of the filesystem stores. Every Store here is one, so the name is an alias:
+# `isinstance(store, AbstractFilesystemStore)` holds for all of them, and a Horovod subclass of
+# it is a Store subclass (implement `_make_fs`, and `normalize`/`fs_path` for URLs).
+AbstractFilesystemStore = Store
 
 
 class LocalStore(Store):
@@ -387,6 +680,9 @@ class LocalStore(Store):
         return os.path.join(*parts)
 
     def spark_url(self, path: str) -> str:
+        return "file://" + self.normalize(path)
+
+    def _full_url(self, path: str) -> str:
         return "file://" + self.normalize(path)
 
     def _make_fs(self) -> fsspec.AbstractFileSystem:
@@ -431,17 +727,57 @@ class LocalStore(Store):
 
 class DBFSLocalStore(LocalStore):
     """Databricks File System through its local FUSE mount (``/dbfs/...``); accepts
-    ``dbfs:/...`` and ``file:///dbfs/...`` and hands Spark ``dbfs:/`` URLs."""
+    ``dbfs:/...``, ``file:///dbfs/...`` and ``file:/dbfs/...`` and hands Spark ``dbfs:/`` URLs.
+
+    Takes ``Store``'s arguments (Horovod's ``DBFSLocalStore(prefix_path, *args, **kwargs)``).
+    Unlike Horovod's, ``get_checkpoint_filename`` is ``checkpoint`` (plus the framework's
+    extension) as on every store, not ``checkpoint.tf``: Keras 3 saves one ``.keras`` file.
+
+    Raises:
+        ValueError: ``prefix_path`` is not a DBFS path.
+    """
 
     schemes: ClassVar[tuple[str, ...]] = ("dbfs",)
 
+    def __init__(self, prefix_path: str, *args: Any, **kwargs: Any):
+        path = _check_path("prefix_path", prefix_path)
+        if not self.matches_dbfs(path):
+            raise ValueError(
+                f"`prefix_path`={path!r} is not a DBFS path; `DBFSLocalStore` expects "
+                f"`/dbfs/...`, `dbfs:/...`, `file:/dbfs/...` or `file:///dbfs/...`. Use "
+                f"`Store.create` to get the store for another kind of path."
+            )
+        super().__init__(path, *args, **kwargs)
+
+    @classmethod
+    def matches(cls, path: str) -> bool:
+        """Whether ``path`` is a DBFS path (see ``matches_dbfs``)."""
+        return cls.matches_dbfs(_check_path("path", path))
+
+    @classmethod
+    def matches_dbfs(cls, path: str) -> bool:
+        """Whether ``path`` is ``/dbfs``, ``/dbfs/...``, ``dbfs:/...``, ``file:/dbfs/...`` or
+        ``file:///dbfs/...`` (Horovod's name)."""
+        return path == "/dbfs" or path.startswith(
+            ("/dbfs/", "dbfs:", "file:///dbfs/", "file:/dbfs/")
+        )
+
+    @staticmethod
+    def normalize_path(path: str) -> str:
+        """A DBFS path in its FUSE form, ``/dbfs/...`` (Horovod's static method).
+
+        Raises:
+            ValueError: ``path`` is not a DBFS path.
+        """
+        if not DBFSLocalStore.matches_dbfs(_check_path("path", path)):
+            raise ValueError(
+                f"`path`={path!r} is not a DBFS path; expected `/dbfs/...`, `dbfs:/...`, "
+                f"`file:/dbfs/...` or `file:///dbfs/...`."
+            )
+        return _dbfs_fuse_path(path)
+
     def normalize(self, path: str) -> str:
-        path = str(path)
-        if path.startswith("dbfs:"):
-            path = "/dbfs/" + path[len("dbfs:") :].lstrip("/")
-        elif path.startswith("file://"):
-            path = urlparse(path).path
-        return posixpath.normpath(path)
+        return _dbfs_fuse_path(str(path))
 
     def spark_url(self, path: str) -> str:
         return "dbfs:/" + self.normalize(path)[len("/dbfs/") :]
@@ -468,6 +804,13 @@ class S3Store(Store):
 
     def spark_url(self, path: str) -> str:
         return "s3a://" + self.fs_path(path)
+
+    def _full_url(self, path: str) -> str:
+        path = self.normalize(path)
+        if "://" in path:
+            return path
+        scheme = _scheme_of(self.prefix_path) or "s3"  # the prefix's own: s3 or s3a
+        return f"{scheme}://{path.lstrip('/')}"
 
     @property
     def bucket(self) -> str:
@@ -500,32 +843,116 @@ class S3Store(Store):
 
 class HDFSStore(Store):
     """HDFS through pyarrow's ``HadoopFileSystem`` (needs libhdfs, ``JAVA_HOME`` and the
-    Hadoop ``CLASSPATH`` on every host). ``hdfs:///path`` uses the default namenode.
+    Hadoop ``CLASSPATH`` on every host). ``prefix_path`` is ``hdfs://host:port/path``,
+    ``hdfs:///path`` (the default namenode) or ``/path`` (taken as ``hdfs:///path``).
 
     HDFS cannot rename over an existing file, so a replace deletes the old file just before
     the rename: a crash in that instant leaves the finished temporary beside the target.
+
+    Args:
+        prefix_path: where the store lives on HDFS.
+        host, port: the namenode to connect to; default: the URL's, else ``default`` and 0
+            (the cluster's configured default). Paths keep the URL's host and port.
+        user: the HDFS user to act as.
+        kerb_ticket: path of the Kerberos ticket cache.
+        driver: accepted for Horovod's signature; pyarrow always uses libhdfs (JNI), so any
+            other value is ignored with a warning.
+        extra_conf: extra Hadoop configuration (``{"dfs.replication": "2"}``...).
+        temp_dir: local folder for temporary files (see ``Store``).
+        *args, **kwargs: ``Store``'s arguments (``train_path``..., ``storage_options``, also
+            passed to pyarrow's ``HadoopFileSystem``).
+
+    Raises:
+        ValueError: ``prefix_path`` is not an HDFS path, or ``port`` is not an integer.
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("hdfs",)
 
+    def __init__(
+        self,
+        prefix_path: str,
+        host: str | None = None,
+        port: int | None = None,
+        user: str | None = None,
+        kerb_ticket: str | None = None,
+        driver: str = "libhdfs",
+        extra_conf: dict[str, str] | None = None,
+        temp_dir: str | os.PathLike[str] | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ):
+        path = _check_path("prefix_path", prefix_path)
+        scheme = _scheme_of(path)
+        if scheme not in ("", "hdfs"):
+            raise ValueError(
+                f"`prefix_path`={path!r} has the scheme `{scheme}`; `HDFSStore` expects "
+                f"`hdfs://host:port/path`, `hdfs:///path` or `/path`. Use `Store.create` to get "
+                f"the store for another scheme."
+            )
+        # What bare absolute paths are prefixed with: the URL's scheme, host and port.
+        self._url_prefix = "hdfs://" + (urlparse(path).netloc if scheme else "")
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int)):
+            raise ValueError(f"`port` must be an integer such as 8020; found {port!r}.")
+        if extra_conf is not None and not isinstance(extra_conf, dict):
+            raise ValueError(
+                f"`extra_conf` must be a dict of Hadoop settings; found "
+                f"{type(extra_conf).__name__}."
+            )
+        if driver != "libhdfs":
+            _warn_once(
+                "HDFSStore.driver",
+                f"`HDFSStore` got `driver`={driver!r}, which is accepted for Horovod "
+                f"compatibility and does nothing here: pyarrow's HadoopFileSystem always uses "
+                f"libhdfs.",
+            )
+        self._host_arg = host
+        self._port_arg = port
+        self._hdfs_options = {
+            k: v
+            for k, v in (("user", user), ("kerb_ticket", kerb_ticket), ("extra_conf", extra_conf))
+            if v is not None
+        }
+        if len(args) > 7:
+            raise TypeError(
+                f"`HDFSStore` takes at most 7 positional arguments after `temp_dir` (`train_path` "
+                f"... `checkpoint_filename`); found {len(args)}. Pass the others by keyword."
+            )
+        super().__init__(path, *args, **{**kwargs, "temp_dir": temp_dir})
+
     def normalize(self, path: str) -> str:
-        return str(path).rstrip("/")
+        path = str(path)
+        scheme = _scheme_of(path)
+        if not scheme:
+            if not path.startswith("/"):
+                raise ValueError(
+                    f"`{path}` is not an HDFS path: expected `hdfs://host:port/path`, "
+                    f"`hdfs:///path` or an absolute path such as `/user/me/exp`."
+                )
+            path = self._url_prefix + path
+        elif scheme != "hdfs":
+            raise ValueError(
+                f"`{path}` has the scheme `{scheme}`; this `HDFSStore` takes `hdfs://` URLs "
+                f"or absolute paths."
+            )
+        return path.rstrip("/")
 
     def fs_path(self, path: str) -> str:
         return urlparse(self.normalize(path)).path or "/"
 
     @property
     def host(self) -> str:
-        return urlparse(self.prefix_path).hostname or "default"
+        return self._host_arg or urlparse(self.prefix_path).hostname or "default"
 
     @property
     def port(self) -> int:
-        return urlparse(self.prefix_path).port or 0
+        return self._port_arg or urlparse(self.prefix_path).port or 0
 
     def _make_fs(self) -> fsspec.AbstractFileSystem:
         from fsspec.implementations.arrow import HadoopFileSystem
 
-        return HadoopFileSystem(host=self.host, port=self.port, **self.storage_options)
+        # The constructor's user/kerb_ticket/extra_conf win over the same storage_options.
+        options = {**self.storage_options, **self._hdfs_options}
+        return HadoopFileSystem(host=self.host, port=self.port, **options)
 
     @property
     def arrow_filesystem(self) -> Any:
@@ -544,22 +971,148 @@ class HDFSStore(Store):
         )
 
 
+class FilesystemStore(Store):
+    """A Store on any filesystem fsspec knows: ``memory://``, ``gs://`` (gcsfs),
+    ``abfs://`` (adlfs), ``sftp://``... and local paths (``file://``). ``Store.create`` picks
+    it for protocols without a class of their own.
+
+    The filesystem is built as fsspec builds it for the URL (options the URL carries, such
+    as a user or host), updated with ``storage_options`` (credentials, endpoint...). Paths
+    are kept as URLs (``memory://exp/runs``); ``get_localized_path`` gives the filesystem's
+    form. Object stores (gs, abfs...) publish a file with one upload, others write a
+    temporary beside the target and rename it.
+
+    Args:
+        prefix_path: the store's root URL.
+        train_path, val_path, test_path, runs_path, save_runs, storage_options,
+            checkpoint_filename, temp_dir, **kwargs: as for ``Store``.
+
+    Raises:
+        ValueError: fsspec does not know the scheme.
+        ImportError: fsspec knows it but the package serving it is not installed (the
+            message names the package).
+    """
+
+    def __init__(
+        self,
+        prefix_path: str,
+        train_path: str | None = None,
+        val_path: str | None = None,
+        test_path: str | None = None,
+        runs_path: str | None = None,
+        save_runs: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        checkpoint_filename: str | None = None,
+        temp_dir: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
+    ):
+        path = _check_path("prefix_path", prefix_path)
+        self.protocol = _scheme_of(path) or "file"
+        self._given_prefix = path  # for messages; normalizing needs the class below
+        _filesystem_class(self.protocol, path)  # fail now, naming the package to install
+        super().__init__(
+            path,
+            train_path=train_path,
+            val_path=val_path,
+            test_path=test_path,
+            runs_path=runs_path,
+            save_runs=save_runs,
+            storage_options=storage_options,
+            checkpoint_filename=checkpoint_filename,
+            temp_dir=temp_dir,
+            **kwargs,
+        )
+
+    @classmethod
+    def matches(cls, path: str) -> bool:
+        """Whether fsspec knows ``path``'s protocol (a path without one is local); Horovod's
+        matches everything, but a scheme nothing serves is better refused at creation."""
+        return _fsspec_knows(_scheme_of(_check_path("path", path)) or "file")
+
+    def _fs_class(self) -> type[fsspec.AbstractFileSystem]:
+        return _filesystem_class(self.protocol, self._given_prefix)
+
+    def _own_schemes(self) -> tuple[str, ...]:
+        protocols = self._fs_class().protocol
+        return (self.protocol, *((protocols,) if isinstance(protocols, str) else protocols))
+
+    def normalize(self, path: str) -> str:
+        path = str(path)
+        scheme = _scheme_of(path)
+        if not scheme:
+            path = f"{self.protocol}://{self._fs_class()._strip_protocol(path)}"
+        elif scheme not in self._own_schemes():
+            raise ValueError(
+                f"`{path}` has the scheme `{scheme}`, but this FilesystemStore reads and writes "
+                f"through `{self.protocol}://`; give paths on that filesystem (or without a "
+                f"scheme)."
+            )
+        head, _, tail = path.partition("://")
+        return f"{head}://{tail.rstrip('/') or '/'}"
+
+    def fs_path(self, path: str) -> str:
+        return self._fs_class()._strip_protocol(self.normalize(path))
+
+    def spark_url(self, path: str) -> str:
+        return self.normalize(path)
+
+    def _make_fs(self) -> fsspec.AbstractFileSystem:
+        cls = self._fs_class()
+        options = cls._get_kwargs_from_urls(self.prefix_path)
+        options.update(self.storage_options)
+        # A fresh instance: fsspec's cache would share one (and its credentials) across stores.
+        return cls(skip_instance_cache=True, **options)
+
+    def upload_file(self, local_path: str, remote_path: str) -> None:
+        if self.protocol in _OBJECT_STORE_PROTOCOLS:
+            # The object appears only once its upload completes: no temporary needed.
+            self.fs.put_file(local_path, self.fs_path(remote_path))
+            return
+        super().upload_file(local_path, remote_path)
+
+    def _makedirs(self, path: str) -> None:
+        if self.protocol not in _OBJECT_STORE_PROTOCOLS:  # no directories (nor buckets) there
+            super()._makedirs(path)
+
+    def _replace(self, tmp: str, target: str) -> None:
+        try:
+            self.fs.mv(tmp, target)
+        except OSError:
+            # Some filesystems (sftp, hdfs-like) refuse to rename over an existing file.
+            if not self.fs.exists(target):
+                raise
+            self.fs.rm(target)
+            self.fs.mv(tmp, target)
+
+    def _explain(self, error: Exception) -> str:
+        if isinstance(error, PermissionError):
+            return super()._explain(error)
+        return (
+            f"{_brief(error)}. Check the path, the `storage_options` (credentials, endpoint) "
+            f"and that the `{self.protocol}://` filesystem is reachable."
+        )
+
+
 _STORE_CLASSES: tuple[type[Store], ...] = (LocalStore, S3Store, HDFSStore, DBFSLocalStore)
 
 
 def store_class_for(prefix_path: str) -> type[Store]:
-    """The Store class that handles ``prefix_path``'s scheme."""
+    """The Store class that handles ``prefix_path``'s scheme: our own class for local paths,
+    s3, hdfs and dbfs, else ``FilesystemStore`` for any protocol fsspec knows.
+
+    Raises:
+        ValueError: neither a Store class nor fsspec knows the scheme.
+    """
     path = _check_path("prefix_path", prefix_path)
-    if path.startswith("/dbfs/") or path == "/dbfs" or path.startswith("file:///dbfs/"):
+    if path.startswith(("/dbfs/", "file:///dbfs/", "file:/dbfs/")) or path == "/dbfs":
         return DBFSLocalStore
-    scheme = urlparse(path).scheme.lower() if "://" in path or path.startswith("dbfs:") else ""
+    scheme = _scheme_of(path)
     for cls in _STORE_CLASSES:
         if scheme in cls.schemes:
             return cls
-    raise ValueError(
-        f"`prefix_path`={path!r} has the scheme `{scheme}`, which no Store handles; use a local "
-        f"path, file://, s3://, s3a://, hdfs:// or dbfs:/."
-    )
+    if FilesystemStore.matches(path):
+        return FilesystemStore
+    raise ValueError(_unknown_scheme(path, scheme))
 
 
 @dataclass(frozen=True)
@@ -580,11 +1133,39 @@ class RemoteStore:
         return self.store.get_val_data_path(self.dataset_idx)
 
     @property
+    def test_data_path(self) -> str:
+        return self.store.get_test_data_path(self.dataset_idx)
+
+    @property
+    def runs_path(self) -> str:
+        return self.store.get_runs_path()
+
+    @property
     def run_path(self) -> str:
         return self.store.get_run_path(self._run())
 
     def checkpoint_path(self, extension: str) -> str:
-        return self.store.get_checkpoint_path(self._run(), extension)
+        """The run's model file (``checkpoint_filename``, else ``checkpoint<extension>``)."""
+        return self.store.join(self.run_path, self.store.get_checkpoint_filename(extension))
+
+    @property
+    def checkpoint_filename(self) -> str:
+        return self.store.get_checkpoint_filename()
+
+    @property
+    def logs_subdir(self) -> str:
+        return self.store.get_logs_subdir()
+
+    @property
+    def get_local_output_dir(self) -> Callable[[], contextlib.AbstractContextManager[str]]:
+        """Horovod's attribute: ``with remote.get_local_output_dir() as folder:``."""
+        return self.store.get_local_output_dir_fn(self._run())
+
+    @functools.cached_property
+    def sync(self) -> Callable[[str], list[str]]:
+        """Horovod's attribute: ``remote.sync(folder)`` uploads it into the run's folder
+        (one function per view, so repeated calls upload only what changed)."""
+        return self.store.sync_fn(self._run())
 
     @property
     def state_path(self) -> str:
@@ -596,7 +1177,7 @@ class RemoteStore:
 
     @property
     def saving_runs(self) -> bool:
-        return self.store.saving_runs
+        return bool(self.store.saving_runs)  # a plain bool, as Horovod's remote store has
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
@@ -634,6 +1215,111 @@ class RemoteStore:
         if self.run_id is None:
             raise ValueError("this RemoteStore has no `run_id`; pass one to `to_remote`.")
         return self.run_id
+
+
+class _RunSync:
+    """``Store.sync_fn``'s function: uploads a local folder into a run's folder, skipping
+    files unchanged since its last call. A class, not a closure, so plain pickle ships it."""
+
+    def __init__(self, store: Store, run_path: str):
+        self.store = store
+        self.run_path = run_path
+        self._uploaded: dict[str, tuple[int, int]] = {}  # local path -> (mtime_ns, size)
+
+    def __call__(self, local_run_path: str) -> list[str]:
+        local_run_path = _check_path("local_run_path", local_run_path)
+        if not os.path.isdir(local_run_path):
+            raise FileNotFoundError(
+                f"`local_run_path`={local_run_path!r} is not a folder; `sync` uploads a local "
+                f"folder (e.g. the one `get_local_output_dir` gave) into `{self.run_path}`."
+            )
+        written = []
+        for local, rel in _local_files(local_run_path):
+            st = os.stat(local)
+            stamp = (st.st_mtime_ns, st.st_size)  # taken before the upload: a later change
+            if self._uploaded.get(local) == stamp:  # shows up as new on the next call
+                continue
+            remote = self.store.join(self.run_path, rel)
+            self.store.upload_file(local, remote)
+            self._uploaded[local] = stamp
+            written.append(remote)
+        return written
+
+
+@contextlib.contextmanager
+def _local_output_dir(temp_dir: str | None, run_id: str) -> Iterator[str]:
+    """A fresh local folder for a run's output, removed on exit."""
+    if temp_dir is not None:
+        os.makedirs(temp_dir, exist_ok=True)  # on a rank, the driver's folder may not exist
+    with tempfile.TemporaryDirectory(prefix=f"flyte-hvd-{run_id}-", dir=temp_dir) as folder:
+        yield folder
+
+
+def _local_files(local_dir: str) -> list[tuple[str, str]]:
+    """(path, path relative to ``local_dir`` with '/') of every file under ``local_dir``."""
+    found = []
+    for root, _, files in os.walk(local_dir):
+        for name in sorted(files):
+            local = os.path.join(root, name)
+            found.append((local, os.path.relpath(local, local_dir).replace(os.sep, "/")))
+    return found
+
+
+def _scheme_of(path: str) -> str:
+    """The lower-case scheme of a URL (``dbfs:/x`` and ``file:/x`` included), '' for a path."""
+    if path.startswith("dbfs:"):
+        return "dbfs"
+    if "://" in path:
+        return urlparse(path).scheme.lower()
+    if path.startswith("file:"):
+        return "file"
+    return ""
+
+
+def _dbfs_fuse_path(path: str) -> str:
+    if path.startswith("dbfs:"):
+        path = "/dbfs/" + path[len("dbfs:") :].lstrip("/")
+    elif path.startswith("file://"):
+        path = urlparse(path).path
+    elif path.startswith("file:"):
+        path = path[len("file:") :]
+    return posixpath.normpath(path)
+
+
+def _fsspec_knows(protocol: str) -> bool:
+    from fsspec.registry import known_implementations, registry
+
+    return protocol in registry or protocol in known_implementations
+
+
+def _filesystem_class(protocol: str, path: str) -> type[fsspec.AbstractFileSystem]:
+    """fsspec's class for ``protocol``, or an error saying what to install or use."""
+    from fsspec.registry import known_implementations
+
+    if not _fsspec_knows(protocol):
+        raise ValueError(_unknown_scheme(path, protocol))
+    try:
+        return fsspec.get_filesystem_class(protocol)
+    except ImportError as error:
+        spec = known_implementations.get(protocol, {})
+        # fsspec chains the import's own error, which names the missing module.
+        missing = getattr(error.__cause__, "name", None) or spec.get("class", "?").split(".")[0]
+        raise ImportError(
+            f"`prefix_path`={path!r} uses the scheme `{protocol}`, which fsspec serves with "
+            f"`{spec.get('class', '?')}`, but the package `{missing}` is not installed "
+            f"(fsspec: {error}). Install it where the driver and the ranks run (e.g. "
+            f"`pip install {missing}`), or use another `prefix_path`.",
+            name=missing,
+        ) from error
+
+
+def _unknown_scheme(path: str, scheme: str) -> str:
+    return (
+        f"`prefix_path`={path!r} has the scheme `{scheme}`, which neither a flyte_hvd Store nor "
+        f"fsspec handles; use a local path, file://, s3://, s3a://, hdfs://, dbfs:/ or "
+        f"another protocol fsspec knows (`fsspec.available_protocols()`), or register one "
+        f"with `fsspec.register_implementation`."
+    )
 
 
 def _check_path(name: str, path: Any) -> str:

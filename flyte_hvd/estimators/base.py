@@ -6,6 +6,8 @@ model and predict."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import io
 import time
 import warnings
@@ -20,26 +22,56 @@ from pyspark.ml.util import MLReadable, MLWritable
 
 from flyte_hvd.core.checks import require_int
 from flyte_hvd.data.loader import AUTO_CACHE_MAX_BYTES, BaseDataLoader
-from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, MODEL_PARAMS, with_params
+from flyte_hvd.estimators.params import (
+    ESTIMATOR_PARAMS,
+    INERT_PARAMS,
+    MODEL_PARAMS,
+    with_params,
+)
 from flyte_hvd.spark.dispatch import (
     active_session,
     default_parallelism,
     estimated_bytes,
+    horovod_run_args,
     is_connect_session,
     launch,
     start_spares,
 )
 
+# Horovod's `run` arguments a SparkBackend passes on (`horovod.spark.common.backend`).
+_RUN_ARGS = frozenset({
+    "start_timeout", "use_mpi", "use_gloo", "extra_mpi_args", "stdout", "stderr", "verbose",
+    "nics", "prefix_output_with_timestamp", "executable",
+})  # fmt: skip
+
 
 class SparkBackend:
-    """Runs the training function on ``num_proc`` ranks of the active SparkSession."""
+    """Runs the training function on ``num_proc`` ranks of the active SparkSession: Horovod's
+    ``SparkBackend(num_proc=None, env=None, **kwargs)``.
 
-    def __init__(self, num_proc: int | None = None, start_timeout: float | None = None,
-                 verbose: int = 1, preload: tuple[str, ...] = ()):  # fmt: skip
+    Args:
+        num_proc: ranks; defaults to the session's default parallelism.
+        env: environment of the ranks; by default the driver's as it is at ``fit``
+            (see ``flyte_hvd.spark.run``).
+        **kwargs: ``flyte_hvd.spark.run``'s arguments: ``start_timeout``, ``stdout``,
+            ``stderr``, ``verbose``, ``prefix_output_with_timestamp``, ``nics``, and
+            Horovod's ``use_mpi``, ``use_gloo``, ``extra_mpi_args``, ``executable``
+            (accepted; each says once that it does nothing here).
+    """
+
+    def __init__(self, num_proc: int | None = None, env: dict[str, str] | None = None,
+                 preload: tuple[str, ...] = (), **kwargs: Any):  # fmt: skip
+        unknown = sorted(set(kwargs) - _RUN_ARGS)
+        if unknown:
+            raise ValueError(
+                f"SparkBackend got unknown argument(s) {unknown}; it takes `num_proc`, `env` "
+                f"and `flyte_hvd.spark.run`'s arguments: {sorted(_RUN_ARGS)}."
+            )
         self._num_proc = num_proc
-        self._start_timeout = start_timeout
-        self._verbose = verbose
+        self._env = dict(env) if env is not None else None
         self._preload = preload
+        self._kwargs = kwargs
+        self._verbose = kwargs.get("verbose", 1)
 
     def num_processes(self) -> int:
         if self._num_proc is None:
@@ -49,13 +81,20 @@ class SparkBackend:
     def start_spares(self) -> None:
         """Rank processes import the framework while ``prepare_data`` runs (classic
         sessions; see ``flyte_hvd.spark.runner.start_spares``)."""
-        start_spares(self.num_processes(), None, self._preload)
+        start_spares(self.num_processes(), self._env, self._preload)
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
             env: dict[str, str] | None = None) -> list[Any]:  # fmt: skip
+        """Runs ``fn`` on the ranks; ``env`` adds to the backend's environment."""
+        full_env = {**self._env, **(env or {})} if self._env is not None else (env or None)
+        options = dict(self._kwargs)
+        full_env = horovod_run_args(
+            full_env, *(options.pop(k, None) for k in
+                        ("use_mpi", "use_gloo", "extra_mpi_args", "nics", "executable"))
+        )  # fmt: skip
         return launch(
-            fn, args, kwargs, num_proc=self.num_processes(), start_timeout=self._start_timeout,
-            env=env, verbose=self._verbose, preload=self._preload,
+            fn, args, kwargs, num_proc=self.num_processes(), env=full_env, preload=self._preload,
+            **options,
         ).results  # fmt: skip
 
 
@@ -78,6 +117,8 @@ class HorovodEstimator(Estimator):
                 f"{sorted(self._param_defaults)}."
             )
         self._set(**kwargs)
+        given = {k: v for k, v in kwargs.items() if v != self._param_defaults[k]}
+        _warn_inert(type(self).__name__, {**INERT_PARAMS, **self._inert_params}, given)
 
     # -- checks that run before any rank starts ---------------------------------------------
 
@@ -132,9 +173,13 @@ class HorovodEstimator(Estimator):
         return [c for c in columns if c not in skip]
 
     def _backend(self) -> Any:
-        return self.getBackend() or SparkBackend(
-            self.getNumProc(), verbose=self.getVerbose(), preload=self._preload
-        )
+        backend = self.getBackend()
+        if backend is None:
+            return SparkBackend(self.getNumProc(), verbose=self.getVerbose(),
+                                preload=self._preload)  # fmt: skip
+        if isinstance(backend, SparkBackend) and not backend._preload:
+            backend._preload = self._preload  # a user's backend gets spares too
+        return backend
 
     def _run_id(self) -> str:
         return self.getRunId() or f"{self._framework}_{time.strftime('%Y%m%d_%H%M%S')}"
@@ -156,15 +201,19 @@ class HorovodEstimator(Estimator):
             validation=self.getValidation(),
             sample_weight_col=self.getSampleWeightCol(),
             partitions_per_process=self.getPartitionsPerProcess(),
+            compress_sparse=bool(self.getCompressSparseCols()),
             verbose=self.getVerbose(),
             # Good data: the ranks' framework imports run while Spark writes it.
             on_checked=backend.start_spares if isinstance(backend, SparkBackend) else None,
         ) as dataset_idx:
             return self._fit_on_prepared(backend, dataset_idx, self._feature_cols(df.columns))
 
-    def fit_on_parquet(self, dataset_idx: str | None = None) -> Model:
+    def fit_on_parquet(self, params: dict | None = None, dataset_idx: str | None = None) -> Model:
         """Train on data already in the store's train/val paths (written by ``prepare_data``
-        or by anything else that writes Parquet there)."""
+        or by anything else that writes Parquet there). ``params``, as in Horovod and
+        ``fit``, overrides params for this call (on a copy of the estimator)."""
+        if params:
+            return self.copy(params).fit_on_parquet(dataset_idx=dataset_idx)
         self._check_params(None)
         features = self.getFeatureCols()
         if not features:
@@ -184,7 +233,7 @@ class HorovodEstimator(Estimator):
         )
         spec = self._training_spec(store.to_remote(run_id, dataset_idx), features, metadata,
                                    backend.num_processes())  # fmt: skip
-        results = backend.run(self._remote_trainer(), args=(spec,), env={})
+        results = backend.run(self._remote_trainer(), args=(spec,))
         result = results[0]
         if not store.saving_runs:  # the trained model is in `result`; the run folder can go
             store.delete(store.get_run_path(run_id))
@@ -199,31 +248,29 @@ class HorovodEstimator(Estimator):
         )
 
     def _spec_fields(self, remote_store: Any, features: list[str], metadata: Any) -> dict:
-        """The fields of ``training.TrainingSpec`` that every framework fills the same way."""
-        return dict(
+        """The fields of ``training.TrainingSpec`` that every framework fills the same way: a
+        field named after a param takes the param's value."""
+        from flyte_hvd.estimators.training import TrainingSpec
+
+        values = {
+            f.name: self.getOrDefault(f.name)
+            for f in dataclasses.fields(TrainingSpec)
+            if f.name in self._param_defaults
+        }
+        values.update(
             store=remote_store,
             features=features,
             labels=list(self.getLabelCols()),
-            sample_weight_col=self.getSampleWeightCol(),
             metadata=metadata,
-            batch_size=self.getBatchSize(),
             val_batch_size=self.getValBatchSize() or self.getBatchSize(),
-            epochs=self.getEpochs(),
-            verbose=self.getVerbose(),
-            shuffle=self.getShuffle(),
-            shuffle_buffer_size=self.getShuffleBufferSize(),
-            random_seed=self.getRandomSeed(),
-            train_steps_per_epoch=self.getTrainStepsPerEpoch(),
-            validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
-            transformation_fn=self.getTransformationFn(),
-            inmemory_cache_all=self.getInmemoryCacheAll(),
-            data_loader=self.getDataLoader(),
-            use_gpu=self.getUseGpu(),
         )
+        return values
 
     # -- framework hooks ----------------------------------------------------------------------
 
     _framework = "model"
+    # The framework's Horovod params that change nothing here (beyond ``INERT_PARAMS``).
+    _inert_params: ClassVar[dict[str, str]] = {}
     _extension = ""  # of the run's model files: ".keras", ".pt", ".ckpt"
     # What the ranks import before they train: spare rank processes import it ahead of the
     # next fit (``flyte_hvd.core.spare``), which then starts in a fraction of the time.
@@ -481,6 +528,34 @@ class _InlineBroadcast:
     @staticmethod
     def broadcast(value: bytes) -> _Inline:
         return _Inline(value)
+
+
+def passed_params(values: dict[str, Any]) -> dict[str, Any]:
+    """The arguments an estimator's keyword-only ``__init__`` was given, from its
+    ``locals()``: those left at their signature's default are not set, so the param keeps
+    its declared default (``[]`` where the signature says None)."""
+    defaults = inspect.signature(values["__class__"].__init__).parameters
+    return {
+        name: value
+        for name, value in values.items()
+        if name in defaults and name != "self" and value is not defaults[name].default
+    }
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_inert(estimator: str, inert: dict[str, str], given: dict[str, Any]) -> None:
+    """One warning per process and param for Horovod params that change nothing here."""
+    for name, value in given.items():
+        why = inert.get(name)
+        if why and (estimator, name) not in _warned:
+            _warned.add((estimator, name))
+            warnings.warn(
+                f"{estimator}: `{name}`={value!r} is accepted for Horovod compatibility and "
+                f"has no effect: {why}.",
+                stacklevel=3,
+            )
 
 
 def _fresh(defaults: dict[str, Any]) -> dict[str, Any]:

@@ -12,15 +12,18 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import keras
 import numpy as np
 
 from flyte_hvd.data.loader import TransformedLoader
+from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import prediction, training
-from flyte_hvd.estimators.base import HorovodEstimator, HorovodModel
+from flyte_hvd.estimators.base import HorovodEstimator, HorovodModel, passed_params
+from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, with_params
 from flyte_hvd.estimators.training import TrainingSpec
 
 LAST_MODEL_FILENAME = "last.keras"  # the latest epoch, for resuming
@@ -39,8 +42,11 @@ class KerasTrainingSpec(TrainingSpec):
     callbacks: list[Any] = field(default_factory=list)
     checkpoint_callback: Any = None
     compression: Any = None
+    # feature column -> the model input's shape per row, where it differs from the column's
+    feature_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
+@with_params(ESTIMATOR_PARAMS)
 class KerasEstimator(HorovodEstimator):
     """Train a Keras 3 model on a Spark DataFrame with Horovod's estimator API.
 
@@ -56,6 +62,57 @@ class KerasEstimator(HorovodEstimator):
         ...                      batch_size=64, epochs=5)
         >>> predictions = est.fit(train_df).transform(test_df)  # doctest: +SKIP
     """
+
+    _inert_params: ClassVar[dict[str, str]] = {
+        "backward_passes_per_step": "each Keras step reduces its gradients",
+    }
+
+    def __init__(
+        self,
+        *,
+        num_proc: int | None = None,
+        backend: Any = None,
+        store: Store | None = None,
+        model: Any = None,
+        optimizer: Any = None,
+        loss: Any = None,
+        loss_weights: Any = None,
+        metrics: list[Any] | None = None,
+        custom_objects: dict[str, Any] | None = None,
+        feature_cols: list[str] | None = None,
+        label_cols: list[str] | None = None,
+        validation: float | str | None = None,
+        sample_weight_col: str | None = None,
+        callbacks: list[Any] | None = None,
+        batch_size: int = 32,
+        val_batch_size: int | None = None,
+        epochs: int = 1,
+        verbose: int = 1,
+        shuffle: bool = True,
+        shuffle_buffer_size: int | None = None,
+        random_seed: int | None = None,
+        train_steps_per_epoch: int | None = None,
+        validation_steps_per_epoch: int | None = None,
+        partitions_per_process: int = 10,
+        run_id: str | None = None,
+        checkpoint_callback: Any = None,
+        gradient_compression: Any = None,
+        transformation_fn: Callable[..., Any] | None = None,
+        inmemory_cache_all: bool | None = None,
+        data_loader: type | None = None,
+        use_gpu: bool = True,
+        backward_passes_per_step: int = 1,
+        compress_sparse_cols: bool = False,
+        mp_start_method: str | None = None,
+        tensorflow_dataset_prefetch_buffer_size: int = 100,
+        label_shapes: list[Any] | None = None,
+        reader_pool_type: str = "thread",
+        train_reader_num_workers: int = 2,
+        val_reader_num_workers: int = 2,
+        transformation_edit_fields: list[Any] | None = None,
+        transformation_removed_fields: list[str] | None = None,
+    ) -> None:
+        super().__init__(**passed_params(locals()))
 
     _framework = "keras"
     _preload = ("flyte_hvd.estimators.keras", "tensorflow", "keras", "flyte_hvd.keras")
@@ -134,6 +191,7 @@ class KerasEstimator(HorovodEstimator):
             callbacks=list(self.getCallbacks() or []),
             checkpoint_callback=self.getCheckpointCallback(),
             compression=self.getGradientCompression(),
+            feature_shapes=_feature_shapes(model, features, metadata[0]),
         )
 
     def _remote_trainer(self):
@@ -342,11 +400,23 @@ def _datasets(spec: KerasTrainingSpec, rank: int, size: int) -> tuple[_Data, _Da
         # Spark's doubles arrive as float64; Keras computes in float32, and custom metrics
         # (which Keras does not cast for) would mix the two.
         dataset = loader.to_tf_dataset(
-            spec.features, spec.labels, spec.sample_weight_col, float64_as="float32"
-        )
+            spec.features, spec.labels, spec.sample_weight_col, float64_as="float32",
+            shapes=spec.feature_shapes,
+        )  # fmt: skip
         return _Data(dataset, len(loader))
 
     return as_data(train), (as_data(val) if val is not None else None)
+
+
+def _feature_shapes(model: Any, features: list[str], metadata: Any) -> dict[str, tuple[int, ...]]:
+    """The model inputs' shapes per row where a feature column's differs (a flat vector of 784
+    for an input of 28 x 28 x 1): the ranks reshape those batches, as Horovod does."""
+    shapes = {}
+    for tensor, name in zip(model.inputs, features, strict=True):
+        want = tuple(tensor.shape[1:])
+        if None not in want and want != tuple(metadata.column(name).shape or (1,)):
+            shapes[name] = tuple(int(d) for d in want)
+    return shapes
 
 
 # -- model bytes and prediction --------------------------------------------------------------

@@ -15,16 +15,19 @@ Lightning's own restore (loops, optimizers, callbacks).
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import cloudpickle
 import numpy as np
 
+from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import training
-from flyte_hvd.estimators.base import HorovodEstimator
+from flyte_hvd.estimators.base import HorovodEstimator, passed_params
 from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, with_params
 from flyte_hvd.estimators.torch_model import (
     INPUT_SHAPES_PARAM,
@@ -40,6 +43,18 @@ LIGHTNING_PARAMS: dict[str, tuple[Any, str]] = {
     **INPUT_SHAPES_PARAM,
     "trainer_args": ({}, "more keyword arguments for lightning.pytorch.Trainer"),
     "logger": (None, "a Lightning logger (default: TensorBoard, else CSV, in the run's logs/)"),
+    "profiler": (None, "Lightning's Trainer `profiler` (e.g. 'simple')"),
+    "log_every_n_steps": (
+        None,
+        "Lightning's Trainer `log_every_n_steps` (default: 50, or the "
+        "batches of an epoch when fewer)",
+    ),
+    "terminate_on_nan": (False, "Horovod's Lightning 1 Trainer flag (no effect here)"),
+    "num_gpus": (None, "Horovod's GPU count (no effect here: each rank uses one device)"),
+    "loss_constructors": (None, "Horovod's legacy-mode losses (no effect here)"),
+    "train_minibatch_fn": (None, "Horovod's legacy-mode step (no effect here)"),
+    "debug_data_loader": (False, "Horovod's loader debugging (no effect here)"),
+    "data_module": (None, "Horovod's data module class (no effect here)"),
 }
 
 # Trainer arguments the estimator sets itself, and the param to use instead.
@@ -67,6 +82,19 @@ def _import_lightning() -> Any:
     return pl
 
 
+# Lightning 2 installs under two names; a module trains with its own package's Trainer.
+LIGHTNING_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+
+
+def lightning_package(model: Any) -> str | None:
+    """The Lightning package whose ``LightningModule`` ``model`` is (None if neither's)."""
+    for name in LIGHTNING_PACKAGES:
+        package = sys.modules.get(name)
+        if package is not None and isinstance(model, package.LightningModule):
+            return name
+    return None
+
+
 @dataclass(kw_only=True)
 class LightningTrainingSpec(TrainingSpec):
     """The common spec plus what a Lightning rank needs."""
@@ -75,6 +103,9 @@ class LightningTrainingSpec(TrainingSpec):
     trainer_args: dict[str, Any] = field(default_factory=dict)
     logger: Any = None
     callbacks: list[Any] = field(default_factory=list)
+    profiler: Any = None
+    log_every_n_steps: int | None = None
+    lightning_package: str = LIGHTNING_PACKAGES[0]
     checkpoint_callback: Any = None
     compression: Any = None
 
@@ -88,18 +119,87 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
     rates are used as the module gives them.
     """
 
+    _inert_params: ClassVar[dict[str, str]] = {
+        "backward_passes_per_step": "Lightning's `accumulate_grad_batches` (in `trainer_args`) "
+        "accumulates gradients",
+        "terminate_on_nan": "Lightning 2 removed it; `trainer_args={'detect_anomaly': True}`",
+        "num_gpus": "each rank uses one device (`use_gpu`)",
+        "loss_constructors": "the LightningModule computes its own loss",
+        "train_minibatch_fn": "the LightningModule's `training_step` is the step",
+        "debug_data_loader": "the loader has no debug mode",
+        "data_module": "the estimator feeds the prepared data itself",
+    }
+
+    def __init__(
+        self,
+        *,
+        num_proc: int | None = None,
+        backend: Any = None,
+        store: Store | None = None,
+        model: Any = None,
+        optimizer: Any = None,
+        loss: Any = None,
+        loss_weights: Any = None,
+        metrics: list[Any] | None = None,
+        custom_objects: dict[str, Any] | None = None,
+        feature_cols: list[str] | None = None,
+        label_cols: list[str] | None = None,
+        validation: float | str | None = None,
+        sample_weight_col: str | None = None,
+        callbacks: list[Any] | None = None,
+        batch_size: int = 32,
+        val_batch_size: int | None = None,
+        epochs: int = 1,
+        verbose: int = 1,
+        shuffle: bool = True,
+        shuffle_buffer_size: int | None = None,
+        random_seed: int | None = None,
+        train_steps_per_epoch: int | None = None,
+        validation_steps_per_epoch: int | None = None,
+        partitions_per_process: int = 10,
+        run_id: str | None = None,
+        checkpoint_callback: Any = None,
+        gradient_compression: Any = None,
+        transformation_fn: Callable[..., Any] | None = None,
+        inmemory_cache_all: bool | None = None,
+        data_loader: type | None = None,
+        use_gpu: bool = True,
+        backward_passes_per_step: int = 1,
+        compress_sparse_cols: bool = False,
+        mp_start_method: str | None = None,
+        tensorflow_dataset_prefetch_buffer_size: int = 100,
+        label_shapes: list[Any] | None = None,
+        reader_pool_type: str = "thread",
+        train_reader_num_workers: int = 2,
+        val_reader_num_workers: int = 2,
+        transformation_edit_fields: list[Any] | None = None,
+        transformation_removed_fields: list[str] | None = None,
+        input_shapes: list[list[int]] | None = None,
+        trainer_args: dict[str, Any] | None = None,
+        logger: Any = None,
+        profiler: Any = None,
+        log_every_n_steps: int | None = None,
+        terminate_on_nan: bool = False,
+        num_gpus: int | None = None,
+        loss_constructors: list[Callable[[], Any]] | None = None,
+        train_minibatch_fn: Callable[..., Any] | None = None,
+        debug_data_loader: bool = False,
+        data_module: Any = None,
+    ) -> None:
+        super().__init__(**passed_params(locals()))
+
     _framework = "lightning"
     _preload = ("flyte_hvd.estimators.lightning", "torch", "lightning.pytorch", "flyte_hvd.torch")
     _extension = _EXTENSION
     _model_class = TorchModel
 
     def _check_model(self, features: list[str], labels: list[str]) -> None:
-        pl = _import_lightning()
+        _import_lightning()
         model = self.getModel()
-        if not isinstance(model, pl.LightningModule):
+        if lightning_package(model) is None:
             raise ValueError(
-                f"`model` must be a lightning.pytorch.LightningModule; found "
-                f"{type(model).__name__}."
+                f"`model` must be a LightningModule (of `lightning.pytorch` or "
+                f"`pytorch_lightning`); found {type(model).__name__}."
             )
         if self.getOptimizer() is not None or self.getLoss() is not None:
             raise ValueError(
@@ -121,8 +221,11 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
         return LightningTrainingSpec(
             **self._spec_fields(remote_store, features, metadata),
             model_bytes=cloudpickle.dumps(self.getModel()),
+            lightning_package=lightning_package(self.getModel()) or LIGHTNING_PACKAGES[0],
             input_shapes=resolve_input_shapes(self.getInputShapes(), features, metadata[0]),
             trainer_args=dict(self.getTrainerArgs() or {}),
+            profiler=self.getProfiler(),
+            log_every_n_steps=self.getLogEveryNSteps(),
             logger=self.getLogger(),
             callbacks=list(self.getCallbacks() or []),
             checkpoint_callback=self.getCheckpointCallback(),
@@ -156,11 +259,13 @@ class _TensorBatches:
             yield out
 
 
-def _recorder_class() -> type:
+def _recorder_class(package: str) -> type:
     import torch
-    from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
-    class RunRecorder(Checkpoint):
+    callbacks = importlib.import_module(f"{package}.callbacks")
+    Checkpoint, ModelCheckpoint = callbacks.Checkpoint, callbacks.ModelCheckpoint
+
+    class RunRecorder(Checkpoint):  # type: ignore[misc,valid-type]
         """Every rank, after each epoch (and after the user's checkpoint callbacks, as a
         ``Checkpoint``): average the epoch's metrics over ranks and save ``last.ckpt``
         (rank 0 writes); rank 0 then hands both to the run's ``training.RunRecord``."""
@@ -218,8 +323,9 @@ def _recorder_class() -> type:
     return RunRecorder
 
 
-def _default_logger(work: str) -> Any:
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+def _default_logger(work: str, package: str) -> Any:
+    loggers = importlib.import_module(f"{package}.loggers")
+    CSVLogger, TensorBoardLogger = loggers.CSVLogger, loggers.TensorBoardLogger
 
     tensorboard_without_tensorflow()
     try:
@@ -230,13 +336,13 @@ def _default_logger(work: str) -> Any:
 
 def train_on_rank(spec: LightningTrainingSpec) -> dict:
     """The training function every rank runs (see ``LightningEstimator``)."""
-    import lightning.pytorch as pl
     import torch
 
     import flyte_hvd.torch as hvd
-    from flyte_hvd.torch.strategy import HorovodStrategy
+    from flyte_hvd.torch.strategy import strategy_for
 
-    strategy = HorovodStrategy(compression=spec.compression or hvd.Compression.none)
+    pl = importlib.import_module(spec.lightning_package)
+    strategy = strategy_for(pl)(compression=spec.compression or hvd.Compression.none)
     seed = lambda value: pl.seed_everything(value, verbose=False)  # noqa: E731
     # Every rank restores from the same last.ckpt, with Lightning's own restore.
     with training.rank_run(spec, hvd, _EXTENSION, seed, resume_on_every_rank=True) as run:
@@ -248,14 +354,18 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
             if getattr(checkpoint, "dirpath", None) is None:
                 checkpoint.dirpath = os.path.join(run.work, "checkpoints")
             callbacks.append(checkpoint)
-        logger = spec.logger if spec.logger is not None else _default_logger(run.work)
+        logger = (
+            spec.logger
+            if spec.logger is not None
+            else _default_logger(run.work, spec.lightning_package)
+        )
         logs_dir = os.path.join(run.work, "logs") if spec.logger is None else None
         record = (
             training.RunRecord(spec.store, run.state, spec.epochs, _EXTENSION, spec.verbose)
             if run.rank == 0
             else None
         )
-        recorder = _recorder_class()(record, run, logs_dir)
+        recorder = _recorder_class(spec.lightning_package)(record, run, logs_dir)
         callbacks.append(recorder)
         use_gpu = spec.use_gpu and torch.cuda.is_available()
         args: dict[str, Any] = dict(
@@ -272,7 +382,8 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
             enable_progress_bar=run.rank == 0 and spec.verbose >= 1,
             enable_model_summary=run.rank == 0 and spec.verbose >= 1,
             num_sanity_val_steps=0,
-            log_every_n_steps=max(1, min(50, len(train))),
+            log_every_n_steps=spec.log_every_n_steps or max(1, min(50, len(train))),
+            profiler=spec.profiler,
         )
         args.update(spec.trainer_args)
         trainer = pl.Trainer(**args)
@@ -283,7 +394,7 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
             ckpt_path=run.resume_file,
             weights_only=False,  # written by this run's rank 0 (it holds non-tensor state)
         )
-        best = _best_path(trainer)
+        best = _best_path(trainer, spec.lightning_package)
         if run.rank == 0 and best:
             saved = torch.load(best, map_location="cpu", weights_only=False)
             module.load_state_dict(saved["state_dict"])
@@ -293,9 +404,9 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
         )
 
 
-def _best_path(trainer: Any) -> str | None:
+def _best_path(trainer: Any, package: str) -> str | None:
     """The best checkpoint a monitoring ``ModelCheckpoint`` holds on this rank, if any."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    ModelCheckpoint = importlib.import_module(f"{package}.callbacks").ModelCheckpoint
 
     return next(
         (c.best_model_path for c in trainer.checkpoint_callbacks

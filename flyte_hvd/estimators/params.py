@@ -46,6 +46,33 @@ ESTIMATOR_PARAMS: dict[str, tuple[Any, str]] = {
     ),
     "data_loader": (None, "a BaseDataLoader class to read batches (default ArrowDataLoader)"),
     "use_gpu": (True, "pin each rank to its GPU when one is present"),
+    # Horovod's parameters for its petastorm readers and process start: accepted, so code
+    # written for Horovod runs; each warns once when set, since ours has no such knob.
+    "backward_passes_per_step": (1, "backward passes accumulated locally per reduction"),
+    "compress_sparse_cols": (False, "store sparse vector columns compressed (prepare_data)"),
+    "mp_start_method": (None, "Horovod's multiprocessing start method (no effect here)"),
+    "tensorflow_dataset_prefetch_buffer_size": (
+        100,
+        "Horovod's tf.data prefetch (no effect here: batches are prefetched per group)",
+    ),
+    "label_shapes": (None, "Horovod's label reshaping (no effect here)"),
+    "reader_pool_type": ("thread", "Horovod's petastorm reader pool (no effect here)"),
+    "train_reader_num_workers": (2, "Horovod's petastorm readers (no effect here)"),
+    "val_reader_num_workers": (2, "Horovod's petastorm readers (no effect here)"),
+    "transformation_edit_fields": (None, "Horovod's petastorm schema edit (no effect here)"),
+    "transformation_removed_fields": (None, "Horovod's petastorm schema edit (no effect here)"),
+}
+
+# Params accepted for Horovod compatibility that change nothing here: name -> why.
+INERT_PARAMS: dict[str, str] = {
+    "mp_start_method": "ranks are processes of their own, started by flyte-hvd's launcher",
+    "tensorflow_dataset_prefetch_buffer_size": "the loader prefetches groups of batches itself",
+    "label_shapes": "labels keep their column's shape",
+    "reader_pool_type": "the ArrowDataLoader reads with one thread of its own",
+    "train_reader_num_workers": "the ArrowDataLoader reads with one thread of its own",
+    "val_reader_num_workers": "the ArrowDataLoader reads with one thread of its own",
+    "transformation_edit_fields": "`transformation_fn` may change values, not the schema",
+    "transformation_removed_fields": "`transformation_fn` may change values, not the schema",
 }
 
 MODEL_PARAMS: dict[str, tuple[Any, str]] = {
@@ -64,14 +91,52 @@ MODEL_PARAMS: dict[str, tuple[Any, str]] = {
 }
 
 
+def _with_args_section(doc: str, table: dict[str, tuple[Any, str]]) -> str:
+    """``doc`` with an ``Args:`` section listing every param (replacing one made before)."""
+    doc = doc.split("\n\n    Args:\n", 1)[0].rstrip()
+    entries = [
+        f"        {name}: {text} (default {default!r})." for name, (default, text) in table.items()
+    ]
+    return f"{doc}\n\n    Args:\n" + "\n".join(entries) + "\n"
+
+
+def check_signature(cls: type, table: dict[str, tuple[Any, str]]) -> list[str]:
+    """How ``cls.__init__``'s keyword-only parameters differ from ``table`` (names, order,
+    defaults; None stands for a mutable default): empty when they agree."""
+    import inspect
+
+    init = cls.__dict__.get("__init__")
+    if init is None:
+        return [f"{cls.__name__}: no `__init__` of its own (its params are not in its signature)"]
+    params = [p for p in inspect.signature(init).parameters.values() if p.name != "self"]
+    problems = []
+    names = [p.name for p in params]
+    if names != list(table):
+        problems.append(f"{cls.__name__}: parameters {names} != declared {list(table)}")
+    for p in params:
+        if p.kind is not inspect.Parameter.KEYWORD_ONLY:
+            problems.append(f"{cls.__name__}: `{p.name}` is not keyword-only")
+        if p.name in table:
+            declared = table[p.name][0]
+            expected = None if isinstance(declared, list | dict) else declared
+            if p.default != expected or type(p.default) is not type(expected):
+                problems.append(f"{cls.__name__}: `{p.name}` defaults to {p.default!r}, "
+                                f"declared {declared!r}")  # fmt: skip
+    return problems
+
+
 def _camel(name: str) -> str:
     return "".join(part.capitalize() for part in name.split("_"))
 
 
 def with_params(table: dict[str, tuple[Any, str]]):
-    """Class decorator: a ``Param`` plus ``setX``/``getX`` for each entry of ``table``."""
+    """Class decorator: a ``Param`` plus ``setX``/``getX`` for each entry of ``table``, and
+    an ``Args:`` entry per param in the class docstring (what ``help()`` shows). The table is
+    the one declaration of a param's name, default and doc; a class's explicit keyword-only
+    ``__init__`` must match it (``check_signature``, run by the tests)."""
 
     def decorate(cls):
+        cls.__doc__ = _with_args_section(cls.__doc__ or "", table)
         for name, (_, doc) in table.items():
             setattr(cls, name, Param(Params._dummy(), name, doc))
             for accessor, make in (

@@ -22,8 +22,9 @@ import cloudpickle
 import numpy as np
 
 from flyte_hvd.core.checks import require_int
+from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import training
-from flyte_hvd.estimators.base import HorovodEstimator
+from flyte_hvd.estimators.base import HorovodEstimator, passed_params
 from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, with_params
 from flyte_hvd.estimators.torch_model import (
     INPUT_SHAPES_PARAM,
@@ -94,6 +95,56 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
     given is the single-rank rate: ranks scale it by ``size()``, and the returned optimizer
     holds the rate given. ``fit(df)`` returns a ``TorchModel``.
     """
+
+    def __init__(
+        self,
+        *,
+        num_proc: int | None = None,
+        backend: Any = None,
+        store: Store | None = None,
+        model: Any = None,
+        optimizer: Any = None,
+        loss: Any = None,
+        loss_weights: Any = None,
+        metrics: list[Any] | None = None,
+        custom_objects: dict[str, Any] | None = None,
+        feature_cols: list[str] | None = None,
+        label_cols: list[str] | None = None,
+        validation: float | str | None = None,
+        sample_weight_col: str | None = None,
+        callbacks: list[Any] | None = None,
+        batch_size: int = 32,
+        val_batch_size: int | None = None,
+        epochs: int = 1,
+        verbose: int = 1,
+        shuffle: bool = True,
+        shuffle_buffer_size: int | None = None,
+        random_seed: int | None = None,
+        train_steps_per_epoch: int | None = None,
+        validation_steps_per_epoch: int | None = None,
+        partitions_per_process: int = 10,
+        run_id: str | None = None,
+        checkpoint_callback: Any = None,
+        gradient_compression: Any = None,
+        transformation_fn: Callable[..., Any] | None = None,
+        inmemory_cache_all: bool | None = None,
+        data_loader: type | None = None,
+        use_gpu: bool = True,
+        backward_passes_per_step: int = 1,
+        compress_sparse_cols: bool = False,
+        mp_start_method: str | None = None,
+        tensorflow_dataset_prefetch_buffer_size: int = 100,
+        label_shapes: list[Any] | None = None,
+        reader_pool_type: str = "thread",
+        train_reader_num_workers: int = 2,
+        val_reader_num_workers: int = 2,
+        transformation_edit_fields: list[Any] | None = None,
+        transformation_removed_fields: list[str] | None = None,
+        input_shapes: list[list[int]] | None = None,
+        loss_constructors: list[Callable[[], Any]] | None = None,
+        train_minibatch_fn: Callable[..., Any] | None = None,
+    ) -> None:
+        super().__init__(**passed_params(locals()))
 
     _framework = "torch"
     _preload = ("flyte_hvd.estimators.torch", "torch", "flyte_hvd.torch")

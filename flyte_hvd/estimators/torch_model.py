@@ -27,6 +27,9 @@ INPUT_SHAPES_PARAM: dict[str, tuple[Any, str]] = {
 TORCH_MODEL_PARAMS: dict[str, tuple[Any, str]] = {
     "input_shapes": (None, "each feature's model input shape, batch dimension -1"),
     "output_shapes": (None, "each output's shape per row"),
+    "loss": (None, "the loss the model was trained with"),
+    "loss_constructors": (None, "the functions that built the losses on the ranks"),
+    "optimizer": (None, "the optimizer (default: the trained one, with the rate given)"),
 }
 
 
@@ -48,6 +51,8 @@ def resolve_input_shapes(given: Any, features: list[str], metadata: Any) -> list
     shapes = [list(s) for s in given]
     for i, (shape, column) in enumerate(zip(shapes, features, strict=True)):
         info = metadata.column(column)
+        if shape and shape[0] != -1 and math.prod(shape) == info.size:
+            shape = shapes[i] = [-1, *shape]  # a row's shape, as Horovod also accepts
         per_row = math.prod(d for d in shape[1:])
         if not shape or shape[0] != -1 or any(d < 1 for d in shape[1:]) or per_row != info.size:
             raise ValueError(
@@ -107,7 +112,14 @@ class ShapedInputs:
     def _check_data(self, features: list[str], metadata: Any) -> dict[str, Any]:
         shapes = resolve_input_shapes(self.getInputShapes(), features, metadata[0])
         outputs = probe_outputs(self.getModel(), shapes, list(self.getLabelCols()))
-        return {"input_shapes": shapes, "output_shapes": outputs}
+        return {
+            "input_shapes": shapes,
+            "output_shapes": outputs,
+            "loss": self.getLoss(),
+            "loss_constructors": self.getOrDefault("loss_constructors")
+            if self.hasParam("loss_constructors")
+            else None,
+        }
 
 
 @with_params({**MODEL_PARAMS, **TORCH_MODEL_PARAMS})
@@ -124,7 +136,10 @@ class TorchModel(HorovodModel):
         return super().getModel()["model"].eval()
 
     def getOptimizer(self) -> Any:
-        """The optimizer, with the learning rate given (None from LightningEstimator)."""
+        """The optimizer, with the learning rate given (None from LightningEstimator), unless
+        ``setOptimizer`` replaced it."""
+        if self.isSet(self.optimizer):
+            return self.getOrDefault(self.optimizer)
         return super().getModel()["optimizer"]
 
     def _load_model(self, data: bytes) -> dict:

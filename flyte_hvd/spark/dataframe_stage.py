@@ -29,7 +29,6 @@ from typing import Any
 import cloudpickle
 
 from flyte_hvd.core import stall
-from flyte_hvd.core.environment import local_driver_env
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.launcher import new_secret
 from flyte_hvd.core.log import get_logger, verbosity_level
@@ -215,7 +214,7 @@ def launch(
     num_proc = runner._check_num_proc(default_parallelism(spark) if num_proc is None else num_proc)
     timeout = runner._resolve_start_timeout(start_timeout)
     job = runner._pickle_job(fn, args, kwargs)
-    rank_env = {**local_driver_env(conf.master, num_proc), **runner._check_env(env)}
+    rank_env = runner.ranks_env(conf.master, num_proc, env)
     submitted_at = time.time()
     deadline = time.monotonic() + timeout
     wait_for_slots(spark, conf, num_proc, deadline, timeout)

@@ -8,12 +8,15 @@ errors, retries and cancellation.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from typing import IO, Any
 
+from flyte_hvd.core.environment import driver_env
+from flyte_hvd.core.log import get_logger
 from flyte_hvd.spark import dataframe_stage, runner
+
+logger = get_logger(__name__)
 
 
 def is_connect_session(spark: Any) -> bool:
@@ -85,23 +88,64 @@ def default_parallelism(spark: Any) -> int:
     return int(spark.sparkContext.defaultParallelism)
 
 
-@functools.wraps(runner.run)
 def run(
     fn: Callable[..., Any],
     args: tuple = (),
     kwargs: dict[str, Any] | None = None,
     num_proc: int | None = None,
     start_timeout: float | None = None,
+    use_mpi: bool | None = None,
+    use_gloo: bool | None = None,
+    extra_mpi_args: str | None = None,
     env: dict[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     verbose: int = 1,
+    nics: set[str] | list[str] | None = None,
     prefix_output_with_timestamp: bool = False,
+    executable: str | None = None,
 ) -> list[Any]:
+    env = horovod_run_args(env, use_mpi, use_gloo, extra_mpi_args, nics, executable)
     return launch(
         fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
         prefix_output_with_timestamp,
     ).results  # fmt: skip
+
+
+_warned: set[str] = set()
+
+
+def warn_once(name: str, meaning: str) -> None:
+    """One warning per process for a Horovod argument that does nothing here."""
+    if name not in _warned:
+        _warned.add(name)
+        logger.warning("`%s` is accepted for Horovod compatibility and %s", name, meaning)
+
+
+def horovod_run_args(env: dict[str, str] | None, use_mpi: Any = None, use_gloo: Any = None,
+                     extra_mpi_args: Any = None, nics: Any = None,
+                     executable: Any = None) -> dict[str, str] | None:  # fmt: skip
+    """Horovod's launcher arguments of ``run``: ``nics`` restricts the ranks' MPI traffic to
+    those interfaces (``FI_TCP_IFACE`` for MPICH's libfabric TCP, ``UCX_NET_DEVICES`` for
+    UCX), added to ``env``; the others do nothing here and say so once."""
+    if use_mpi is not None or use_gloo is not None:
+        warn_once("use_mpi/use_gloo", "does nothing: ranks always talk over MPICH")
+    if extra_mpi_args:
+        warn_once("extra_mpi_args", "does nothing: each rank runs under its own `mpiexec -n 1`")
+    if executable is not None and executable != sys.executable:
+        warn_once("executable", "does nothing: ranks run the Python of Spark's workers "
+                  "(`spark.pyspark.python` / PYSPARK_PYTHON)")  # fmt: skip
+    if not nics:
+        return env
+    if isinstance(nics, str) or not all(isinstance(n, str) and n for n in nics):
+        raise ValueError(
+            f"`nics` must be a set of interface names, e.g. {{'eth0'}}; found {nics!r}."
+        )
+    names = sorted(nics)
+    return {**(env or driver_env()), "FI_TCP_IFACE": names[0], "UCX_NET_DEVICES": ",".join(names)}
+
+
+run.__doc__ = runner.run.__doc__
 
 
 def launch(

@@ -22,7 +22,7 @@ from typing import IO, Any
 import cloudpickle
 
 from flyte_hvd.core import stall
-from flyte_hvd.core.environment import local_driver_env
+from flyte_hvd.core.environment import driver_env, local_driver_env
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.job import FunctionJob
 from flyte_hvd.core.launcher import new_secret
@@ -65,11 +65,18 @@ def run(
         num_proc: number of ranks; defaults to ``spark.default.parallelism``.
         start_timeout: seconds for scheduling plus rendezvous; defaults to
             ``HOROVOD_SPARK_START_TIMEOUT``, then 600.
-        env: extra environment variables for the ranks.
+        env: environment variables for the ranks; by default the driver's environment as it
+            is at the call, less what describes the driver's own host (``PATH``, ``HOME``,
+            ``PYTHONPATH``, ``JAVA_HOME``, ``SPARK_*``, ``CUDA_VISIBLE_DEVICES``, thread
+            counts; see ``flyte_hvd.core.environment.driver_env``), as Horovod's ``run``.
         stdout, stderr: where rank output goes on the driver (default: sys's).
         verbose: the level of the launcher's own messages on the `flyte_hvd` logger: INFO
             when >= 1 (shown by default), DEBUG when 0.
         prefix_output_with_timestamp: prefix every rank line with the time it arrived.
+        nics: network interfaces the ranks' MPI traffic uses (``{'eth0'}``).
+        use_mpi, use_gloo, extra_mpi_args, executable: Horovod's launcher choices, accepted
+            and without effect (each says so once): ranks always run under MPICH, each under
+            its own ``mpiexec -n 1``, with the Python of Spark's workers.
 
     Returns:
         Each rank's return value, in rank order.
@@ -115,7 +122,7 @@ def launch(
     num_proc = _check_num_proc(sc.defaultParallelism if num_proc is None else num_proc)
     timeout = _resolve_start_timeout(start_timeout)
     job = _pickle_job(fn, args, kwargs)
-    rank_env = {**local_driver_env(sc.master, num_proc), **_check_env(env)}
+    rank_env = ranks_env(sc.master, num_proc, env)
     stall_config = stall.StallConfig.from_env({**os.environ, **rank_env})
     submitted_at = time.time()
     deadline = time.monotonic() + timeout
@@ -224,6 +231,15 @@ def _check_env(env: dict[str, str] | None) -> dict[str, str]:
     if bad:
         raise ValueError(f"`env` must map str to str; found {bad!r}.")
     return env
+
+
+def ranks_env(master: str, num_proc: int, env: dict[str, str] | None) -> dict[str, str]:
+    """What the ranks' environment takes from the driver: ``env`` when given, else the
+    driver's environment as it is now (``driver_env``, as Horovod's ``run`` defaults ``env``
+    to ``os.environ``), with a local master's settings (``local_driver_env``) between the
+    two."""
+    inherited = driver_env() if env is None else {}
+    return {**inherited, **local_driver_env(master, num_proc), **_check_env(env)}
 
 
 # -- preflight -------------------------------------------------------------------------------
@@ -383,7 +399,7 @@ def start_spares(num_proc: int, env: dict[str, str] | None, preload: tuple[str, 
     if not preload or not spare.enabled():
         return None
     sc = active_spark_context()
-    rank_env = {**local_driver_env(sc.master, num_proc), **_check_env(env)}
+    rank_env = ranks_env(sc.master, num_proc, env)
     task = _spare_task(rank_env, tuple(preload), _is_local(sc))
 
     def submit() -> None:

@@ -8,11 +8,19 @@ from rank 0's weights and optimizer state, wraps each optimizer in ``Distributed
 (``EarlyStopping``, ``ModelCheckpoint``) and ``self.log(..., sync_dist=True)`` work on every rank.
 
     trainer = lightning.pytorch.Trainer(strategy=HorovodStrategy(), accelerator="cpu", devices=1)
+
+A module written for the ``pytorch_lightning`` package (the same Lightning 2, installed under
+its older name) trains with that package's Trainer: ``strategy_for(pytorch_lightning)`` is the
+same strategy built on that package's classes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 try:
@@ -24,7 +32,6 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 
 import flyte_hvd.torch as hvd
 from flyte_hvd.core.compression import Compression, Compressor
@@ -32,7 +39,7 @@ from flyte_hvd.torch.functions import allreduce
 from flyte_hvd.torch.optimizer import _DistributedOptimizer
 
 
-class HorovodStrategy(ParallelStrategy):
+class _HorovodStrategyMixin:
     """Data-parallel Lightning training over the collective core (one process per rank).
 
     Args:
@@ -46,6 +53,12 @@ class HorovodStrategy(ParallelStrategy):
 
     strategy_name = "flyte_hvd"
 
+    # set by ``ParallelStrategy``; declared for the type checker
+    model: Any
+    lightning_module: Any
+    optimizers: list[Any]
+    parallel_devices: Any
+
     def __init__(
         self,
         accelerator: Any = None,
@@ -56,7 +69,7 @@ class HorovodStrategy(ParallelStrategy):
         gradient_predivide_factor: float = 1.0,
     ):
         hvd.init()
-        super().__init__(
+        super().__init__(  # type: ignore[call-arg]
             accelerator=accelerator, parallel_devices=parallel_devices,
             cluster_environment=None, checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
@@ -104,9 +117,9 @@ class HorovodStrategy(ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
-    def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)
-        if trainer.state.fn != TrainerFn.FITTING:
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)  # type: ignore[misc]
+        if trainer.state.fn != "fit":  # TrainerFn.FITTING, a str enum of either package
             return
         module = self.lightning_module
         assert module is not None  # set while fitting
@@ -128,7 +141,7 @@ class HorovodStrategy(ParallelStrategy):
 
         for optimizer in self.optimizers:
             unwrap(optimizer)
-        super().teardown()
+        super().teardown()  # type: ignore[misc]
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -140,7 +153,7 @@ class HorovodStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> Any:
         if not isinstance(optimizer, _DistributedOptimizer):
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
 
         # Reduce right after backward, before Lightning clips gradients or runs
         # `on_before_optimizer_step`, so both see the averaged gradients.
@@ -150,7 +163,9 @@ class HorovodStrategy(ParallelStrategy):
             return result
 
         with optimizer.skip_synchronize():
-            return super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
+            return super().optimizer_step(  # type: ignore[misc]
+                optimizer, closure_then_synchronize, model, **kwargs
+            )
 
     # -- collectives -------------------------------------------------------------------------
 
@@ -180,11 +195,32 @@ class HorovodStrategy(ParallelStrategy):
         return hvd.broadcast_object(obj, root_rank=src)
 
 
+class HorovodStrategy(_HorovodStrategyMixin, ParallelStrategy):
+    __doc__ = _HorovodStrategyMixin.__doc__
+
+
+@functools.cache
+def strategy_for(package: ModuleType) -> type:
+    """``HorovodStrategy`` for a Lightning package: ``lightning.pytorch`` (itself) or
+    ``pytorch_lightning``, whose Trainer checks that a strategy derives from its own
+    classes."""
+    if package is pl:
+        return HorovodStrategy
+    base = importlib.import_module(f"{package.__name__}.strategies").ParallelStrategy
+    return type(
+        "HorovodStrategy", (_HorovodStrategyMixin, base), {"__doc__": HorovodStrategy.__doc__}
+    )
+
+
 def _set_rank_zero(rank: int) -> None:
     """Lightning's rank-zero-only logging reads the rank from these, not from the strategy."""
     from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
     from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
-    for fn in (rank_zero_only, fabric_rank_zero, utils_rank_zero):
+    functions = [rank_zero_only, fabric_rank_zero, utils_rank_zero]
+    for name in ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
+        with contextlib.suppress(ImportError):
+            functions.append(importlib.import_module(name).rank_zero_only)
+    for fn in functions:
         fn.rank = rank  # type: ignore[attr-defined]  # Lightning reads it from the function

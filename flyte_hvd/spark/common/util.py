@@ -1,0 +1,54 @@
+"""Horovod's ``horovod.spark.common.util``: ``prepare_data`` and the helpers that workflows
+training on Parquet they wrote themselves call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flyte_hvd.data.prepare import prepare_data
+from flyte_hvd.data.store import Store
+
+__all__ = ["get_simple_meta_from_parquet", "prepare_data", "to_list"]
+
+
+def to_list(var: Any, length: int) -> list[Any] | None:
+    """``var`` as a list of ``length`` items: a single value (or a one-item list) repeated,
+    a list of that length as it is; None stays None."""
+    if var is None:
+        return None
+    items = list(var) if isinstance(var, list | tuple) else [var]
+    if len(items) == 1:
+        return items * length
+    if len(items) != length:
+        raise ValueError(
+            f"expected {length} item(s) (one per column); found {len(items)}: {var!r}."
+        )
+    return items
+
+
+def get_simple_meta_from_parquet(
+    store: Store,
+    label_columns: list[str],
+    feature_columns: list[str],
+    sample_weight_col: str | None = None,
+    dataset_idx: Any = None,
+) -> tuple[int, int, dict, float]:
+    """``(train_rows, val_rows, metadata, avg_row_size)`` of the Parquet in the store's train
+    and validation paths, as Horovod returns them; ``metadata`` maps each column to its
+    Spark type name and shape."""
+    from flyte_hvd.data.prepare import get_dataset_metadata
+
+    train, val = get_dataset_metadata(store, dataset_idx)
+    wanted = [*feature_columns, *label_columns, *([sample_weight_col] if sample_weight_col else [])]
+    columns = {info.name: info for info in train.columns}
+    missing = [c for c in wanted if c not in columns]
+    if missing:
+        raise ValueError(
+            f"column(s) {missing} are not in the Parquet at "
+            f"{store.get_train_data_path(dataset_idx)}; it has {sorted(columns)}."
+        )
+    metadata = {
+        c: {"kind": columns[c].kind, "dtype": columns[c].dtype, "shape": columns[c].shape}
+        for c in wanted
+    }
+    return train.rows, val.rows if val is not None else 0, metadata, train.avg_row_size

@@ -1,0 +1,379 @@
+"""Code written for Horovod on Spark runs with `horovod` changed to `flyte_hvd` in its imports:
+Horovod's module paths, `SparkBackend`'s and `run`'s arguments, every estimator parameter
+(with its meaning, or accepted with a warning), the driver's environment on the ranks, a
+flat feature vector shaped to a Keras model's input, and `pytorch_lightning` modules."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import io
+import json
+import os
+import sys
+import warnings
+
+import cloudpickle
+import numpy as np
+import pytest
+
+from flyte_hvd.core.environment import driver_env
+from flyte_hvd.data.store import Store
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+# Horovod's public module paths and the names code imports from each.
+HOROVOD_MODULES = {
+    "flyte_hvd.spark": ["run", "HorovodRunner"],
+    "flyte_hvd.spark.keras": ["KerasEstimator", "KerasModel"],
+    "flyte_hvd.spark.torch": ["TorchEstimator", "TorchModel"],
+    "flyte_hvd.spark.lightning": ["TorchEstimator", "TorchModel", "MIN_PL_VERSION"],
+    "flyte_hvd.spark.lightning.estimator": ["TorchEstimator", "MIN_PL_VERSION"],
+    "flyte_hvd.spark.common.store": [
+        "Store", "AbstractFilesystemStore", "FilesystemStore", "LocalStore", "HDFSStore",
+        "DBFSLocalStore",
+    ],
+    "flyte_hvd.spark.common.backend": ["SparkBackend"],
+    "flyte_hvd.spark.common.util": ["prepare_data", "get_simple_meta_from_parquet", "to_list"],
+    "flyte_hvd.tensorflow.keras": ["DistributedOptimizer", "init", "rank", "callbacks"],
+    "flyte_hvd.tensorflow.keras.callbacks": [
+        "BestModelCheckpoint", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+    ],
+    "flyte_hvd.torch": ["DistributedOptimizer", "broadcast_parameters"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("module", sorted(HOROVOD_MODULES))
+def test_horovod_module_paths_export_horovods_names(module):
+    imported = importlib.import_module(module)
+    missing = [n for n in HOROVOD_MODULES[module] if not hasattr(imported, n)]
+    assert not missing, f"{module} lacks {missing}"
+
+
+def test_horovod_names_are_ours_not_copies():
+    from flyte_hvd.estimators.keras import KerasEstimator
+    from flyte_hvd.estimators.lightning import LightningEstimator
+    from flyte_hvd.spark.keras import KerasEstimator as HorovodKeras
+    from flyte_hvd.spark.lightning import TorchEstimator as HorovodLightning
+
+    assert HorovodKeras is KerasEstimator and HorovodLightning is LightningEstimator
+
+
+# -- one declaration per param -----------------------------------------------------------------
+
+
+def _estimators():
+    from flyte_hvd.estimators.keras import KerasEstimator
+    from flyte_hvd.estimators.lightning import LIGHTNING_PARAMS, LightningEstimator
+    from flyte_hvd.estimators.params import ESTIMATOR_PARAMS
+    from flyte_hvd.estimators.torch import TORCH_PARAMS, TorchEstimator
+
+    return [
+        (KerasEstimator, ESTIMATOR_PARAMS),
+        (TorchEstimator, {**ESTIMATOR_PARAMS, **TORCH_PARAMS}),
+        (LightningEstimator, {**ESTIMATOR_PARAMS, **LIGHTNING_PARAMS}),
+    ]
+
+
+def test_each_estimator_signature_is_its_declared_params():
+    from flyte_hvd.estimators.params import check_signature
+
+    for cls, table in _estimators():
+        assert check_signature(cls, table) == []
+        assert list(inspect.signature(cls).parameters) == list(table)
+
+
+def test_a_signature_that_drifts_from_the_declaration_is_caught():
+    from flyte_hvd.estimators.params import check_signature
+
+    class Drifted:
+        def __init__(self, *, a: int = 1, b: int = 3, c=None):
+            pass
+
+    problems = check_signature(Drifted, {"a": (1, ""), "b": (2, ""), "d": ([], "")})
+    assert any("parameters ['a', 'b', 'c'] != declared ['a', 'b', 'd']" in p for p in problems)
+    assert any("`b` defaults to 3, declared 2" in p for p in problems)
+
+
+def test_help_lists_every_param_with_its_doc():
+    for cls, table in _estimators():
+        text = inspect.getdoc(cls)
+        for name, (_, doc) in table.items():
+            assert f"{name}: {doc}" in text, f"{cls.__name__}: {name} missing from its docstring"
+
+
+def test_arguments_left_at_their_default_stay_unset_and_mutable_defaults_are_fresh():
+    from flyte_hvd.estimators.keras import KerasEstimator
+
+    a, b = KerasEstimator(batch_size=8), KerasEstimator()
+    assert a.getBatchSize() == 8 and a.isSet(a.batch_size) and not a.isSet(a.epochs)
+    assert a.getMetrics() == [] and a.getMetrics() is not b.getMetrics()
+
+
+def test_horovod_only_params_are_accepted_and_warn_once():
+    from flyte_hvd.estimators.keras import KerasEstimator
+    from flyte_hvd.estimators.lightning import LightningEstimator
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        KerasEstimator(reader_pool_type="process", train_reader_num_workers=4,
+                       backward_passes_per_step=2, label_shapes=[[1]])  # fmt: skip
+        KerasEstimator(reader_pool_type="process")  # a second time: no second warning
+        LightningEstimator(terminate_on_nan=True, num_gpus=1, data_module=object)
+    messages = [str(w.message) for w in caught]
+    assert sum("`reader_pool_type`='process'" in m for m in messages) == 1
+    assert any("`backward_passes_per_step`=2" in m and "Keras step" in m for m in messages)
+    assert any("`terminate_on_nan`=True" in m and "detect_anomaly" in m for m in messages)
+    # Set to their defaults, nothing is said.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        KerasEstimator(val_reader_num_workers=2)
+    assert not caught
+
+
+def test_unknown_param_is_refused_naming_it():
+    from flyte_hvd.estimators.keras import KerasEstimator
+
+    with pytest.raises(TypeError, match="unexpected keyword argument 'epoch'"):
+        KerasEstimator(epoch=3)
+
+
+def test_torch_model_loss_and_optimizer_accessors():
+    from flyte_hvd.estimators.torch_model import TorchModel
+
+    model = TorchModel()
+    loss = object()
+    assert model.setLoss(loss).getLoss() is loss
+    assert model.setLossConstructors([list]).getLossConstructors() == [list]
+    marker = object()
+    assert model.setOptimizer(marker).getOptimizer() is marker
+
+
+def test_fit_on_parquet_has_horovods_signature():
+    from flyte_hvd.estimators.base import HorovodEstimator
+
+    params = list(inspect.signature(HorovodEstimator.fit_on_parquet).parameters)
+    assert params == ["self", "params", "dataset_idx"]
+
+
+# -- SparkBackend and run: Horovod's arguments -------------------------------------------------
+
+
+def test_spark_backend_takes_horovods_arguments_and_refuses_others():
+    from flyte_hvd.spark.common.backend import SparkBackend
+
+    backend = SparkBackend(num_proc=2, env={"A": "1"}, stdout=sys.stdout, stderr=sys.stderr,
+                           prefix_output_with_timestamp=True, verbose=0, start_timeout=30,
+                           nics={"lo"}, use_mpi=True)  # fmt: skip
+    assert backend.num_processes() == 2
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['stdoutt'\]"):
+        SparkBackend(num_proc=2, stdoutt=sys.stdout)
+
+
+def test_driver_env_leaves_out_what_describes_the_driver(monkeypatch):
+    monkeypatch.setenv("HOROVOD_TIMELINE", "/tmp/t.json")
+    monkeypatch.setenv("SPARK_HOME", "/opt/spark")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    env = driver_env()
+    assert env["HOROVOD_TIMELINE"] == "/tmp/t.json"
+    for name in ("SPARK_HOME", "CUDA_VISIBLE_DEVICES", "PATH", "HOME", "PYTHONPATH"):
+        assert name not in env
+
+
+def test_nics_must_be_interface_names():
+    from flyte_hvd.spark.dispatch import horovod_run_args
+
+    env = horovod_run_args({"A": "1"}, nics={"eth1", "eth0"})
+    assert env == {"A": "1", "FI_TCP_IFACE": "eth0", "UCX_NET_DEVICES": "eth0,eth1"}
+    with pytest.raises(ValueError, match="`nics` must be a set of interface names"):
+        horovod_run_args(None, nics="eth0")
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+def test_ranks_see_the_drivers_environment_as_it_is_at_the_call(spark_local2, monkeypatch):
+    from flyte_hvd.spark import run
+
+    monkeypatch.setenv("FLYTE_HVD_TEST_SET_LATE", "café")
+
+    def read():
+        import os
+
+        return os.environ.get("FLYTE_HVD_TEST_SET_LATE"), os.environ.get("FI_TCP_IFACE")
+
+    assert run(read, num_proc=2, verbose=0) == [("café", None)] * 2
+    # An explicit `env` replaces the driver's environment, as in Horovod.
+    assert run(read, num_proc=1, env={"X": "1"}, nics={"lo"}, verbose=0) == [(None, "lo")]
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+def test_databricks_timeline_recipe_records_a_timeline(spark_local2, tmp_path, monkeypatch):
+    """`os.environ['HOROVOD_TIMELINE'] = path` on the driver, then `HorovodRunner(np).run`."""
+    from flyte_hvd.spark import HorovodRunner
+
+    path = tmp_path / "timeline.json"
+    monkeypatch.setenv("HOROVOD_TIMELINE", str(path))
+
+    def main():
+        import numpy as np
+
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        hvd.allreduce(np.ones(4, np.float32), name="grads")
+        rank = hvd.rank()
+        hvd.shutdown()  # rank 0 writes the timeline
+        return rank
+
+    assert HorovodRunner(np=2).run(main) == 0
+    events = json.loads(path.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    assert {e.get("pid") for e in events if "grads" in json.dumps(e)} == {0, 1}
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+def test_spark_backend_passes_output_arguments_to_the_ranks(spark_local2):
+    from flyte_hvd.spark.common.backend import SparkBackend
+
+    out = io.StringIO()
+    backend = SparkBackend(num_proc=2, stdout=out, stderr=io.StringIO(),
+                           prefix_output_with_timestamp=True, verbose=0)  # fmt: skip
+
+    def hello():
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        print(f"hello from {hvd.rank()}")
+        return hvd.rank()
+
+    assert backend.run(hello) == [0, 1]
+    lines = [line for line in out.getvalue().splitlines() if "hello from" in line]
+    assert len(lines) == 2 and all(line[:4].isdigit() for line in lines)
+
+
+# -- util --------------------------------------------------------------------------------------
+
+
+def test_to_list_repeats_one_value_and_checks_lengths():
+    from flyte_hvd.spark.common.util import to_list
+
+    assert to_list(None, 3) is None
+    assert to_list("a", 3) == ["a", "a", "a"]
+    assert to_list(["a"], 2) == ["a", "a"]
+    assert to_list(["a", "b"], 2) == ["a", "b"]
+    with pytest.raises(ValueError, match="expected 3 item"):
+        to_list(["a", "b"], 3)
+
+
+@pytest.mark.spark
+def test_simple_meta_from_parquet_describes_the_prepared_data(spark_local2, tmp_path):
+    from pyspark.ml.linalg import Vectors
+
+    from flyte_hvd.spark.common.util import get_simple_meta_from_parquet, prepare_data
+
+    store = Store.create(str(tmp_path / "store"))
+    rows = [(Vectors.dense([float(i), 1.0]), float(i), i % 4 == 0) for i in range(40)]
+    df = spark_local2.createDataFrame(rows, ["features", "y", "is_val"])
+    with prepare_data(2, store, df, label_columns=["y"], feature_columns=["features"],
+                      validation="is_val") as idx:  # fmt: skip
+        train_rows, val_rows, metadata, avg_row_size = get_simple_meta_from_parquet(
+            store, ["y"], ["features"], dataset_idx=idx
+        )
+        with pytest.raises(ValueError, match=r"column\(s\) \['nope'\] are not in the Parquet"):
+            get_simple_meta_from_parquet(store, ["nope"], ["features"], dataset_idx=idx)
+    assert (train_rows, val_rows) == (30, 10)
+    assert tuple(metadata["features"]["shape"]) == (2,) and avg_row_size > 0
+
+
+# -- the estimators on Horovod's inputs --------------------------------------------------------
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.e2e
+def test_keras_flat_features_are_shaped_to_the_models_input(spark_local2, tmp_path):
+    """A 4-vector column feeds a model whose input is 2 x 2 x 1, in `fit` and `transform`."""
+    keras = pytest.importorskip("keras")
+    from pyspark.ml.linalg import Vectors
+
+    from flyte_hvd.spark.keras import KerasEstimator
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 4))
+    y = x.sum(axis=1)
+    df = spark_local2.createDataFrame(
+        [(Vectors.dense(a.tolist()), float(b)) for a, b in zip(x, y, strict=True)],
+        ["features", "label"],
+    )
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2, 2, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(1)])  # fmt: skip
+    fitted = KerasEstimator(
+        num_proc=2, store=Store.create(str(tmp_path / "store")), model=model,
+        optimizer=keras.optimizers.Adam(0.05), loss="mse", feature_cols=["features"],
+        label_cols=["label"], batch_size=16, epochs=3, verbose=0,
+    ).fit(df)  # fmt: skip
+    history = fitted.getHistory()["loss"]
+    assert history[-1] < history[0]
+    assert fitted.transform(df).count() == 200
+
+
+def test_torch_input_shapes_without_the_batch_dimension_are_row_shapes():
+    from flyte_hvd.data.dataset import ColumnInfo, DatasetMetadata
+    from flyte_hvd.estimators.torch_model import resolve_input_shapes
+
+    meta = DatasetMetadata(columns=(ColumnInfo("f", "vector", "float64", (4,)),), rows=1,
+                           bytes=1, files=1, row_groups=1)  # fmt: skip
+    assert resolve_input_shapes([[4]], ["f"], meta) == [[-1, 4]]
+    assert resolve_input_shapes([[2, 2]], ["f"], meta) == [[-1, 2, 2]]
+    assert resolve_input_shapes([[-1, 4]], ["f"], meta) == [[-1, 4]]
+    with pytest.raises(ValueError, match="does not fit column `f`"):
+        resolve_input_shapes([[3]], ["f"], meta)
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.e2e
+def test_a_pytorch_lightning_module_trains_with_its_own_package(spark_local2, tmp_path):
+    """Horovod's Lightning examples subclass `pytorch_lightning.LightningModule` (the same
+    Lightning 2 under its older name), and pass `profiler`."""
+    pl = pytest.importorskip("pytorch_lightning")
+    import torch
+    from pyspark.ml.linalg import Vectors
+
+    from flyte_hvd.spark.lightning import TorchEstimator
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch["features"], batch["label"]
+            loss = torch.nn.functional.mse_loss(self(x), y.view(-1, 1))
+            self.log("train_loss", loss, on_epoch=True, on_step=False, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 3))
+    df = spark_local2.createDataFrame(
+        [(Vectors.dense(a.tolist()), float(a.sum())) for a in x], ["features", "label"]
+    )
+    fitted = TorchEstimator(
+        num_proc=2, store=Store.create(str(tmp_path / "store")), model=Net(),
+        input_shapes=[[3]], feature_cols=["features"], label_cols=["label"], batch_size=16,
+        epochs=2, verbose=0, profiler="simple", log_every_n_steps=1,
+    ).fit(df)  # fmt: skip
+    losses = fitted.getHistory()["train_loss"]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    assert isinstance(fitted.getModel(), pl.LightningModule)
+    assert os.environ.get("FLYTE_HVD_RANK") is None  # nothing of the ranks leaked here

@@ -377,3 +377,34 @@ def test_a_pytorch_lightning_module_trains_with_its_own_package(spark_local2, tm
     assert len(losses) == 2 and losses[1] < losses[0]
     assert isinstance(fitted.getModel(), pl.LightningModule)
     assert os.environ.get("FLYTE_HVD_RANK") is None  # nothing of the ranks leaked here
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.e2e
+def test_a_vector_label_gets_vector_predictions(spark_local2, tmp_path):
+    """Horovod's MNIST examples train on a one-hot vector label and read the prediction
+    column as a vector (`row.label_prob.toArray()`)."""
+    keras = pytest.importorskip("keras")
+    from pyspark.ml.linalg import DenseVector, Vectors
+
+    from flyte_hvd.spark.keras import KerasEstimator
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(120, 2))
+    hot = [[1.0, 0.0] if a[0] > 0 else [0.0, 1.0] for a in x]
+    df = spark_local2.createDataFrame(
+        [(Vectors.dense(a.tolist()), Vectors.dense(h)) for a, h in zip(x, hot, strict=True)],
+        ["features", "label_vec"],
+    )
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, activation="softmax")])
+    fitted = KerasEstimator(
+        num_proc=2, store=Store.create(str(tmp_path / "store")), model=model,
+        optimizer=keras.optimizers.Adam(0.05), loss="categorical_crossentropy",
+        feature_cols=["features"], label_cols=["label_vec"], batch_size=16, epochs=1, verbose=0,
+    ).fit(df).setOutputCols(["label_prob"])  # fmt: skip
+    out = fitted.transform(df)
+    assert dict(out.dtypes)["label_prob"] == "vector"
+    row = out.first()
+    assert isinstance(row.label_prob, DenseVector) and len(row.label_prob.toArray()) == 2

@@ -349,7 +349,7 @@ class HorovodModel(Model, MLWritable, MLReadable):
 
     def _transform(self, df: Any) -> Any:
         import pyarrow as pa
-        from pyspark.ml.functions import vector_to_array
+        from pyspark.ml.functions import array_to_vector, vector_to_array
         from pyspark.ml.linalg import VectorUDT
         from pyspark.sql import functions as F
         from pyspark.sql.functions import ArrowUDFType
@@ -401,10 +401,36 @@ class HorovodModel(Model, MLWritable, MLReadable):
         predicted = "__flyte_hvd_prediction"
         merged = _merge_small_partitions(df, partition_bytes)
         with_predictions = merged.withColumn(predicted, predict_batches(*inputs))  # type: ignore[arg-type]
+        vector_labels = self._vector_labels() & {
+            label
+            for label, field in zip(self.getLabelColumns(), result_type.fields, strict=True)
+            if field.dataType.typeName() == "array"
+        }
         return with_predictions.select(
             *[F.col(f"`{c}`") for c in df.columns],
-            *[F.col(f"{predicted}.{n}").alias(c) for n, c in zip(names, outputs, strict=True)],
+            *[
+                # A label that was a vector gets vector predictions, as in Horovod.
+                (array_to_vector(column) if label in vector_labels else column).alias(c)
+                for n, c, label in zip(names, outputs, self.getLabelColumns(), strict=True)
+                for column in [F.col(f"{predicted}.{n}")]
+            ],
         )
+
+    def _vector_labels(self) -> set[str]:
+        """Labels that were ``pyspark.ml`` vector columns (their predictions are vectors of
+        the same width, where the model outputs more than one value per row)."""
+        from flyte_hvd.data.dataset import VECTOR_KINDS
+
+        metadata = self.getMetadata()
+        train = metadata[0] if isinstance(metadata, list | tuple) else metadata
+        if train is None:
+            return set()
+        kinds = {c.name: (c.kind, c.size) for c in train.columns}
+        return {
+            label
+            for label in self.getLabelColumns()
+            if label in kinds and kinds[label][0] in VECTOR_KINDS and kinds[label][1] > 1
+        }
 
     # -- framework hooks ----------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup lock test check run demo lint format bench cluster
+.PHONY: setup lock test test-fast check docs run demo lint format bench cluster
 
 # lock/dev.txt pins every package of this install (`make lock` regenerates it from
 # pyproject.toml). Its torch is the CPU build (2.13.0+cpu), which PyPI does not carry:
@@ -24,8 +24,14 @@ lock:
 	@test -x $(VENV)/bin/uv || { test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV); $(PY) -m pip install -q -c lock/dev.txt uv; }
 	UV=$(VENV)/bin/uv scripts/lock.sh
 
-test: setup check
+test: setup check docs
 	$(PY) -m pytest
+
+# The edit-test loop: every test that starts no Spark, no rank process and no Flyte execution
+# (markers `spark`, `mpi`, `flyte`, `e2e`, `cluster` deselected; one that starts such a thing
+# anyway fails, naming the marker it lacks).
+test-fast: setup
+	FLYTE_HVD_TEST_FAST=1 $(PY) -m pytest -m "not spark and not mpi and not flyte and not e2e and not cluster"
 
 # Static checks: lint, format, the layers (import-linter contracts in pyproject.toml: each
 # layer imports only those below it, no import cycles) and the types the package promises
@@ -51,6 +57,12 @@ demo: setup
 # driver host; exiting the shell stops it. tests/cluster_harness.py says what is simulated.
 cluster: setup
 	PY=$(PY) scripts/cluster.sh
+
+# The documentation site (docs/, mkdocs.yml) into site/, every warning an error; first a check
+# that the API reference pages list every public name (scripts/api_reference.py writes them).
+docs: setup
+	TF_CPP_MIN_LOG_LEVEL=3 $(PY) scripts/api_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 lint: setup
 	$(PY) -m ruff check .

@@ -174,8 +174,57 @@ def spark_cluster(tmp_path_factory):
     return _spark_session("cluster", configure)
 
 
+# What a fixture starts, and the marker a test that uses it must carry: `make test-fast`
+# deselects those markers, so an unmarked test would start Spark or ranks there.
+_FIXTURE_MARKERS = {
+    "spark_local2": "spark", "spark_cluster": "spark", "spark": "spark",
+    "spark_connect": "spark", "spark_connect_url": "spark", "cli": "mpi",
+    "no_leftover_ranks": "mpi",
+}  # fmt: skip
+
+
 def pytest_collection_modifyitems(items):
+    unmarked = [
+        f"{item.nodeid} uses `{name}` but has no `{marker}` marker"
+        for item in items
+        for name, marker in _FIXTURE_MARKERS.items()
+        if name in getattr(item, "fixturenames", ()) and item.get_closest_marker(marker) is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "tests that start Spark or rank processes must say so with a marker (`make "
+            "test-fast` deselects them):\n  " + "\n  ".join(unmarked)
+        )
     items.sort(key=lambda item: "spark_cluster" in getattr(item, "fixturenames", ()))
+
+
+# Under `make test-fast` (FLYTE_HVD_TEST_FAST=1), a test that starts a rank process, a Spark
+# JVM or a Flyte execution anyway fails at once, naming the marker it lacks.
+_FAST = os.environ.get("FLYTE_HVD_TEST_FAST") == "1"
+_HEAVY_COMMANDS = {"mpiexec": "mpi", "flyte-hvd-run": "mpi", "spark-submit": "spark",
+                   "pyflyte": "flyte"}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _only_light_work_in_fast_runs(request, monkeypatch):
+    if not _FAST:
+        yield
+        return
+    original = subprocess.Popen.__init__
+
+    def guarded(self, args, *rest, **kwargs):
+        program = args if isinstance(args, str | bytes) else (list(args) or [""])[0]
+        name = os.path.basename(os.fsdecode(program).split(" ")[0])
+        for command, marker in _HEAVY_COMMANDS.items():
+            if name.startswith(command):
+                raise RuntimeError(
+                    f"{request.node.nodeid} starts `{name}` under `make test-fast`: mark it "
+                    f"`@pytest.mark.{marker}`."
+                )
+        original(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+    yield
 
 
 def pytest_collection_finish(session):

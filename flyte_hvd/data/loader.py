@@ -242,7 +242,8 @@ class ArrowDataLoader(BaseDataLoader):
     Args:
         path: the dataset directory (e.g. ``store.get_train_data_path(idx)``).
         batch_size: rows per batch on this rank.
-        rank, size: this rank and the number of ranks (plain ints).
+        rank: this rank (a plain int).
+        size: the number of ranks (a plain int).
         store: the Store (or ``RemoteStore``) whose filesystem holds ``path``.
         filesystem: otherwise a pyarrow or fsspec filesystem; otherwise inferred from
             ``path``.

@@ -85,8 +85,9 @@ def prepare_data(
     Args:
         num_processes: ranks that will read the data; each split gets at least this many
             Parquet files so that every rank has a shard.
-        label_columns, feature_columns: the columns to keep (features default to every
-            column that is not a label, the sample weight or the validation column).
+        label_columns: the label columns to keep.
+        feature_columns: the feature columns to keep (default: every column that is not a
+            label, the sample weight or the validation column).
         validation: a float in (0, 1) for a seeded random split, or the name of a column
             whose true/non-zero rows go to validation (the column is not stored).
         sample_weight_col: a numeric column of per-row weights.
@@ -107,9 +108,11 @@ def prepare_data(
 
     Example:
         >>> from flyte_hvd.data import Store, get_dataset_metadata, prepare_data
-        >>> store = Store.create("/tmp/exp")  # or s3://bucket/exp, hdfs://..., dbfs:/...
+        >>> store = Store.create(work_dir)  # a path, or s3://bucket/exp, hdfs://..., dbfs:/...
         >>> with prepare_data(2, store, df, label_columns=["y"], validation=0.2) as idx:
         ...     train_meta, val_meta = get_dataset_metadata(store, idx)  # doctest: +SKIP
+        >>> train_meta.rows + val_meta.rows == df.count()  # doctest: +SKIP
+        True
     """
     yield _prepare(
         num_processes,

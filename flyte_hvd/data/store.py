@@ -111,8 +111,10 @@ class Store:
 
     Args:
         prefix_path: root of everything the Store writes (a local path or a URL).
-        train_path, val_path, test_path: override where prepared data goes (a dataset's
-            index is appended as ``.<idx>``).
+        train_path: override where prepared training data goes (a dataset's index is
+            appended as ``.<idx>``).
+        val_path: the same for validation data.
+        test_path: the same for test data.
         runs_path: override ``<prefix>/runs``.
         save_runs: whether a run's folder (checkpoints, state, logs) is kept after a
             successful fit; False removes it once the trained model is back on the driver.
@@ -851,16 +853,18 @@ class HDFSStore(Store):
 
     Args:
         prefix_path: where the store lives on HDFS.
-        host, port: the namenode to connect to; default: the URL's, else ``default`` and 0
-            (the cluster's configured default). Paths keep the URL's host and port.
+        host: the namenode to connect to; default: the URL's, else ``default`` (the
+            cluster's configured default). Paths keep the URL's host and port.
+        port: the namenode's port; default: the URL's, else 0.
         user: the HDFS user to act as.
         kerb_ticket: path of the Kerberos ticket cache.
         driver: accepted for Horovod's signature; pyarrow always uses libhdfs (JNI), so any
             other value is ignored with a warning.
         extra_conf: extra Hadoop configuration (``{"dfs.replication": "2"}``...).
         temp_dir: local folder for temporary files (see ``Store``).
-        *args, **kwargs: ``Store``'s arguments (``train_path``..., ``storage_options``, also
-            passed to pyarrow's ``HadoopFileSystem``).
+        *args: ``Store``'s arguments, after these.
+        **kwargs: ``Store``'s arguments (``train_path``..., ``storage_options``, also passed
+            to pyarrow's ``HadoopFileSystem``).
 
     Raises:
         ValueError: ``prefix_path`` is not an HDFS path, or ``port`` is not an integer.
@@ -984,8 +988,15 @@ class FilesystemStore(Store):
 
     Args:
         prefix_path: the store's root URL.
-        train_path, val_path, test_path, runs_path, save_runs, storage_options,
-            checkpoint_filename, temp_dir, **kwargs: as for ``Store``.
+        train_path: as for ``Store``.
+        val_path: as for ``Store``.
+        test_path: as for ``Store``.
+        runs_path: as for ``Store``.
+        save_runs: as for ``Store``.
+        storage_options: as for ``Store``.
+        checkpoint_filename: as for ``Store``.
+        temp_dir: as for ``Store``.
+        **kwargs: as for ``Store``.
 
     Raises:
         ValueError: fsspec does not know the scheme.

@@ -342,8 +342,9 @@ def DistributedOptimizer(
         op: ``hvd.Average`` (default) or ``hvd.Sum``.
         gradient_predivide_factor: with ``Average``, divide by this before the sum and by
             ``size / factor`` after.
-        num_groups, groups: accepted for Horovod compatibility; grouping follows the fusion
+        num_groups: accepted for Horovod compatibility; grouping follows the fusion
             threshold (``HOROVOD_FUSION_THRESHOLD``).
+        groups: accepted for Horovod compatibility, as ``num_groups``.
         sparse_as_dense: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense
             tensors, made sparse again for the step; by default their indices and values
             are gathered from every rank (cheaper when few rows are touched).

@@ -200,7 +200,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1:
+        if epoch == self.warmup_epochs - 1:  # the schedule's end_epoch
             self.model.optimizer.learning_rate = self.initial_lr
             if self.verbose and state.rank() == 0:
                 print(f"\nEpoch {epoch + 1}: finished learning rate warmup to {self.initial_lr:g}.")

@@ -212,8 +212,8 @@ def _grouped_allreduce(tensors, op, compression, prescale, postscale, name) -> l
             y.set_shape(x.shape)
 
         def grad(*dys):
-            dys = [tf.zeros_like(x) if d is None else d for d, x in zip(dys, xs, strict=True)]
-            return _grouped_allreduce(dys, op, Compression.none, prescale, postscale, name)
+            filled = [tf.zeros_like(x) if d is None else d for d, x in zip(dys, xs, strict=True)]
+            return _grouped_allreduce(filled, op, Compression.none, prescale, postscale, name)
 
         return out, grad
 

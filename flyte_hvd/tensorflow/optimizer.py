@@ -58,9 +58,11 @@ class _DistributedMixin:
     _hvd_local: Any
     _var_key: Any
     _trainable_variables: Any
+    built: bool
+    _iterations: Any
 
     def build(self, variables):
-        super().build(variables)
+        super().build(variables)  # type: ignore[misc]  # the Keras optimizer mixed in
         self._hvd_accumulators(variables)
 
     def _hvd_accumulators(self, variables) -> _Accumulators:
@@ -120,26 +122,30 @@ class _DistributedMixin:
     def apply(self, grads, trainable_variables=None):
         settings = self._hvd
         if settings.backward_passes_per_step == 1:
-            return super().apply(self._hvd_reduce(grads, trainable_variables), trainable_variables)
+            reduced = self._hvd_reduce(grads, trainable_variables)
+            return super().apply(reduced, trainable_variables)  # type: ignore[misc]
         if trainable_variables is not None and not self.built:
             self.build(list(trainable_variables))
         acc = self._hvd_accumulators(
             self._trainable_variables if trainable_variables is None else trainable_variables
         )
+        counter = acc.counter
+        assert counter is not None  # made with the sums, as backward_passes_per_step > 1
         for g, a in zip(grads, acc.grads, strict=True):
             if g is not None:
                 a.assign_add(tf.convert_to_tensor(g))
-        acc.counter.assign_add(1)
+        counter.assign_add(1)
 
         def reduce_and_apply():
             summed = [a.read_value() for a in acc.grads]
             if settings.average_aggregated_gradients:
                 summed = [s / settings.backward_passes_per_step for s in summed]
             reduced = self._hvd_reduce(summed, trainable_variables)
-            super(_DistributedMixin, self).apply(reduced, trainable_variables)  # iterations += 1
+            # iterations += 1
+            super(_DistributedMixin, self).apply(reduced, trainable_variables)  # type: ignore[misc]
             for a in acc.grads:
                 a.assign(tf.zeros_like(a))
-            acc.counter.assign(0)
+            counter.assign(0)
             return tf.constant(True)
 
         def only_count():
@@ -147,7 +153,7 @@ class _DistributedMixin:
             return tf.constant(False)
 
         # Every rank counts the same local steps, so all take the same branch.
-        tf.cond(acc.counter >= settings.backward_passes_per_step, reduce_and_apply, only_count)
+        tf.cond(counter >= settings.backward_passes_per_step, reduce_and_apply, only_count)
         return None
 
 

@@ -293,7 +293,7 @@ class _DistributedOptimizer:
                 "optimizer.synchronize() before the step."
             )
         reducer.synchronized = False
-        super().step()
+        super().step()  # type: ignore[misc]  # the torch optimizer this class is mixed into
         return loss
 
     # Optimizer._patch_step_function must not wrap this step in the profiling hooks: the

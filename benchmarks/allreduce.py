@@ -172,7 +172,7 @@ def measure_gloo(sizes: list[int]) -> dict | None:
 
 
 def _run_raw(sizes: list[int]) -> dict:
-    from flyte_hvd.core.launcher import find_mpiexec
+    from flyte_hvd.launch.supervisor import find_mpiexec
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "raw.json")
@@ -214,7 +214,7 @@ exec unshare --mount --uts --propagation private sh -c \\
 
 def _run_raw_tcp(sizes: list[int], two_hosts: bool) -> dict | None:
     """Raw ``Allreduce`` of 2 ranks over TCP, on two simulated hosts or on this one."""
-    from flyte_hvd.core.launcher import find_mpiexec
+    from flyte_hvd.launch.supervisor import find_mpiexec
 
     if two_hosts and (os.geteuid() != 0 or not shutil.which("unshare")):
         return None
@@ -285,8 +285,8 @@ def main() -> None:
                     json.dump(result, f)
         return
 
-    from flyte_hvd.core.job import FunctionJob
-    from flyte_hvd.core.launcher import launch_local
+    from flyte_hvd.launch.job import FunctionJob
+    from flyte_hvd.launch.supervisor import launch_local
 
     sizes = QUICK_SIZES if args.quick else SIZES
     n = 2

@@ -166,10 +166,11 @@ def _cpu_split(jvm_pid: int, action) -> dict:
 
 def _import_cpu_s(module: str, collector_paused: bool = True) -> float:
     """CPU seconds a fresh interpreter spends importing ``module``: as each new rank imports
-    it (Python's garbage collector paused, ``flyte_hvd.core.job.collector_paused``), or with
+    it (Python's garbage collector paused, ``flyte_hvd.launch.job.collector_paused``), or with
     the collector running."""
     imports = (
-        f"from flyte_hvd.core.job import collector_paused\nwith collector_paused(): import {module}"
+        "from flyte_hvd.launch.job import collector_paused\n"
+        f"with collector_paused(): import {module}"
         if collector_paused
         else f"import {module}"
     )

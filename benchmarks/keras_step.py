@@ -154,8 +154,8 @@ def main() -> None:
         print(json.dumps({"step_s": single_process_part(args.steps)}))
         return
 
-    from flyte_hvd.core.job import FunctionJob
-    from flyte_hvd.core.launcher import launch_local
+    from flyte_hvd.launch.job import FunctionJob
+    from flyte_hvd.launch.supervisor import launch_local
 
     ranks = launch_local(FunctionJob(ranks_part, (args.steps,)), 2, start_timeout=120)[0]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}

@@ -169,8 +169,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from flyte_hvd.core.job import FunctionJob
-    from flyte_hvd.core.launcher import launch_local
+    from flyte_hvd.launch.job import FunctionJob
+    from flyte_hvd.launch.supervisor import launch_local
 
     results = launch_local(FunctionJob(ranks_part, (args.steps, args.rounds)), 2,
                            start_timeout=120)  # fmt: skip

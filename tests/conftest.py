@@ -29,13 +29,13 @@ def _ours(pid: str) -> bool:
 
 def rank_processes() -> list[str]:
     """Command lines of rank processes (and their mpiexec) this test session started; idle
-    spare rank processes (``flyte_hvd.core.spare``), which outlive runs by design, are not
+    spare rank processes (``flyte_hvd.launch.spare``), which outlive runs by design, are not
     counted: a spare that was handed a rank has removed its folder and counts again."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [
         line
         for line in out.splitlines()
-        if ("flyte_hvd.core.bootstrap" in line or "hydra_pmi_proxy" in line or "mpiexec" in line)
+        if ("flyte_hvd.launch.bootstrap" in line or "hydra_pmi_proxy" in line or "mpiexec" in line)
         and _ours(line.split()[0])
         and not idle_spare(line.split()[0])
     ]
@@ -53,7 +53,7 @@ def idle_spares(module: str) -> set[int]:
                 env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
-            is_rank = b"flyte_hvd.core.bootstrap" in argv and b"mpiexec" not in argv[0]
+            is_rank = b"flyte_hvd.launch.bootstrap" in argv and b"mpiexec" not in argv[0]
         except OSError:
             continue
         preload = env.get(b"FLYTE_HVD_SPARE_PRELOAD", b"").decode().split(",")
@@ -64,7 +64,7 @@ def idle_spares(module: str) -> set[int]:
 
 def idle_spare(pid: str) -> bool:
     """Whether ``pid`` is an idle spare rank process or its mpiexec (its socket still there)."""
-    from flyte_hvd.core.spare import SPARE_ENV
+    from flyte_hvd.launch.spare import SPARE_ENV
 
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:

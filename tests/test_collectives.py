@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import flyte_hvd.core as hvd
-from flyte_hvd.core.job import FunctionJob
-from flyte_hvd.core.launcher import launch_local
+from flyte_hvd.launch.job import FunctionJob
+from flyte_hvd.launch.supervisor import launch_local
 
 import collective_cases
 

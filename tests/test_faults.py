@@ -24,9 +24,9 @@ import cloudpickle
 import pytest
 from conftest import REPO, rank_processes
 
-from flyte_hvd.core import stall
 from flyte_hvd.core.errors import RanksFailedError
-from flyte_hvd.core.launcher import WORKDIR_PREFIX, sweep_stale
+from flyte_hvd.launch import stall
+from flyte_hvd.launch.supervisor import WORKDIR_PREFIX, sweep_stale
 
 # The rank functions below travel by value: the ranks cannot import this test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -617,8 +617,8 @@ def _listening_addresses() -> list[str]:
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
 def test_single_host_run_listens_on_loopback_only(no_leftover_ranks):
-    from flyte_hvd.core.job import FunctionJob
-    from flyte_hvd.core.launcher import launch_local
+    from flyte_hvd.launch.job import FunctionJob
+    from flyte_hvd.launch.supervisor import launch_local
 
     def fn():
         import numpy as np

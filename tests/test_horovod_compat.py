@@ -17,8 +17,8 @@ import cloudpickle
 import numpy as np
 import pytest
 
-from flyte_hvd.core.environment import driver_env
 from flyte_hvd.data.store import Store
+from flyte_hvd.launch.environment import driver_env
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

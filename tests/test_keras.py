@@ -10,8 +10,8 @@ import cloudpickle
 import numpy as np
 import pytest
 
-from flyte_hvd.core.job import FunctionJob
-from flyte_hvd.core.launcher import launch_local
+from flyte_hvd.launch.job import FunctionJob
+from flyte_hvd.launch.supervisor import launch_local
 
 import keras_cases
 

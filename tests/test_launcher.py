@@ -9,8 +9,8 @@ import time
 import pytest
 
 from flyte_hvd.core.errors import RanksFailedError, RendezvousTimeoutError
-from flyte_hvd.core.job import FunctionJob, ProgramJob
-from flyte_hvd.core.launcher import LocalExchange, RankSupervisor, launch_local
+from flyte_hvd.launch.job import FunctionJob, ProgramJob
+from flyte_hvd.launch.supervisor import LocalExchange, RankSupervisor, launch_local
 
 pytestmark = pytest.mark.mpi
 

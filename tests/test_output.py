@@ -17,7 +17,7 @@ import cloudpickle
 import pytest
 
 from flyte_hvd.core.errors import RanksFailedError
-from flyte_hvd.core.output import (
+from flyte_hvd.launch.output import (
     PIECE_BYTES,
     ConsoleSink,
     LineSplitter,
@@ -286,7 +286,7 @@ def test_horovod_runner_on_spark_forwards_any_bytes(spark_local2, capfd):
 def test_spare_rank_processes_forward_any_bytes(spark_local2):
     """A run with preloaded modules leaves spares; the next run's ranks are those spares, and
     their output takes the same path."""
-    from flyte_hvd.spark.runner import launch
+    from flyte_hvd.spark.dispatch import launch
 
     def first():
         import flyte_hvd.core as hvd

@@ -1,4 +1,4 @@
-"""Spare rank processes (``flyte_hvd.core.spare``): started after a run that ends well, with
+"""Spare rank processes (``flyte_hvd.launch.spare``): started after a run that ends well, with
 their modules imported, handed the next run's ranks; never two runs in one process."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import time
 import cloudpickle
 import pytest
 
-from flyte_hvd.core import spare
 from flyte_hvd.core.errors import RanksFailedError
-from flyte_hvd.core.job import FunctionJob
-from flyte_hvd.core.launcher import LocalExchange, RankSupervisor
+from flyte_hvd.launch import spare
+from flyte_hvd.launch.job import FunctionJob
+from flyte_hvd.launch.supervisor import LocalExchange, RankSupervisor
 
 pytestmark = pytest.mark.mpi
 
@@ -105,7 +105,7 @@ def test_ranks_import_with_the_collector_paused_and_run_with_it_on(no_leftover_r
 def test_collector_paused_restores_the_collectors_state():
     import gc
 
-    from flyte_hvd.core.job import collector_paused
+    from flyte_hvd.launch.job import collector_paused
 
     gc.disable()
     try:
@@ -170,9 +170,9 @@ def test_an_idle_spare_exits_after_its_idle_time(monkeypatch):
 def test_a_spare_exits_when_the_process_that_keeps_it_is_gone():
     keeper = subprocess.run(
         [sys.executable, "-c", (
-            "from flyte_hvd.core.job import FunctionJob\n"
-            "from flyte_hvd.core.launcher import LocalExchange, RankSupervisor\n"
-            "from flyte_hvd.core import spare\n"
+            "from flyte_hvd.launch.job import FunctionJob\n"
+            "from flyte_hvd.launch.supervisor import LocalExchange, RankSupervisor\n"
+            "from flyte_hvd.launch import spare\n"
             "RankSupervisor(FunctionJob(print), [0], 1, LocalExchange(1), secret='x',"
             " preload=('json',)).run()\n"
             "print(spare._SPARES[0].folder, flush=True)\n"
@@ -218,7 +218,7 @@ def test_a_rank_that_is_warm_has_its_spare_started_during_the_run():
         import time
 
         import flyte_hvd.core as hvd
-        from flyte_hvd.core import spare
+        from flyte_hvd.launch import spare
 
         hvd.init()
         spare.rank_is_warm()

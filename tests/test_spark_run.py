@@ -70,7 +70,7 @@ def test_ranks_share_a_local_masters_cores(spark):
 
 
 def test_local_thread_shares_by_master():
-    from flyte_hvd.core.environment import local_threads_env
+    from flyte_hvd.launch.environment import local_threads_env
 
     share = {
         ("local", 1): "1",
@@ -306,7 +306,7 @@ for pid in os.listdir("/proc"):
             argv = f.read().split(b"\\0")
     except OSError:
         continue
-    is_rank = b"flyte_hvd.core.bootstrap" in argv and b"mpiexec" not in argv[0]
+    is_rank = b"flyte_hvd.launch.bootstrap" in argv and b"mpiexec" not in argv[0]
     if is_rank and b"FLYTE_HVD_SPARE_PRELOAD=" + module.encode() in env:
         ahead.append(int(pid))
 report = launch(os.getpid, num_proc=2, preload=(module,))

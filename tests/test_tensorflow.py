@@ -9,8 +9,8 @@ import runpy
 import cloudpickle
 import pytest
 
-from flyte_hvd.core.job import FunctionJob
-from flyte_hvd.core.launcher import launch_local
+from flyte_hvd.launch.job import FunctionJob
+from flyte_hvd.launch.supervisor import launch_local
 
 import tensorflow_cases
 

@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 
 import torch_cases  # noqa: E402
 
-from flyte_hvd.core.job import FunctionJob  # noqa: E402
-from flyte_hvd.core.launcher import launch_local  # noqa: E402
+from flyte_hvd.launch.job import FunctionJob  # noqa: E402
+from flyte_hvd.launch.supervisor import launch_local  # noqa: E402
 
 cloudpickle.register_pickle_by_value(torch_cases)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

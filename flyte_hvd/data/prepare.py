@@ -17,11 +17,10 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from flyte_hvd.core.environment import local_storage_env
 from flyte_hvd.core.log import get_logger, verbosity_level
 from flyte_hvd.data.dataset import (
     FIELD_METADATA_KEY,
@@ -38,6 +37,10 @@ from flyte_hvd.data.dataset import (
 )
 from flyte_hvd.data.parquet import as_arrow_filesystem
 from flyte_hvd.data.store import Store
+from flyte_hvd.launch.environment import local_storage_env
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 logger = get_logger(__name__)
 
@@ -64,7 +67,7 @@ WRITE_TASK_BYTES = 128 << 20
 def prepare_data(
     num_processes: int,
     store: Store,
-    df: Any,
+    df: DataFrame,
     label_columns: Sequence[str],
     feature_columns: Sequence[str] | None = None,
     validation: float | str | None = None,
@@ -357,7 +360,7 @@ def _q(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
-def _dataset_key(df: Any, options: dict[str, Any]) -> str:
+def _dataset_key(df: DataFrame, options: dict[str, Any]) -> str:
     try:
         files = sorted(df.inputFiles())
     except Exception:

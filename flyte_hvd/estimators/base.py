@@ -38,6 +38,15 @@ from flyte_hvd.spark.dispatch import (
     start_spares,
 )
 
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+    from flyte_hvd.data.dataset import DatasetMetadata
+    from flyte_hvd.data.store import RemoteStore
+
+# The prepared dataset's metadata: the train split's, and the validation split's (or None).
+Metadata = tuple["DatasetMetadata", "DatasetMetadata | None"]
+
 # Horovod's `run` arguments a SparkBackend passes on (`horovod.spark.common.backend`).
 _RUN_ARGS = frozenset({
     "start_timeout", "use_mpi", "use_gloo", "extra_mpi_args", "stdout", "stderr", "verbose",
@@ -186,7 +195,7 @@ class HorovodEstimator(Estimator):
 
     # -- fit ---------------------------------------------------------------------------------
 
-    def _fit(self, df: Any) -> Model:
+    def _fit(self, df: DataFrame) -> Model:
         from flyte_hvd.data.prepare import prepare_data
 
         self._check_params(df.columns)
@@ -247,7 +256,12 @@ class HorovodEstimator(Estimator):
             **model_params,
         )
 
-    def _spec_fields(self, remote_store: Any, features: list[str], metadata: Any) -> dict:
+    def _spec_fields(
+        self,
+        remote_store: RemoteStore,
+        features: list[str],
+        metadata: Metadata,
+    ) -> dict:
         """The fields of ``training.TrainingSpec`` that every framework fills the same way: a
         field named after a param takes the param's value."""
         from flyte_hvd.estimators.training import TrainingSpec
@@ -273,7 +287,7 @@ class HorovodEstimator(Estimator):
     _inert_params: ClassVar[dict[str, str]] = {}
     _extension = ""  # of the run's model files: ".keras", ".pt", ".ckpt"
     # What the ranks import before they train: spare rank processes import it ahead of the
-    # next fit (``flyte_hvd.core.spare``), which then starts in a fraction of the time.
+    # next fit (``flyte_hvd.launch.spare``), which then starts in a fraction of the time.
     _preload: tuple[str, ...] = ()
     _model_class: type[HorovodModel]
 
@@ -286,8 +300,9 @@ class HorovodEstimator(Estimator):
         params for the trained model."""
         return {}
 
-    def _training_spec(self, remote_store: Any, features: list[str], metadata: Any,
-                       num_proc: int) -> Any:  # fmt: skip
+    def _training_spec(
+        self, remote_store: RemoteStore, features: list[str], metadata: Metadata, num_proc: int
+    ) -> Any:
         raise NotImplementedError
 
     def _remote_trainer(self) -> Callable[[Any], dict]:
@@ -589,7 +604,7 @@ def _fresh(defaults: dict[str, Any]) -> dict[str, Any]:
     return {k: (type(v)(v) if isinstance(v, list | dict) else v) for k, v in defaults.items()}
 
 
-def _check_resumable(remote_store: Any, run_id: str, epochs: int, extension: str) -> None:
+def _check_resumable(remote_store: RemoteStore, run_id: str, epochs: int, extension: str) -> None:
     """Before any rank starts: a run that already trained all its epochs would silently return
     its old model, and one whose last model is gone cannot resume."""
     from flyte_hvd.estimators.training import read_run_state, run_file

@@ -14,7 +14,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import keras
 import numpy as np
@@ -22,9 +22,12 @@ import numpy as np
 from flyte_hvd.data.loader import TransformedLoader
 from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import prediction, training
-from flyte_hvd.estimators.base import HorovodEstimator, HorovodModel, passed_params
+from flyte_hvd.estimators.base import HorovodEstimator, HorovodModel, Metadata, passed_params
 from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, with_params
 from flyte_hvd.estimators.training import TrainingSpec
+
+if TYPE_CHECKING:
+    from flyte_hvd.data.store import RemoteStore
 
 LAST_MODEL_FILENAME = "last.keras"  # the latest epoch, for resuming
 BEST_MODEL_FILENAME = "best.keras"  # where a checkpoint callback writes, on rank 0
@@ -176,8 +179,9 @@ class KerasEstimator(HorovodEstimator):
                 )
         return {"custom_objects": dict(self.getCustomObjects() or {})}
 
-    def _training_spec(self, remote_store: Any, features: list[str], metadata: Any,
-                       num_proc: int) -> KerasTrainingSpec:  # fmt: skip
+    def _training_spec(
+        self, remote_store: RemoteStore, features: list[str], metadata: Metadata, num_proc: int
+    ) -> KerasTrainingSpec:
         model = self._compiled_model()
         if not model.optimizer.built:
             # Saved with its slots, the model loads on the ranks without Keras warning that it

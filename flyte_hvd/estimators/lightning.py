@@ -20,14 +20,14 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import cloudpickle
 import numpy as np
 
 from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import training
-from flyte_hvd.estimators.base import HorovodEstimator, passed_params
+from flyte_hvd.estimators.base import HorovodEstimator, Metadata, passed_params
 from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, with_params
 from flyte_hvd.estimators.torch_model import (
     INPUT_SHAPES_PARAM,
@@ -38,6 +38,9 @@ from flyte_hvd.estimators.torch_model import (
     tensorboard_without_tensorflow,
 )
 from flyte_hvd.estimators.training import TrainingSpec
+
+if TYPE_CHECKING:
+    from flyte_hvd.data.store import RemoteStore
 
 LIGHTNING_PARAMS: dict[str, tuple[Any, str]] = {
     **INPUT_SHAPES_PARAM,
@@ -216,8 +219,9 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
             raise ValueError(f"`trainer_args` sets {reserved}, which the estimator sets: {hints}.")
         self._check_input_shapes(features)
 
-    def _training_spec(self, remote_store: Any, features: list[str], metadata: Any,
-                       num_proc: int) -> LightningTrainingSpec:  # fmt: skip
+    def _training_spec(
+        self, remote_store: RemoteStore, features: list[str], metadata: Metadata, num_proc: int
+    ) -> LightningTrainingSpec:
         return LightningTrainingSpec(
             **self._spec_fields(remote_store, features, metadata),
             model_bytes=cloudpickle.dumps(self.getModel()),

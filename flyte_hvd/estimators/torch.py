@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import numpy as np
@@ -24,7 +24,7 @@ import numpy as np
 from flyte_hvd.core.checks import require_int
 from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import training
-from flyte_hvd.estimators.base import HorovodEstimator, passed_params
+from flyte_hvd.estimators.base import HorovodEstimator, Metadata, passed_params
 from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, with_params
 from flyte_hvd.estimators.torch_model import (
     INPUT_SHAPES_PARAM,
@@ -36,6 +36,9 @@ from flyte_hvd.estimators.torch_model import (
     tensorboard_without_tensorflow,
 )
 from flyte_hvd.estimators.training import TrainingSpec
+
+if TYPE_CHECKING:
+    from flyte_hvd.data.store import RemoteStore
 
 TORCH_PARAMS: dict[str, tuple[Any, str]] = {
     **INPUT_SHAPES_PARAM,
@@ -186,8 +189,9 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
                 "the step with `train_minibatch_fn`, or use LightningEstimator."
             )
 
-    def _training_spec(self, remote_store: Any, features: list[str], metadata: Any,
-                       num_proc: int) -> TorchTrainingSpec:  # fmt: skip
+    def _training_spec(
+        self, remote_store: RemoteStore, features: list[str], metadata: Metadata, num_proc: int
+    ) -> TorchTrainingSpec:
         loss = self.getLoss()
         return TorchTrainingSpec(
             **self._spec_fields(remote_store, features, metadata),

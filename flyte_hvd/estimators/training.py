@@ -23,10 +23,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flyte_hvd.core import spare
 from flyte_hvd.core.log import get_logger
+from flyte_hvd.launch import spare
+
+if TYPE_CHECKING:
+    from flyte_hvd.data.dataset import DatasetMetadata
+    from flyte_hvd.data.store import RemoteStore
 
 logger = get_logger(__name__)
 
@@ -36,12 +40,12 @@ class TrainingSpec:
     """Everything a rank needs to train, as plain values (no driver objects); each framework
     adds its own fields in a subclass."""
 
-    store: Any  # RemoteStore
+    store: RemoteStore
     model_bytes: bytes
     features: list[str]
     labels: list[str]
     sample_weight_col: str | None
-    metadata: Any  # (train DatasetMetadata, validation DatasetMetadata or None)
+    metadata: tuple[DatasetMetadata, DatasetMetadata | None]  # train, validation
     batch_size: int
     val_batch_size: int
     epochs: int
@@ -60,18 +64,18 @@ class TrainingSpec:
 # -- the run in the store ----------------------------------------------------------------------
 
 
-def run_file(store: Any, name: str) -> str:
+def run_file(store: RemoteStore, name: str) -> str:
     """``runs/<run_id>/<name>`` of the store's run."""
     return store.run_path.rstrip("/") + "/" + name
 
 
-def checkpoint_path(store: Any, extension: str) -> str:
+def checkpoint_path(store: RemoteStore, extension: str) -> str:
     """Where the run's model goes: the store's ``checkpoint_filename`` when one was chosen,
     else ``checkpoint<extension>`` (``.keras``, ``.pt``, ``.ckpt``)."""
     return store.checkpoint_path(extension)
 
 
-def read_run_state(store: Any) -> dict | None:
+def read_run_state(store: RemoteStore) -> dict | None:
     """The run's ``state.json``, or None for a new run."""
     if not store.exists(store.state_path):
         return None
@@ -150,7 +154,7 @@ class RunRecord:
     model when there is one, else the last), the last model, the logs and then
     ``state.json``, and prints one summary line."""
 
-    def __init__(self, store: Any, state: dict | None, epochs: int, extension: str,
+    def __init__(self, store: RemoteStore, state: dict | None, epochs: int, extension: str,
                  verbose: int = 1):  # fmt: skip
         self.store, self.epochs, self.verbose = store, epochs, verbose
         self.checkpoint_path = checkpoint_path(store, extension)

@@ -29,6 +29,7 @@ from flytekitplugins.spark.task import PysparkFunctionTask
 
 from flyte_hvd.core.checks import require_int
 from flyte_hvd.flyte.rank import RankSpec, literal_map_from_bytes, run_rank
+from flyte_hvd.launch.supervisor import check_start_timeout
 
 GPU_VENDOR = "nvidia.com"
 # What a GPU executor pod gets besides its GPUs, as Spark's own Kubernetes settings: Flyte's
@@ -109,14 +110,8 @@ class HorovodSpark:
         require_int("num_proc", self.num_proc, minimum=1)
         require_int("cores_per_rank", self.cores_per_rank, minimum=1)
         require_int("gpus_per_rank", self.gpus_per_rank, minimum=0)
-        timeout = self.start_timeout
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
-        ):
-            raise ValueError(
-                f"`start_timeout` must be seconds > 0 or None; found {timeout!r}. "
-                f"Pass e.g. start_timeout=120."
-            )
+        if self.start_timeout is not None:  # None: the launcher's default
+            check_start_timeout(self.start_timeout)
         for name in ("executor_path", "applications_path"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

@@ -19,19 +19,13 @@ around the stage:
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import cloudpickle
-
-from flyte_hvd.core import stall
-from flyte_hvd.core.errors import RanksFailedError
-from flyte_hvd.core.launcher import new_secret
-from flyte_hvd.core.log import get_logger, verbosity_level
+from flyte_hvd.core.log import get_logger
 from flyte_hvd.spark import runner
 
 logger = get_logger(__name__)
@@ -93,7 +87,7 @@ def task_slots(spark: Any, conf: SessionConf | None = None) -> int:
     executor cores (the default parallelism) over ``spark.task.cpus``, and, when tasks ask
     for GPUs, no more than the executors' GPUs allow."""
     conf = conf or SessionConf(spark)
-    if conf.get("spark.default.parallelism") is not None and not runner._is_local(conf):
+    if conf.get("spark.default.parallelism") is not None and not runner.is_local(conf.master):
         # The planned parallelism is the setting, not the cores; count from the executors.
         cores = _int(conf, "spark.executor.instances", 0) * _int(conf, "spark.executor.cores", 1)
     else:
@@ -101,7 +95,7 @@ def task_slots(spark: Any, conf: SessionConf | None = None) -> int:
     slots = cores // max(1, _int(conf, "spark.task.cpus", 1))
     task_gpus = float(conf.get("spark.task.resource.gpu.amount") or 0)
     executors = _int(conf, "spark.executor.instances", 0)
-    if task_gpus > 0 and executors and not runner._is_local(conf):
+    if task_gpus > 0 and executors and not runner.is_local(conf.master):
         per_executor = _int(conf, "spark.executor.resource.gpu.amount", 0)
         slots = min(slots, executors * int(per_executor // task_gpus))
     return slots
@@ -164,7 +158,7 @@ def link_host(spark: Any) -> str:
 def stage_task(
     task: Callable[[Any], Iterator[tuple[int, bytes]]],
 ) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    """Wraps a barrier task (``runner._barrier_task``) as a ``mapInArrow`` function: its
+    """Wraps a barrier task (``runner.barrier_task``) as a ``mapInArrow`` function: its
     ``(rank, payload)`` comes back as rows of ``CHUNK_BYTES``-sized chunks."""
 
     def run_rank(batches: Iterator[Any]) -> Iterator[Any]:
@@ -193,66 +187,43 @@ def join_chunks(rows: list[Any]) -> list[tuple[int, bytes]]:
     return [(rank, b"".join(c for _, c in sorted(parts[rank]))) for rank in sorted(parts)]
 
 
-def launch(
-    spark: Any,
-    fn: Callable[..., Any],
-    args: tuple = (),
-    kwargs: dict[str, Any] | None = None,
-    num_proc: int | None = None,
-    start_timeout: float | None = None,
-    env: dict[str, str] | None = None,
-    stdout: Any = None,
-    stderr: Any = None,
-    verbose: int = 1,
-    prefix_output_with_timestamp: bool = False,
-    preload: tuple[str, ...] = (),
-) -> runner.RunReport:
-    """``runner.launch`` on a Spark Connect session (same arguments, same behaviour)."""
-    from flyte_hvd.spark.driver_link import DriverServer
+class ConnectBackend:
+    """A Spark Connect session's barrier stage (``pipeline.StageBackend``): a DataFrame stage
+    (``mapInArrow(barrier=True)``), task slots from the session's settings, results as rows,
+    cancelled by operation tag."""
 
-    conf = SessionConf(spark)
-    num_proc = runner._check_num_proc(default_parallelism(spark) if num_proc is None else num_proc)
-    timeout = runner._resolve_start_timeout(start_timeout)
-    job = runner._pickle_job(fn, args, kwargs)
-    rank_env = runner.ranks_env(conf.master, num_proc, env)
-    submitted_at = time.time()
-    deadline = time.monotonic() + timeout
-    wait_for_slots(spark, conf, num_proc, deadline, timeout)
-    secret = new_secret()
-    max_attempts = runner.stage_attempts(conf)
-    tag = f"flyte-hvd-{secret[:12]}"
+    label = " (DataFrame API)"
 
-    stall_config = stall.StallConfig.from_env({**os.environ, **rank_env})
-    server = DriverServer(
-        link_host(spark), secret, num_proc, stdout, stderr, prefix_output_with_timestamp,
-        on_failure=runner.on_rank_failure(max_attempts, lambda: spark.interruptTag(tag)),
-        watch=stall.StallWatch(num_proc, stall_config),
-        on_stuck=lambda: spark.interruptTag(tag),
-    )  # fmt: skip
-    level = verbosity_level(verbose)
-    logger.log(level, "running %d ranks in a Spark barrier stage (DataFrame API)", num_proc)
-    task = runner._barrier_task(
-        job, num_proc, secret, server.address, rank_env, deadline - time.monotonic(),
-        single_host=runner._is_local(conf), preload=preload,
-    )  # fmt: skip
-    spark.addTag(tag)
-    try:
-        stage = spark.range(0, num_proc, 1, num_proc).mapInArrow(
-            stage_task(task), _SCHEMA, barrier=True
-        )
-        if max_attempts > 1:
-            # As on the RDD path: a barrier stage is retried only when it feeds a shuffle.
-            stage = stage.repartition(1)
-        collected = join_chunks(stage.collect())
-    except Exception as error:
-        failure = runner.stage_failure(server, num_proc, error)
-        raise failure from (None if isinstance(failure, RanksFailedError) else error)
-    else:  # a failed run's last attempt ends its tasks with RUN_FAILED instead of failing
-        if any(payload == runner.RUN_FAILED for _, payload in collected):
-            raise runner.stage_failure(server, num_proc)
-    finally:
-        spark.removeTag(tag)
-        server.close()
-    results = [cloudpickle.loads(payload) for _, payload in collected]
-    logger.log(level, "%d ranks finished", num_proc)
-    return runner.RunReport(results=results, submitted_at=submitted_at, events=dict(server.events))
+    def __init__(self, spark: Any):
+        self.spark = spark
+        self.conf = SessionConf(spark)
+        self.master = self.conf.master
+
+    def default_parallelism(self) -> int:
+        return default_parallelism(self.spark)
+
+    def wait_for_slots(self, num_proc: int, deadline: float, timeout: float) -> None:
+        wait_for_slots(self.spark, self.conf, num_proc, deadline, timeout)
+
+    def stage_attempts(self) -> int:
+        return runner.stage_attempts(self.conf)
+
+    def link_host(self) -> str:
+        return link_host(self.spark)
+
+    def run_stage(self, task: Callable[[Any], Any], num_proc: int, retried: bool,
+                  tag: str) -> list[tuple[int, bytes]]:  # fmt: skip
+        self.spark.addTag(tag)
+        try:
+            stage = self.spark.range(0, num_proc, 1, num_proc).mapInArrow(
+                stage_task(task), _SCHEMA, barrier=True
+            )
+            if retried:
+                # As on the RDD path: a barrier stage is retried only when it feeds a shuffle.
+                stage = stage.repartition(1)
+            return join_chunks(stage.collect())
+        finally:
+            self.spark.removeTag(tag)
+
+    def cancel(self, tag: str) -> None:
+        self.spark.interruptTag(tag)

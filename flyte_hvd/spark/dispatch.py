@@ -12,9 +12,9 @@ import sys
 from collections.abc import Callable
 from typing import IO, Any
 
-from flyte_hvd.core.environment import driver_env
 from flyte_hvd.core.log import get_logger
-from flyte_hvd.spark import dataframe_stage, runner
+from flyte_hvd.launch.environment import driver_env
+from flyte_hvd.spark import dataframe_stage, pipeline, runner
 
 logger = get_logger(__name__)
 
@@ -105,6 +105,49 @@ def run(
     prefix_output_with_timestamp: bool = False,
     executable: str | None = None,
 ) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``num_proc`` ranks of the active SparkSession (classic
+    or Spark Connect): one Spark barrier stage, one task per rank, one rank process per task.
+
+    Args:
+        fn: travels to the ranks with cloudpickle, so it may capture local variables.
+        args: positional arguments of ``fn``.
+        kwargs: keyword arguments of ``fn``.
+        num_proc: number of ranks; defaults to ``spark.default.parallelism``.
+        start_timeout: seconds for scheduling plus rendezvous; defaults to
+            ``HOROVOD_SPARK_START_TIMEOUT``, then 600.
+        use_mpi: Horovod's launcher choice, accepted and without effect (ranks always run
+            under MPICH); says so once.
+        use_gloo: as ``use_mpi``.
+        extra_mpi_args: accepted and without effect: each rank runs under its own
+            ``mpiexec -n 1``.
+        env: environment variables for the ranks; by default the driver's environment as it
+            is at the call, less what describes the driver's own host (``PATH``, ``HOME``,
+            ``PYTHONPATH``, ``JAVA_HOME``, ``SPARK_*``, ``CUDA_VISIBLE_DEVICES``, thread
+            counts; see ``flyte_hvd.launch.environment.driver_env``), as Horovod's ``run``.
+        stdout: where rank stdout goes on the driver (default: ``sys.stdout``).
+        stderr: where rank stderr goes on the driver (default: ``sys.stderr``).
+        verbose: the level of the launcher's own messages on the `flyte_hvd` logger: INFO
+            when >= 1 (shown by default), DEBUG when 0.
+        nics: network interfaces the ranks' MPI traffic uses (``{'eth0'}``).
+        prefix_output_with_timestamp: prefix every rank line with the time it arrived.
+        executable: accepted and without effect: ranks run the Python of Spark's workers.
+
+    Returns:
+        Each rank's return value, in rank order.
+
+    Raises:
+        RanksFailedError: a rank raised or died; the message names it and carries its
+            traceback.
+
+    Example:
+        >>> from flyte_hvd.spark import run
+        >>> def train(lr):
+        ...     import flyte_hvd.core as hvd
+        ...     hvd.init()
+        ...     return hvd.rank(), lr * hvd.size()
+        >>> run(train, args=(0.1,), num_proc=2)  # doctest: +SKIP
+        [(0, 0.2), (1, 0.2)]
+    """
     env = horovod_run_args(env, use_mpi, use_gloo, extra_mpi_args, nics, executable)
     return launch(
         fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
@@ -145,7 +188,11 @@ def horovod_run_args(env: dict[str, str] | None, use_mpi: Any = None, use_gloo: 
     return {**(env or driver_env()), "FI_TCP_IFACE": names[0], "UCX_NET_DEVICES": ",".join(names)}
 
 
-run.__doc__ = runner.run.__doc__
+def backend_of(spark: Any) -> pipeline.StageBackend:
+    """The stage backend of a session of either kind."""
+    if is_connect_session(spark):
+        return dataframe_stage.ConnectBackend(spark)
+    return runner.ClassicBackend(spark.sparkContext)
 
 
 def launch(
@@ -161,24 +208,23 @@ def launch(
     prefix_output_with_timestamp: bool = False,
     preload: tuple[str, ...] = (),
 ) -> runner.RunReport:
-    """``run``, returning the full ``RunReport`` (used by benchmarks and the estimator), on
-    the active session of either kind."""
-    spark = active_session()
-    if is_connect_session(spark):
-        return dataframe_stage.launch(
-            spark, fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
-            prefix_output_with_timestamp, preload,
-        )  # fmt: skip
-    return runner.launch(
+    """``run``, returning the full ``RunReport`` (used by benchmarks and the estimators):
+    each rank's result and start-up timeline. ``preload`` names modules that spare rank
+    processes import ahead of the next run (``flyte_hvd.launch.spare``); the estimators pass
+    their framework's."""
+    backend = backend_of(active_session())
+    spec = pipeline.LaunchSpec.of(
         fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
-        prefix_output_with_timestamp, preload,
+        prefix_output_with_timestamp, preload, default_num_proc=backend.default_parallelism,
     )  # fmt: skip
+    return pipeline.launch(spec, backend)
 
 
 def start_spares(num_proc: int, env: dict[str, str] | None, preload: tuple[str, ...]) -> Any:
     """Spare rank processes started ahead of a run, on a classic session
     (``runner.start_spares``); nothing on Spark Connect, whose runs start their ranks as
     usual."""
-    if is_connect_session(active_session()):
+    spark = active_session()
+    if is_connect_session(spark):
         return None
-    return runner.start_spares(num_proc, env, preload)
+    return runner.start_spares(spark.sparkContext, num_proc, env, preload)

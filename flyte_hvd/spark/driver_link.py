@@ -27,7 +27,9 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from flyte_hvd.core.output import (
+from flyte_hvd.launch import messages
+from flyte_hvd.launch.messages import LinkKind
+from flyte_hvd.launch.output import (
     PIECE_BYTES,
     RankOutput,
     Spool,
@@ -126,7 +128,7 @@ class DriverServer:
                     final = self._handle(json.loads(line), conn, born)
                     if final is not None:  # the failing task waits for the verdict
                         with self._lock:
-                            _reply(conn, {"final": final})
+                            _reply(conn, messages.verdict_reply(final))
             except OSError:
                 pass  # the task's process went away (killed with its Spark task)
             finally:
@@ -139,29 +141,29 @@ class DriverServer:
         """Takes one message; for a failure, returns whether the run ends here."""
         kind, rank = message["kind"], message["rank"]
         with self._lock:
-            if kind == "gather":
+            if kind == LinkKind.GATHER:
                 self._gather(message, conn, born)
-            elif kind == "out":
+            elif kind == LinkKind.OUT:
                 self.output.write(rank, message["stream"], base64.b64decode(message["data"]))
-            elif kind == "event":
+            elif kind == LinkKind.EVENT:
                 self.events.setdefault(rank, {})[message["name"]] = message["time"]
                 if message["name"] == "task_started":
                     if rank == 0:
                         self.attempts_started += 1
                     if self.watch is not None:
                         self.watch.reset(rank)
-            elif kind == "probe" and self.watch is not None:
+            elif kind == LinkKind.PROBE and self.watch is not None:
                 self.watch.probe(rank, message)
-            elif kind == "ended" and self.watch is not None:
+            elif kind == LinkKind.ENDED and self.watch is not None:
                 self.watch.ended(rank, message["how"])
-            elif kind == "failed":
+            elif kind == LinkKind.FAILED:
                 # A retried stage reports again; keep each rank's latest failure.
                 self.failures[rank] = (self.attempts_started, message["traceback"])
                 for line in message["traceback"].rstrip().splitlines():
                     self.output_log.write(rank, "stderr", line)
                 # A round that waits for the failed rank would never complete.
                 self._abort_gathers(f"rank {rank} failed")
-        if kind != "failed":
+        if kind != LinkKind.FAILED:
             return None
         if self._on_failure is None:
             return False
@@ -172,7 +174,7 @@ class DriverServer:
         in rank order."""
         round_ = int(message["round"])
         if born < self._generation:
-            _reply(conn, {"round": round_, "aborted": "this stage attempt has failed"})
+            _reply(conn, messages.round_reply(round_, aborted="this stage attempt has failed"))
             return
         values = self._gathers.setdefault(round_, {})
         values[int(message["rank"])] = (str(message["value"]), conn)
@@ -181,14 +183,14 @@ class DriverServer:
         del self._gathers[round_]
         ordered = [values[r][0] for r in sorted(values)]
         for _, task_conn in values.values():
-            _reply(task_conn, {"round": round_, "values": ordered})
+            _reply(task_conn, messages.round_reply(round_, ordered))
 
     def _abort_gathers(self, why: str) -> None:
         """Ends the stage attempt's rendezvous: its waiting tasks are told why."""
         self._generation += 1
         for round_, values in self._gathers.items():
             for _, task_conn in values.values():
-                _reply(task_conn, {"round": round_, "aborted": why})
+                _reply(task_conn, messages.round_reply(round_, aborted=why))
         self._gathers.clear()
 
     def latest_failures(self) -> dict[int, str]:
@@ -269,7 +271,7 @@ class DriverLink:
         # Called once if the driver closes the link first: its run is over (it raised, or the
         # driver is gone), so whatever this task still runs is for nobody.
         self.on_lost: Callable[[], None] | None = None
-        self._send({"proof": _proof(secret)})
+        self._send(messages.link_proof(_proof(secret)))
         threading.Thread(
             target=self._read, args=(self._sock,), name="flyte-hvd-link-reader", daemon=True
         ).start()
@@ -317,7 +319,7 @@ class DriverLink:
                 ):
                     rank, stream, _ = decode_tag(tag)
                     payload = base64.b64encode(b"".join(batch)).decode()
-                    self._send({"kind": "out", "rank": rank, "stream": stream, "data": payload})
+                    self._send(messages.output(rank, stream, payload))
                     batch = []
 
     def drain(self, timeout: float = 30.0) -> None:
@@ -326,17 +328,17 @@ class DriverLink:
         self._sender.join(timeout)
 
     def event(self, name: str, at: float | None = None) -> None:
-        self._send({"kind": "event", "rank": self.rank, "name": name, "time": at or time.time()})
+        self._send(messages.event(self.rank, name, at or time.time()))
 
     def forward(self, kind: str, rank: int, message: dict[str, Any]) -> None:
         """A rank's probe report or ending, for the driver's stall watch."""
-        self._send({**message, "kind": kind, "rank": rank})
+        self._send(messages.forwarded(LinkKind(kind), rank, message))
 
     def all_gather(self, round_: int, value: str, aborted: threading.Event) -> list[str]:
         """Every task's value for rendezvous round ``round_``, in rank order. Raises when
         ``aborted`` is set, the driver aborts the round (a rank failed) or the link is
         lost."""
-        self._send({"kind": "gather", "rank": self.rank, "round": round_, "value": value})
+        self._send(messages.gather(self.rank, round_, value))
         while not aborted.is_set():
             try:
                 reply = self._rounds.get(timeout=_GATHER_POLL_S)
@@ -357,7 +359,7 @@ class DriverLink:
         """Reports this rank's failure; returns whether the driver ends the run here (no
         stage attempt left), False when it lets Spark retry or cannot be reached."""
         self.drain()  # the rank's last output reaches the driver before its failure
-        self._send({"kind": "failed", "rank": self.rank, "traceback": traceback})
+        self._send(messages.link_failed(self.rank, traceback))
         if not self._connected():
             return False
         try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flyte_hvd.core.job import FunctionJob
-from flyte_hvd.core.launcher import launch_local
+from flyte_hvd.launch.job import FunctionJob
+from flyte_hvd.launch.supervisor import launch_local
 from flyte_hvd.spark.dispatch import active_session, run, task_slots
 
 

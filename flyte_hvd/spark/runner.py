@@ -1,11 +1,13 @@
-"""``run(fn, num_proc=N)``: run ``fn`` on N ranks inside one Spark barrier stage.
+"""What runs ranks in a Spark barrier stage, whatever the session: the checks of a launch's
+arguments, the barrier task, the driver's verdict when a rank fails; and a classic session's
+backend (``ClassicBackend``: an RDD barrier stage).
 
 The driver checks that the cluster can hold the stage (free slots, no dynamic allocation)
 before submitting, so a job that cannot start fails in seconds with what to change, not after
 Horovod's 600 s "Timed out waiting for Spark tasks". Each barrier task then supervises one rank
-process (``flyte_hvd.core.launcher``); the ranks meet, and their output and failures come back
-to the driver, over a ``DriverLink``, and the driver raises one error naming the failing rank
-with its traceback.
+process (``flyte_hvd.launch.supervisor``); the ranks meet, and their output and failures come
+back to the driver over a ``DriverLink``, and the driver raises one error naming the failing
+rank with its traceback. ``pipeline.launch`` puts these together.
 """
 
 from __future__ import annotations
@@ -17,21 +19,20 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from flyte_hvd.core import stall
-from flyte_hvd.core.environment import driver_env, local_driver_env
 from flyte_hvd.core.errors import RanksFailedError
-from flyte_hvd.core.job import FunctionJob
-from flyte_hvd.core.launcher import new_secret
-from flyte_hvd.core.log import get_logger, verbosity_level
+from flyte_hvd.core.log import get_logger
+from flyte_hvd.launch.environment import driver_env, local_driver_env
+from flyte_hvd.launch.job import FunctionJob
+
+if TYPE_CHECKING:
+    from pyspark import SparkContext
 
 logger = get_logger(__name__)
 
-START_TIMEOUT_ENV = "HOROVOD_SPARK_START_TIMEOUT"
-DEFAULT_START_TIMEOUT = 600.0
 # Inside a rank: the accelerator addresses Spark assigned to its task, comma-separated.
 DEVICES_ENV = "FLYTE_HVD_SPARK_DEVICES"
 _SLOT_POLL_S = 1.0
@@ -46,147 +47,7 @@ class RunReport:
     events: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
-def run(
-    fn: Callable[..., Any],
-    args: tuple = (),
-    kwargs: dict[str, Any] | None = None,
-    num_proc: int | None = None,
-    start_timeout: float | None = None,
-    env: dict[str, str] | None = None,
-    stdout: IO[str] | None = None,
-    stderr: IO[str] | None = None,
-    verbose: int = 1,
-    prefix_output_with_timestamp: bool = False,
-) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``num_proc`` ranks of the active SparkSession.
-
-    Args:
-        fn: travels to the ranks with cloudpickle, so it may capture local variables.
-        num_proc: number of ranks; defaults to ``spark.default.parallelism``.
-        start_timeout: seconds for scheduling plus rendezvous; defaults to
-            ``HOROVOD_SPARK_START_TIMEOUT``, then 600.
-        env: environment variables for the ranks; by default the driver's environment as it
-            is at the call, less what describes the driver's own host (``PATH``, ``HOME``,
-            ``PYTHONPATH``, ``JAVA_HOME``, ``SPARK_*``, ``CUDA_VISIBLE_DEVICES``, thread
-            counts; see ``flyte_hvd.core.environment.driver_env``), as Horovod's ``run``.
-        stdout, stderr: where rank output goes on the driver (default: sys's).
-        verbose: the level of the launcher's own messages on the `flyte_hvd` logger: INFO
-            when >= 1 (shown by default), DEBUG when 0.
-        prefix_output_with_timestamp: prefix every rank line with the time it arrived.
-        nics: network interfaces the ranks' MPI traffic uses (``{'eth0'}``).
-        use_mpi, use_gloo, extra_mpi_args, executable: Horovod's launcher choices, accepted
-            and without effect (each says so once): ranks always run under MPICH, each under
-            its own ``mpiexec -n 1``, with the Python of Spark's workers.
-
-    Returns:
-        Each rank's return value, in rank order.
-
-    Raises:
-        RanksFailedError: a rank raised or died; the message names it and carries its
-            traceback.
-
-    Example:
-        >>> from flyte_hvd.spark import run
-        >>> def train(lr):
-        ...     import flyte_hvd.core as hvd
-        ...     hvd.init()
-        ...     return hvd.rank(), lr * hvd.size()
-        >>> run(train, args=(0.1,), num_proc=2)  # doctest: +SKIP
-        [(0, 0.2), (1, 0.2)]
-    """
-    return launch(
-        fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
-        prefix_output_with_timestamp,
-    ).results  # fmt: skip
-
-
-def launch(
-    fn: Callable[..., Any],
-    args: tuple = (),
-    kwargs: dict[str, Any] | None = None,
-    num_proc: int | None = None,
-    start_timeout: float | None = None,
-    env: dict[str, str] | None = None,
-    stdout: IO[str] | None = None,
-    stderr: IO[str] | None = None,
-    verbose: int = 1,
-    prefix_output_with_timestamp: bool = False,
-    preload: tuple[str, ...] = (),
-) -> RunReport:
-    """``run``, returning the full ``RunReport`` (used by benchmarks and the estimator).
-    ``preload`` names modules that spare rank processes import ahead of the next run
-    (``flyte_hvd.core.spare``); the estimators pass their framework's."""
-    from flyte_hvd.spark.driver_link import DriverServer
-
-    sc = active_spark_context()
-    num_proc = _check_num_proc(sc.defaultParallelism if num_proc is None else num_proc)
-    timeout = _resolve_start_timeout(start_timeout)
-    job = _pickle_job(fn, args, kwargs)
-    rank_env = ranks_env(sc.master, num_proc, env)
-    stall_config = stall.StallConfig.from_env({**os.environ, **rank_env})
-    submitted_at = time.time()
-    deadline = time.monotonic() + timeout
-    wait_for_slots(sc, num_proc, deadline, timeout)
-    secret = new_secret()
-    max_attempts = stage_attempts(sc)
-    tag = f"flyte-hvd-{secret[:12]}"
-
-    server = DriverServer(
-        _driver_host(sc), secret, num_proc, stdout, stderr, prefix_output_with_timestamp,
-        on_failure=on_rank_failure(max_attempts, lambda: sc.cancelJobsWithTag(tag)),
-        watch=stall.StallWatch(num_proc, stall_config),
-        on_stuck=lambda: sc.cancelJobsWithTag(tag),
-    )  # fmt: skip
-    level = verbosity_level(verbose)
-    logger.log(level, "running %d ranks in a Spark barrier stage", num_proc)
-    task = _barrier_task(
-        job, num_proc, secret, server.address, rank_env, deadline - time.monotonic(),
-        single_host=_is_local(sc), preload=preload,
-    )  # fmt: skip
-    sc.addJobTag(tag)
-    try:
-        rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(task)
-        if max_attempts > 1:
-            # Spark retries a failed barrier stage only when it feeds a shuffle (a failed
-            # barrier result stage is aborted); the driver stops it after `max_attempts`.
-            rdd = rdd.partitionBy(1)
-        collected = sorted(rdd.collect())
-    except Exception as error:
-        failure = stage_failure(server, num_proc, error)
-        raise failure from (None if isinstance(failure, RanksFailedError) else error)
-    else:  # a failed run's last attempt ends its tasks with RUN_FAILED instead of failing
-        if any(payload == RUN_FAILED for _, payload in collected):
-            raise stage_failure(server, num_proc)
-    finally:
-        sc.removeJobTag(tag)
-        server.close()
-    results = [cloudpickle.loads(payload) for _, payload in collected]
-    logger.log(level, "%d ranks finished", num_proc)
-    return RunReport(results=results, submitted_at=submitted_at, events=dict(server.events))
-
-
-def active_spark_context() -> Any:
-    """The SparkContext of this thread's active session, else of the default one (the
-    session the builder made, as ``SparkSession.active()`` finds it from any thread)."""
-    try:
-        from pyspark.sql import SparkSession
-    except ImportError:
-        raise RuntimeError(
-            "flyte_hvd.spark needs pyspark: install it (`pip install pyspark`)."
-        ) from None
-    try:
-        spark = SparkSession.active()
-    except Exception:  # pyspark's NO_ACTIVE_OR_DEFAULT_SESSION
-        spark = None
-    if spark is None:
-        raise RuntimeError(
-            "no active SparkSession: create one first (SparkSession.builder.getOrCreate()), "
-            "or run without Spark through HorovodRunner(np=-N) or `flyte-hvd-run -np N`."
-        )
-    return spark.sparkContext
-
-
-def _check_num_proc(num_proc: Any) -> int:
+def check_num_proc(num_proc: Any) -> int:
     if isinstance(num_proc, bool) or not isinstance(num_proc, int):
         raise ValueError(f"`num_proc` must be an int >= 1; found {num_proc!r}.")
     if num_proc < 1:
@@ -194,21 +55,7 @@ def _check_num_proc(num_proc: Any) -> int:
     return num_proc
 
 
-def _resolve_start_timeout(start_timeout: float | None) -> float:
-    if start_timeout is None:
-        raw = os.environ.get(START_TIMEOUT_ENV)
-        try:
-            start_timeout = float(raw) if raw else DEFAULT_START_TIMEOUT
-        except ValueError:
-            raise ValueError(f"{START_TIMEOUT_ENV}={raw!r}: expected seconds, e.g. 120.") from None
-    if isinstance(start_timeout, bool) or not isinstance(start_timeout, int | float):
-        raise ValueError(f"`start_timeout` must be seconds > 0; found {start_timeout!r}.")
-    if start_timeout <= 0:
-        raise ValueError(f"`start_timeout` must be > 0 seconds; found {start_timeout}.")
-    return float(start_timeout)
-
-
-def _pickle_job(fn: Any, args: tuple, kwargs: dict[str, Any] | None) -> bytes:
+def pickle_job(fn: Any, args: tuple, kwargs: dict[str, Any] | None) -> bytes:
     if not callable(fn):
         raise ValueError(f"`fn` must be callable; found {type(fn).__name__}.")
     if not isinstance(args, tuple | list):
@@ -225,7 +72,7 @@ def _pickle_job(fn: Any, args: tuple, kwargs: dict[str, Any] | None) -> bytes:
         ) from error
 
 
-def _check_env(env: dict[str, str] | None) -> dict[str, str]:
+def check_env(env: dict[str, str] | None) -> dict[str, str]:
     env = dict(env or {})
     bad = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
     if bad:
@@ -239,13 +86,13 @@ def ranks_env(master: str, num_proc: int, env: dict[str, str] | None) -> dict[st
     to ``os.environ``), with a local master's settings (``local_driver_env``) between the
     two."""
     inherited = driver_env() if env is None else {}
-    return {**inherited, **local_driver_env(master, num_proc), **_check_env(env)}
+    return {**inherited, **local_driver_env(master, num_proc), **check_env(env)}
 
 
 # -- preflight -------------------------------------------------------------------------------
 
 
-def task_slots(sc: Any) -> int:
+def task_slots(sc: SparkContext) -> int:
     """How many tasks of the default resource profile the cluster can run at once now
     (what Spark's own barrier check counts: cores and accelerators per executor)."""
     jsc = sc._jsc.sc()
@@ -253,20 +100,20 @@ def task_slots(sc: Any) -> int:
     return int(jsc.maxNumConcurrentTasks(profile))
 
 
-def _expected_executors(sc: Any) -> int | None:
+def _expected_executors(sc: Any) -> int | None:  # a SparkContext or dataframe_stage.SessionConf
     """Executors the application asked for but may not have yet (None in local mode)."""
     cluster = re.match(r"local-cluster\[\s*(\d+)\s*,", sc.master)
     if cluster:
         return int(cluster.group(1))
-    if _is_local(sc):
+    if is_local(sc.master):
         return None
     raw = sc.getConf().get("spark.executor.instances")
     return int(raw) if raw else None
 
 
-def _is_local(sc: Any) -> bool:
+def is_local(master: str) -> bool:
     """``local``/``local[N]``/``local[N,F]``: tasks run in the driver JVM."""
-    return sc.master == "local" or sc.master.startswith("local[")
+    return master == "local" or master.startswith("local[")
 
 
 def stage_failure(server: Any, num_proc: int, error: BaseException | None = None) -> Exception:
@@ -310,11 +157,11 @@ def on_rank_failure(
     return handle
 
 
-def _registered_executors(sc: Any) -> int:
+def _registered_executors(sc: SparkContext) -> int:
     return max(0, int(sc._jsc.sc().getExecutorMemoryStatus().size()) - 1)  # minus the driver
 
 
-def wait_for_slots(sc: Any, num_proc: int, deadline: float, timeout: float) -> None:
+def wait_for_slots(sc: SparkContext, num_proc: int, deadline: float, timeout: float) -> None:
     """Fail fast when the stage can never be scheduled; wait (up to the deadline) only while
     executors the application asked for are still registering."""
     conf = sc.getConf()
@@ -343,7 +190,7 @@ def _slots_message(
     task_cpus = conf.get("spark.task.cpus", "1")
     where = (
         f"master {sc.master}"
-        if _is_local(sc)
+        if is_local(sc.master)
         else f"{registered} executor(s) x spark.executor.cores="
         f"{conf.get('spark.executor.cores', '?')}"
     )
@@ -353,7 +200,7 @@ def _slots_message(
         f"spark.task.cpus={task_cpus}){also}. Lower `num_proc`, or add task slots: "
         + (
             f"a master of local[{num_proc}]."
-            if _is_local(sc)
+            if is_local(sc.master)
             else "more executors (spark.executor.instances) or cores (spark.executor.cores)."
         )
     )
@@ -362,7 +209,7 @@ def _slots_message(
 def stage_attempts(sc: Any) -> int:
     """How many times a failed stage may run: ``spark.task.maxFailures`` (Spark's default 4),
     or F of a ``local[N,F]`` master (1 for plain ``local[N]``)."""
-    if _is_local(sc):
+    if is_local(sc.master):
         match = re.match(r"local\[[^,\]]+,\s*(\d+)\]", sc.master)
         return int(match.group(1)) if match else 1
     return max(1, int(sc.getConf().get("spark.task.maxFailures", "4")))
@@ -383,10 +230,11 @@ def _task_rank_env(env: dict[str, str], ctx: Any) -> dict[str, str]:
     return rank_env
 
 
-def start_spares(num_proc: int, env: dict[str, str] | None, preload: tuple[str, ...]) -> Any:
+def start_spares(sc: SparkContext, num_proc: int, env: dict[str, str] | None,
+                 preload: tuple[str, ...]) -> Any:  # fmt: skip
     """Starts, in a background thread, a short Spark job of ``num_proc`` tasks that each
     start a spare rank process importing ``preload`` in their Python worker, unless one is
-    idle there (``flyte_hvd.core.spare``). An estimator calls it once ``prepare_data`` has
+    idle there (``flyte_hvd.launch.spare``). An estimator calls it once ``prepare_data`` has
     checked the data, before Spark writes it: the ranks' framework imports then run during
     the write, and the barrier tasks that follow in those workers hand their ranks to the
     spares (Spark gives a task the Python worker idle longest; in a new session these are
@@ -394,13 +242,13 @@ def start_spares(num_proc: int, env: dict[str, str] | None, preload: tuple[str, 
     left idle exits with its worker or after ``FLYTE_HVD_SPARE_IDLE_S``. Returns the thread
     (None when spares are off); failures are logged, never raised: the run does not depend
     on it."""
-    from flyte_hvd.core import spare
+    from flyte_hvd.launch import spare
 
     if not preload or not spare.enabled():
         return None
-    sc = active_spark_context()
-    rank_env = ranks_env(sc.master, num_proc, env)
-    task = _spare_task(rank_env, tuple(preload), _is_local(sc))
+    master = str(sc.master)
+    rank_env = ranks_env(master, num_proc, env)
+    task = _spare_task(rank_env, tuple(preload), is_local(master))
 
     def submit() -> None:
         try:
@@ -419,7 +267,7 @@ def _spare_task(rank_env: dict[str, str], preload: tuple[str, ...], single_host:
     def task(_: Any) -> Any:
         from pyspark import TaskContext
 
-        from flyte_hvd.core.launcher import start_spare_ahead
+        from flyte_hvd.launch.supervisor import start_spare_ahead
 
         env = _task_rank_env(rank_env, TaskContext.get())
         yield int(start_spare_ahead(env, preload, single_host))
@@ -427,8 +275,43 @@ def _spare_task(rank_env: dict[str, str], preload: tuple[str, ...], single_host:
     return task
 
 
-def _driver_host(sc: Any) -> str:
-    return sc.getConf().get("spark.driver.host") or "127.0.0.1"
+class ClassicBackend:
+    """A classic session's barrier stage (``pipeline.StageBackend``): an RDD stage, task slots
+    from the scheduler, cancelled by job tag."""
+
+    label = ""
+
+    def __init__(self, sc: SparkContext):
+        self.sc = sc
+        self.master = str(sc.master)
+
+    def default_parallelism(self) -> int:
+        return int(self.sc.defaultParallelism)
+
+    def wait_for_slots(self, num_proc: int, deadline: float, timeout: float) -> None:
+        wait_for_slots(self.sc, num_proc, deadline, timeout)
+
+    def stage_attempts(self) -> int:
+        return stage_attempts(self.sc)
+
+    def link_host(self) -> str:
+        return self.sc.getConf().get("spark.driver.host") or "127.0.0.1"
+
+    def run_stage(self, task: Callable[[Any], Any], num_proc: int, retried: bool,
+                  tag: str) -> list[tuple[int, bytes]]:  # fmt: skip
+        self.sc.addJobTag(tag)
+        try:
+            rdd = self.sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(task)
+            if retried:
+                # Spark retries a failed barrier stage only when it feeds a shuffle (a failed
+                # barrier result stage is aborted); the driver stops it after the last attempt.
+                rdd = rdd.partitionBy(1)
+            return sorted(rdd.collect())
+        finally:
+            self.sc.removeJobTag(tag)
+
+    def cancel(self, tag: str) -> None:
+        self.sc.cancelJobsWithTag(tag)
 
 
 def _last_line(text: str) -> str:
@@ -445,7 +328,7 @@ def _first_line(error: BaseException) -> str:
 RUN_FAILED = b"flyte-hvd: the run failed"
 
 
-def _barrier_task(
+def barrier_task(
     job: bytes,
     num_proc: int,
     secret: str,
@@ -460,8 +343,8 @@ def _barrier_task(
     def task(_: Any) -> Any:
         from pyspark import BarrierTaskContext
 
-        from flyte_hvd.core.launcher import RankSupervisor
-        from flyte_hvd.core.stall import ForwardWatch
+        from flyte_hvd.launch.stall import ForwardWatch
+        from flyte_hvd.launch.supervisor import RankSupervisor
         from flyte_hvd.spark.driver_link import DriverLink
 
         ctx = BarrierTaskContext.get()

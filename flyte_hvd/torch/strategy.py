@@ -33,10 +33,11 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
 
-import flyte_hvd.torch as hvd
+import flyte_hvd.core as core
+import flyte_hvd.torch.functions as torch_functions
 from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.torch.functions import allreduce
-from flyte_hvd.torch.optimizer import _DistributedOptimizer
+from flyte_hvd.torch.optimizer import DistributedOptimizer, _DistributedOptimizer
 
 
 class _HorovodStrategyMixin:
@@ -47,7 +48,7 @@ class _HorovodStrategyMixin:
         gradient_predivide_factor: see ``DistributedOptimizer``.
 
     Gradient accumulation (``Trainer(accumulate_grad_batches=N)``) reduces once per N
-    batches. Learning rates are used as given (scale them by ``hvd.size()`` yourself if the
+    batches. Learning rates are used as given (scale them by ``core.size()`` yourself if the
     global batch grows with the ranks).
     """
 
@@ -68,7 +69,7 @@ class _HorovodStrategyMixin:
         compression: type[Compressor] = Compression.none,
         gradient_predivide_factor: float = 1.0,
     ):
-        hvd.init()
+        core.init()
         super().__init__(  # type: ignore[call-arg]
             accelerator=accelerator, parallel_devices=parallel_devices,
             cluster_environment=None, checkpoint_io=checkpoint_io,
@@ -76,7 +77,7 @@ class _HorovodStrategyMixin:
         )  # fmt: skip
         self.compression = compression
         self.gradient_predivide_factor = gradient_predivide_factor
-        _set_rank_zero(hvd.rank())
+        _set_rank_zero(core.rank())
 
     # -- where this process is ---------------------------------------------------------------
 
@@ -84,24 +85,24 @@ class _HorovodStrategyMixin:
     def root_device(self) -> torch.device:
         devices = self.parallel_devices
         if devices and devices[0].type == "cuda":
-            return torch.device("cuda", hvd.local_rank())
+            return torch.device("cuda", core.local_rank())
         return torch.device("cpu")
 
     @property
     def global_rank(self) -> int:
-        return hvd.rank()
+        return core.rank()
 
     @property
     def local_rank(self) -> int:
-        return hvd.local_rank()
+        return core.local_rank()
 
     @property
     def node_rank(self) -> int:
-        return hvd.cross_rank()
+        return core.cross_rank()
 
     @property
     def world_size(self) -> int:
-        return hvd.size()
+        return core.size()
 
     @property
     def is_distributed(self) -> bool:
@@ -109,7 +110,7 @@ class _HorovodStrategyMixin:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": hvd.size(), "rank": hvd.rank()}
+        return {"num_replicas": core.size(), "rank": core.rank()}
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -123,12 +124,12 @@ class _HorovodStrategyMixin:
             return
         module = self.lightning_module
         assert module is not None  # set while fitting
-        hvd.broadcast_parameters(module.state_dict(), root_rank=0)
+        torch_functions.broadcast_parameters(module.state_dict(), root_rank=0)
         names = {p: n for n, p in module.named_parameters()}
         for optimizer in self.optimizers:
-            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+            torch_functions.broadcast_optimizer_state(optimizer, root_rank=0)
             params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-            hvd.DistributedOptimizer(
+            DistributedOptimizer(
                 optimizer,
                 named_parameters=[(names.get(p, f"param.{i}"), p) for i, p in enumerate(params)],
                 compression=self.compression,
@@ -174,8 +175,8 @@ class _HorovodStrategyMixin:
             return tensor
         name = reduce_op if isinstance(reduce_op, str) else getattr(reduce_op, "name", "")
         name = str(name or reduce_op).lower()
-        ops = {"mean": hvd.Average, "avg": hvd.Average, "sum": hvd.Sum, "max": hvd.Max,
-               "min": hvd.Min, "product": hvd.Product}  # fmt: skip
+        ops = {"mean": core.Average, "avg": core.Average, "sum": core.Sum, "max": core.Max,
+               "min": core.Min, "product": core.Product}  # fmt: skip
         op = next((o for key, o in ops.items() if key in name), None)
         if op is None:
             raise ValueError(
@@ -186,13 +187,13 @@ class _HorovodStrategyMixin:
         return allreduce(source, op=op).to(tensor.dtype)
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False):
-        return hvd.allgather(tensor.unsqueeze(0))
+        return torch_functions.allgather(tensor.unsqueeze(0))
 
     def barrier(self, name: str | None = None) -> None:
-        hvd.barrier()
+        core.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return hvd.broadcast_object(obj, root_rank=src)
+        return core.broadcast_object(obj, root_rank=src)
 
 
 class HorovodStrategy(_HorovodStrategyMixin, ParallelStrategy):

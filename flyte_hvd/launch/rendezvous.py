@@ -23,6 +23,8 @@ import socket
 import threading
 from typing import Any
 
+from flyte_hvd.launch import messages
+
 CONTROL_ENV = "FLYTE_HVD_CONTROL"
 RANK_ENV = "FLYTE_HVD_RANK"
 SIZE_ENV = "FLYTE_HVD_SIZE"
@@ -54,7 +56,7 @@ class ControlClient:
         self._lock = threading.Lock()
         self._closing = False
         threading.Thread(target=self._read, name="flyte-hvd-control", daemon=True).start()
-        self.send({"op": "hello", "rank": rank, "pid": os.getpid()})
+        self.send(messages.hello(rank, os.getpid()))
         # The run's secret comes over this private socket, never through the environment.
         self.secret: str = self._replies.get()["secret"]
 
@@ -72,13 +74,13 @@ class ControlClient:
             self._sock.sendall(encode(message))
 
     def all_gather(self, value: str) -> list[str]:
-        self.send({"op": "allgather", "value": value})
+        self.send(messages.allgather(value))
         return self._replies.get()["values"]
 
     def finish(self) -> None:
         """Report success; from now on the supervisor may close the socket."""
         self._closing = True
-        self.send({"op": "done"})
+        self.send(messages.rank_event(messages.RankOp.DONE))
 
 
 def join(client: ControlClient, rank: int, size: int) -> Any:

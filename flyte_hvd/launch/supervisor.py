@@ -2,7 +2,7 @@
 
 A ``RankSupervisor`` owns some ranks of a run (all of them for ``flyte-hvd-run``; one per
 Spark task for ``flyte_hvd.spark.run``). For each it starts ``mpiexec -n 1 python -m
-flyte_hvd.core.bootstrap``, serves the rank's control socket, prefixes its output with
+flyte_hvd.launch.bootstrap``, serves the rank's control socket, prefixes its output with
 ``[rank]``, and watches it: if a rank fails, the others are stopped at once and the error
 names the rank and carries its traceback. No rank process outlives ``run()``.
 """
@@ -28,9 +28,10 @@ from typing import IO, Any, Protocol
 
 import cloudpickle
 
-from flyte_hvd.core import rendezvous, spare, stall
 from flyte_hvd.core.errors import RanksFailedError, RendezvousTimeoutError
-from flyte_hvd.core.output import (
+from flyte_hvd.launch import messages, rendezvous, spare, stall
+from flyte_hvd.launch.messages import RankOp
+from flyte_hvd.launch.output import (
     ByteSink,
     LineSplitter,
     OutputLog,
@@ -150,12 +151,12 @@ def rank_start(extra_env: dict[str, str], single_host: bool) -> tuple[dict[str, 
         # Every rank is on this machine: UCX needs no interface but loopback.
         env.setdefault("UCX_NET_DEVICES", "lo")
     mpiexec = find_mpiexec(single_host)
-    return env, [mpiexec, "-n", "1", sys.executable, "-m", "flyte_hvd.core.bootstrap"]
+    return env, [mpiexec, "-n", "1", sys.executable, "-m", "flyte_hvd.launch.bootstrap"]
 
 
 def start_spare_ahead(extra_env: dict[str, str], preload: tuple[str, ...],
                       single_host: bool) -> bool:  # fmt: skip
-    """Starts a spare rank process for a run about to start here (``flyte_hvd.core.spare``),
+    """Starts a spare rank process for a run about to start here (``flyte_hvd.launch.spare``),
     unless spares are off or one started the same way is already idle; whether it started."""
     if not preload or not spare.enabled():
         return False
@@ -182,10 +183,10 @@ class RankSupervisor:
         single_host: every rank of the run is on this machine: start them with nothing
             listening on a network interface (``mpiexec.gforker``, UCX on loopback).
         watch: decides from the ranks' probe reports whether the run is stuck (see
-            ``flyte_hvd.core.stall``); by default one over this supervisor's ranks.
+            ``flyte_hvd.launch.stall``); by default one over this supervisor's ranks.
         preload: modules the ranks import first (e.g. ``("tensorflow",)``): after a run that
             ends well, this process keeps a spare rank process per rank with them imported,
-            for the next run that starts its ranks the same way (``flyte_hvd.core.spare``).
+            for the next run that starts its ranks the same way (``flyte_hvd.launch.spare``).
     """
 
     def __init__(
@@ -327,7 +328,7 @@ class RankSupervisor:
 
     def _pump_rank(self, state: _Rank, stream: str, fd: int) -> None:
         """Reads the rank's own pipe as fast as it is written: every byte goes on at once to
-        ``output``, which must not block (see ``flyte_hvd.core.output``)."""
+        ``output``, which must not block (see ``flyte_hvd.launch.output``)."""
         try:
             while True:
                 try:
@@ -398,32 +399,32 @@ class RankSupervisor:
             for line in conn.makefile("rb"):
                 message = json.loads(line)
                 op = message["op"]
-                if op == "hello":
+                if op == RankOp.HELLO:
                     state = self.ranks.get(message["rank"])
                     if state is None:
                         return
                     state.conn, state.pid = conn, message["pid"]
                     state.times["hello"] = time.time()
                     # The secret travels only here, never in an environment or command line.
-                    conn.sendall(rendezvous.encode({"secret": self.secret}))
+                    conn.sendall(rendezvous.encode(messages.secret_reply(self.secret)))
                 elif state is None:
                     return
-                elif op == "allgather":
+                elif op == RankOp.ALLGATHER:
                     values = self.exchange.all_gather(state.rank, message["value"])
-                    conn.sendall(rendezvous.encode({"values": values}))
-                elif op == "joined":
+                    conn.sendall(rendezvous.encode(messages.values_reply(values)))
+                elif op == RankOp.JOINED:
                     state.times["joined"] = time.time()
-                elif op == "warm":
+                elif op == RankOp.WARM:
                     self._start_spare(state)
-                elif op == "failed":
+                elif op == RankOp.FAILED:
                     state.traceback = message["traceback"]
                     if self.output_log is not None:
                         for text in state.traceback.rstrip().splitlines():
                             self.output_log.write(state.rank, "stderr", text)
                     state.times["failed"] = time.time()
-                elif op == "probe":
+                elif op == RankOp.PROBE:
                     self.watch.probe(state.rank, message)
-                elif op == "done":
+                elif op == RankOp.DONE:
                     state.done = True
                     self.watch.ended(state.rank, "returned normally")
                 self._notify()
@@ -681,8 +682,24 @@ def launch_local(
 
 
 def check_start_timeout(start_timeout: Any) -> float:
+    """The one check of a ``start_timeout`` (every launcher's): seconds > 0."""
     if isinstance(start_timeout, bool) or not isinstance(start_timeout, int | float):
         raise ValueError(f"`start_timeout` must be seconds > 0; found {start_timeout!r}.")
     if not start_timeout > 0:
-        raise ValueError(f"`start_timeout` must be > 0 seconds; found {start_timeout}.")
+        raise ValueError(f"`start_timeout` must be seconds > 0; found {start_timeout}.")
     return float(start_timeout)
+
+
+def start_timeout_from_env(name: str, default: float) -> float:
+    """A launcher's default ``start_timeout``: the environment variable ``name``, else
+    ``default``."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r}: expected seconds > 0, e.g. 120.")
+    return value

@@ -10,23 +10,21 @@ and SIGTERM stop every rank, remove the run's files and exit 130 / 143 with one 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 
 from flyte_hvd.core.errors import RanksFailedError, RendezvousTimeoutError
-from flyte_hvd.core.job import ProgramJob
-from flyte_hvd.core.launcher import console_sink, launch_local
+from flyte_hvd.launch.job import ProgramJob
+from flyte_hvd.launch.supervisor import console_sink, launch_local, start_timeout_from_env
 
 START_TIMEOUT_ENV = "HOROVOD_START_TIMEOUT"
 
 
 def _default_start_timeout() -> float:
-    raw = os.environ.get(START_TIMEOUT_ENV, "60")
     try:
-        return float(raw)
-    except ValueError:
-        sys.exit(f"flyte-hvd-run: ${START_TIMEOUT_ENV}={raw!r}: expected seconds > 0, e.g. 120.")
+        return start_timeout_from_env(START_TIMEOUT_ENV, 60.0)
+    except ValueError as error:
+        sys.exit(f"flyte-hvd-run: ${error}")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

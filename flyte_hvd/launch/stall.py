@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flyte_hvd.core.log import get_logger
+from flyte_hvd.launch import messages
 
 CHECK_TIME_ENV = "HOROVOD_STALL_CHECK_TIME_SECONDS"
 SHUTDOWN_TIME_ENV = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
@@ -188,7 +189,7 @@ class Probe:
 
     def _report(self, coll: str | None, age: float, where: str, now: float) -> None:
         self._where, self._where_sent_at = where, now
-        self._send({"op": "probe", "coll": coll, "age": round(age, 3), "where": where})
+        self._send(messages.probe(coll, age, where))
 
 
 # -- where the ranks' reports meet -----------------------------------------------------------
@@ -330,10 +331,10 @@ class ForwardWatch:
         self._forward = forward
 
     def probe(self, rank: int, report: Mapping[str, Any]) -> None:
-        self._forward("probe", rank, dict(report))
+        self._forward(messages.LinkKind.PROBE, rank, dict(report))
 
     def ended(self, rank: int, how: str) -> None:
-        self._forward("ended", rank, {"how": how})
+        self._forward(messages.LinkKind.ENDED, rank, {"how": how})
 
     def check(self) -> None:
         return None

@@ -5,7 +5,7 @@ A rank process spends seconds importing TensorFlow or torch before it trains, on
 runs, as the supervisor's own child (a Spark task's Python worker, which Spark keeps for the
 next task): once that rank calls ``rank_is_warm`` (the estimators do as training starts), or
 else when the run ends well. The spare is an ordinary rank process (``mpiexec -n 1 python -m
-flyte_hvd.core.bootstrap``) that imports those modules and waits on a socket in its own
+flyte_hvd.launch.bootstrap``) that imports those modules and waits on a socket in its own
 0700 folder. The next supervisor in that process whose ranks would start with the same
 command, environment and modules hands it a rank instead of starting a new process; the
 spare then joins as any rank does (a new communicator, the run's secret over the control
@@ -33,9 +33,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from flyte_hvd.core import rendezvous
-from flyte_hvd.core.job import collector_paused
-from flyte_hvd.core.output import open_rank_pipes
+from flyte_hvd.launch import messages, rendezvous
+from flyte_hvd.launch.job import collector_paused
+from flyte_hvd.launch.output import open_rank_pipes
 
 SPARE_ENV = "FLYTE_HVD_SPARE"  # in a spare: the socket it waits on for its rank
 _OWNER_ENV = "FLYTE_HVD_SPARE_OWNER"  # "pid:start time" of the process that keeps it
@@ -191,7 +191,7 @@ def rank_is_warm() -> None:
     if _to_supervisor:
         send = _to_supervisor.pop()
         with contextlib.suppress(OSError):
-            send({"op": "warm"})
+            send(messages.rank_event(messages.RankOp.WARM))
 
 
 # -- in the spare ------------------------------------------------------------------------------

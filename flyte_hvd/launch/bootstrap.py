@@ -1,4 +1,4 @@
-"""The rank process: ``mpiexec -n 1 python -m flyte_hvd.core.bootstrap``.
+"""The rank process: ``mpiexec -n 1 python -m flyte_hvd.launch.bootstrap``.
 
 Every launcher (``flyte-hvd-run``, ``HorovodRunner(np<0)``, ``flyte_hvd.spark.run``) starts
 its ranks through this module: join the other ranks, check the run's secret, then run the
@@ -16,12 +16,14 @@ import traceback
 
 import cloudpickle
 
-from flyte_hvd.core import job as job_module
-from flyte_hvd.core import rendezvous, spare, stall, state
+from flyte_hvd.core import state
 from flyte_hvd.core.log import get_logger
-from flyte_hvd.core.output import adopt_rank_pipes
+from flyte_hvd.launch import job as job_module
+from flyte_hvd.launch import messages, rendezvous, spare, stall
+from flyte_hvd.launch.messages import RankOp
+from flyte_hvd.launch.output import adopt_rank_pipes
 
-logger = get_logger("flyte_hvd.core.bootstrap")  # run as __main__ (python -m)
+logger = get_logger("flyte_hvd.launch.bootstrap")  # run as __main__ (python -m)
 # A level for the flyte_hvd logger in rank processes (e.g. INFO), which log to stderr; the
 # launcher forwards a rank's stderr to the driver.
 LOG_LEVEL_ENV = "FLYTE_HVD_LOG_LEVEL"
@@ -61,7 +63,7 @@ def main() -> None:
             HOROVOD_CROSS_RANK=str(topo.cross_rank),
             HOROVOD_CROSS_SIZE=str(topo.cross_size),
         )
-        client.send({"op": "joined"})
+        client.send(messages.rank_event(RankOp.JOINED))
         with open(job_path, "rb") as f, job_module.collector_paused():
             job = cloudpickle.load(f)  # imports the modules it names (the framework)
         spare.set_channel(client.send)
@@ -82,7 +84,7 @@ def main() -> None:
     except BaseException as error:
         text = _user_traceback(error)
         # The traceback goes to the supervisor only: it is in the run's error and output file.
-        client.send({"op": "failed", "traceback": text})
+        client.send(messages.rank_failed(text))
         sys.stdout.flush()
         # Skip MPI_Finalize: it waits for peers that may be blocked on this rank forever.
         os._exit(1)

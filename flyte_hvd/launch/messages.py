@@ -1,0 +1,114 @@
+"""What the supervisor, its ranks and the Spark driver say to each other, declared once.
+
+Two channels carry JSON lines:
+- a rank's **control socket** (rank -> its supervisor, an ``AF_UNIX`` socket in the
+  supervisor's private folder): ``RankOp`` messages, each ``{"op": ..., ...}``; the supervisor
+  answers ``hello`` with the run's secret and ``allgather`` with every rank's value;
+- a Spark task's **driver link** (task -> driver, TCP): a first line proving the run's secret,
+  then ``LinkKind`` messages, each ``{"kind": ..., "rank": ..., ...}``; the driver answers a
+  ``gather`` round with every task's value (or why it was aborted) and a ``failed`` report
+  with its verdict.
+
+Each builder below returns one message; the fields it names are the message's whole content.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+
+class RankOp(StrEnum):
+    """A rank's messages to its supervisor."""
+
+    HELLO = "hello"  # rank, pid: the rank connected; the reply carries the run's secret
+    ALLGATHER = "allgather"  # value: a rendezvous round; the reply carries every rank's value
+    JOINED = "joined"  # the rank is in the run's communicator
+    WARM = "warm"  # the rank imported what it needs: start the next run's spare now
+    FAILED = "failed"  # traceback: the rank's error, from its first frame in user code
+    PROBE = "probe"  # coll, age, where: what the rank waits in (``stall``)
+    DONE = "done"  # the rank returned normally; its result is in its result file
+
+
+class LinkKind(StrEnum):
+    """A Spark task's messages to the driver."""
+
+    GATHER = "gather"  # round, value: a rendezvous round of the tasks
+    OUT = "out"  # stream, data (base64): the rank's output bytes, in order
+    EVENT = "event"  # name, time: a start-up event of the task or its rank
+    PROBE = "probe"  # a rank's probe report, forwarded for the driver's stall watch
+    ENDED = "ended"  # how: the rank ended (for the stall watch)
+    FAILED = "failed"  # traceback: the rank failed; the reply is the driver's verdict
+
+
+# -- the control socket ------------------------------------------------------------------------
+
+
+def hello(rank: int, pid: int) -> dict[str, Any]:
+    return {"op": RankOp.HELLO, "rank": rank, "pid": pid}
+
+
+def allgather(value: str) -> dict[str, Any]:
+    return {"op": RankOp.ALLGATHER, "value": value}
+
+
+def rank_event(op: RankOp) -> dict[str, Any]:
+    """``joined``, ``warm`` or ``done``: messages without fields."""
+    return {"op": op}
+
+
+def rank_failed(traceback: str) -> dict[str, Any]:
+    return {"op": RankOp.FAILED, "traceback": traceback}
+
+
+def probe(coll: str | None, age: float, where: str) -> dict[str, Any]:
+    return {"op": RankOp.PROBE, "coll": coll, "age": round(age, 3), "where": where}
+
+
+def secret_reply(secret: str) -> dict[str, Any]:
+    return {"secret": secret}
+
+
+def values_reply(values: list[str]) -> dict[str, Any]:
+    return {"values": values}
+
+
+# -- the driver link ---------------------------------------------------------------------------
+
+
+def link_proof(proof: str) -> dict[str, Any]:
+    return {"proof": proof}
+
+
+def gather(rank: int, round_: int, value: str) -> dict[str, Any]:
+    return {"kind": LinkKind.GATHER, "rank": rank, "round": round_, "value": value}
+
+
+def output(rank: int, stream: str, data_base64: str) -> dict[str, Any]:
+    return {"kind": LinkKind.OUT, "rank": rank, "stream": stream, "data": data_base64}
+
+
+def event(rank: int, name: str, at: float) -> dict[str, Any]:
+    return {"kind": LinkKind.EVENT, "rank": rank, "name": name, "time": at}
+
+
+def forwarded(kind: LinkKind, rank: int, message: dict[str, Any]) -> dict[str, Any]:
+    """A rank's ``probe`` report or its ``ended`` notice, passed on to the driver."""
+    return {**message, "kind": kind, "rank": rank}
+
+
+def link_failed(rank: int, traceback: str) -> dict[str, Any]:
+    return {"kind": LinkKind.FAILED, "rank": rank, "traceback": traceback}
+
+
+def round_reply(round_: int, values: list[str] | None = None,
+                aborted: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The driver's answer to a ``gather`` round: every task's value, or why it was aborted."""
+    if aborted is not None:
+        return {"round": round_, "aborted": aborted}
+    return {"round": round_, "values": values}
+
+
+def verdict_reply(final: bool) -> dict[str, Any]:
+    """The driver's answer to ``failed``: whether the run ends here (else Spark retries)."""
+    return {"final": final}

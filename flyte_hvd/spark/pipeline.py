@@ -1,0 +1,144 @@
+"""The one launch pipeline: a ``LaunchSpec`` checked once, run by ``launch(spec, backend)`` on a
+``StageBackend``.
+
+Every step that does not depend on the kind of session is here: the ranks' environment, the
+start deadline, the driver link (output, rendezvous, failures, stall watch), the barrier
+task each rank's Spark task runs, the error when the stage fails, the results. A backend
+says only how its kind of session finds task slots, submits the barrier stage and collects
+what its tasks return, and cancels it: ``runner.ClassicBackend`` (a ``SparkContext``: an RDD
+barrier stage) and ``dataframe_stage.ConnectBackend`` (Spark Connect: a DataFrame barrier
+stage).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any, Protocol
+
+import cloudpickle
+
+from flyte_hvd.core.errors import RanksFailedError
+from flyte_hvd.core.log import get_logger, verbosity_level
+from flyte_hvd.launch import stall
+from flyte_hvd.launch.supervisor import check_start_timeout, new_secret, start_timeout_from_env
+from flyte_hvd.spark import runner
+
+logger = get_logger(__name__)
+
+START_TIMEOUT_ENV = "HOROVOD_SPARK_START_TIMEOUT"
+DEFAULT_START_TIMEOUT = 600.0
+
+
+class StageBackend(Protocol):
+    """What differs between kinds of session."""
+
+    master: str  # the cluster's master URL
+    label: str  # how the launcher's log line names the stage's kind
+
+    def default_parallelism(self) -> int: ...
+
+    def wait_for_slots(self, num_proc: int, deadline: float, timeout: float) -> None:
+        """Return once the cluster can run ``num_proc`` tasks at once; raise with what to
+        change when it cannot (by the deadline)."""
+
+    def stage_attempts(self) -> int:
+        """How many times a failed stage may run."""
+
+    def link_host(self) -> str:
+        """The driver-side address the stage's tasks reach the driver link at."""
+
+    def run_stage(self, task: Callable[[Any], Any], num_proc: int, retried: bool,
+                  tag: str) -> list[tuple[int, bytes]]:  # fmt: skip
+        """Runs ``task`` in a barrier stage of ``num_proc`` tasks, tagged ``tag`` (so that
+        ``cancel`` reaches it), retried as a whole when ``retried``; returns each task's
+        ``(rank, payload)`` in rank order."""
+
+    def cancel(self, tag: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """A run of ``fn`` on ranks, checked: every field is valid once the spec exists."""
+
+    job: bytes  # the pickled FunctionJob
+    num_proc: int
+    start_timeout: float
+    env: dict[str, str] | None  # None: the driver's environment (``runner.ranks_env``)
+    stdout: IO[str] | None = None
+    stderr: IO[str] | None = None
+    verbose: int = 1
+    prefix_output_with_timestamp: bool = False
+    preload: tuple[str, ...] = field(default=())
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None,
+           num_proc: int | None = None, start_timeout: float | None = None,
+           env: dict[str, str] | None = None, stdout: IO[str] | None = None,
+           stderr: IO[str] | None = None, verbose: int = 1,
+           prefix_output_with_timestamp: bool = False, preload: tuple[str, ...] = (),
+           default_num_proc: Callable[[], int] | None = None) -> LaunchSpec:  # fmt: skip
+        """Checks every argument (``num_proc`` defaults to ``default_num_proc()``, the
+        timeout to ``HOROVOD_SPARK_START_TIMEOUT``, then 600 s)."""
+        if num_proc is None and default_num_proc is not None:
+            num_proc = default_num_proc()
+        timeout = (
+            start_timeout_from_env(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT)
+            if start_timeout is None
+            else check_start_timeout(start_timeout)
+        )
+        return cls(
+            job=runner.pickle_job(fn, args, kwargs),
+            num_proc=runner.check_num_proc(num_proc),
+            start_timeout=timeout,
+            env=None if env is None else runner.check_env(env),
+            stdout=stdout,
+            stderr=stderr,
+            verbose=verbose,
+            prefix_output_with_timestamp=prefix_output_with_timestamp,
+            preload=tuple(preload),
+        )
+
+
+def launch(spec: LaunchSpec, backend: StageBackend) -> runner.RunReport:
+    """Runs ``spec`` on ``backend``'s cluster: one barrier stage, one rank per task."""
+    from flyte_hvd.spark.driver_link import DriverServer
+
+    num_proc = spec.num_proc
+    rank_env = runner.ranks_env(backend.master, num_proc, spec.env)
+    stall_config = stall.StallConfig.from_env({**os.environ, **rank_env})
+    submitted_at = time.time()
+    deadline = time.monotonic() + spec.start_timeout
+    backend.wait_for_slots(num_proc, deadline, spec.start_timeout)
+    secret = new_secret()
+    max_attempts = backend.stage_attempts()
+    tag = f"flyte-hvd-{secret[:12]}"
+
+    server = DriverServer(
+        backend.link_host(), secret, num_proc, spec.stdout, spec.stderr,
+        spec.prefix_output_with_timestamp,
+        on_failure=runner.on_rank_failure(max_attempts, lambda: backend.cancel(tag)),
+        watch=stall.StallWatch(num_proc, stall_config),
+        on_stuck=lambda: backend.cancel(tag),
+    )  # fmt: skip
+    level = verbosity_level(spec.verbose)
+    logger.log(level, "running %d ranks in a Spark barrier stage%s", num_proc, backend.label)
+    task = runner.barrier_task(
+        spec.job, num_proc, secret, server.address, rank_env, deadline - time.monotonic(),
+        single_host=runner.is_local(backend.master), preload=spec.preload,
+    )  # fmt: skip
+    try:
+        collected = backend.run_stage(task, num_proc, max_attempts > 1, tag)
+    except Exception as error:
+        failure = runner.stage_failure(server, num_proc, error)
+        raise failure from (None if isinstance(failure, RanksFailedError) else error)
+    else:  # a failed run's last attempt ends its tasks with RUN_FAILED instead of failing
+        if any(payload == runner.RUN_FAILED for _, payload in collected):
+            raise runner.stage_failure(server, num_proc)
+    finally:
+        server.close()
+    results = [cloudpickle.loads(payload) for _, payload in collected]
+    logger.log(level, "%d ranks finished", num_proc)
+    return runner.RunReport(results=results, submitted_at=submitted_at, events=dict(server.events))

@@ -134,7 +134,9 @@ def test_horovod_only_params_are_accepted_and_warn_once():
 def test_unknown_param_is_refused_naming_it():
     from flyte_hvd.estimators.keras import KerasEstimator
 
-    with pytest.raises(TypeError, match="unexpected keyword argument 'epoch'"):
+    with pytest.raises(
+        ValueError, match=r"unknown parameter\(s\) `epoch` \(did you mean `epochs`\?\)"
+    ):
         KerasEstimator(epoch=3)
 
 

@@ -274,7 +274,7 @@ def _bad(store, case):
         ("two_labels", r"returns 1 output\(s\) but `label_cols` names 2"),
         ("lightning_optimizer", "leave `optimizer` and `loss` unset"),
         ("lightning_trainer_args", r"`max_epochs`: set `epochs`"),
-        ("lightning_not_a_module", "must be a lightning.pytorch.LightningModule"),
+        ("lightning_not_a_module", "must be a LightningModule"),
     ],
 )  # fmt: skip
 def test_bad_input_fails_before_ranks_start(spark_local2, store, case, match, monkeypatch):

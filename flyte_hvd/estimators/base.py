@@ -7,6 +7,7 @@ model and predict."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import io
 import time
@@ -116,15 +117,25 @@ class HorovodEstimator(Estimator):
 
         def __getattr__(self, name: str) -> Any: ...
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Before the keyword-only `__init__` refuses it with Python's bare TypeError: say
+        # which names are unknown, the likely intended one, and where the list is.
+        unknown = sorted(set(kwargs) - set(cls._param_defaults))
+        if unknown:
+            hints = [
+                f"`{name}` (did you mean `{close[0]}`?)" if close else f"`{name}`"
+                for name in unknown
+                for close in [difflib.get_close_matches(name, cls._param_defaults, n=1)]
+            ]
+            raise ValueError(
+                f"{cls.__name__} got unknown parameter(s) {', '.join(hints)}; "
+                f"help({cls.__name__}) lists its parameters."
+            )
+        return super().__new__(cls)
+
     def __init__(self, **kwargs: Any):
         super().__init__()
         self._setDefault(**_fresh(self._param_defaults))
-        unknown = sorted(set(kwargs) - set(self._param_defaults))
-        if unknown:
-            raise ValueError(
-                f"{type(self).__name__} got unknown parameter(s) {unknown}; known: "
-                f"{sorted(self._param_defaults)}."
-            )
         self._set(**kwargs)
         given = {k: v for k, v in kwargs.items() if v != self._param_defaults[k]}
         _warn_inert(type(self).__name__, {**INERT_PARAMS, **self._inert_params}, given)

@@ -66,6 +66,7 @@ def printing() -> int:
     return printer()()
 
 
+@pytest.mark.spark
 def test_rank_output_of_any_bytes_reaches_the_task_log(spark_local2, capfd):
     assert printing() == 0
     captured = capfd.readouterr()
@@ -83,6 +84,8 @@ def file_workflow(greeting: str) -> str:
     return read_file(f=rank_file(greeting=greeting))
 
 
+@pytest.mark.mpi
+@pytest.mark.spark
 def test_body_runs_on_every_rank_and_outputs_are_rank_0s(spark_local2, no_leftover_ranks):
     assert isinstance(rank_info, HorovodSparkFunctionTask)
     assert rank_info.task_type == "spark"
@@ -95,6 +98,7 @@ def test_body_runs_on_every_rank_and_outputs_are_rank_0s(spark_local2, no_leftov
     )
 
 
+@pytest.mark.spark
 def test_flytefile_written_by_rank_0_reaches_the_outputs(spark_local2):
     out = rank_file(greeting="hello")
     raw_prefix = flytekit.FlyteContextManager.current_context().file_access.raw_output_prefix
@@ -103,10 +107,13 @@ def test_flytefile_written_by_rank_0_reaches_the_outputs(spark_local2):
         assert f.read() == "hello from rank 0 of 2"
 
 
+@pytest.mark.spark
 def test_flytefile_flows_to_the_next_task_in_a_workflow(spark_local2):
     assert file_workflow(greeting="hi") == "hi from rank 0 of 2"
 
 
+@pytest.mark.mpi
+@pytest.mark.spark
 def test_a_failing_rank_fails_the_task_naming_it(spark_local2, no_leftover_ranks):
     @task(task_config=HorovodSpark(num_proc=2))
     def fails_on_rank_1() -> int:
@@ -122,6 +129,7 @@ def test_a_failing_rank_fails_the_task_naming_it(spark_local2, no_leftover_ranks
     assert "KeyError: 'missing shard'" in str(info.value)
 
 
+@pytest.mark.spark
 def test_rank_0_returning_the_wrong_type_says_which_output(spark_local2):
     @task(task_config=HorovodSpark(num_proc=2))
     def wrong_type() -> FlyteFile:
@@ -131,6 +139,7 @@ def test_rank_0_returning_the_wrong_type_says_which_output(spark_local2):
         wrong_type()
 
 
+@pytest.mark.spark
 def test_num_proc_above_the_sessions_slots_fails_with_the_preflight_message(spark_local2):
     @task(task_config=HorovodSpark(num_proc=3))
     def three_ranks() -> int:
@@ -368,6 +377,7 @@ def test_pyflyte_run_starts_a_session_and_files_travel_through_the_object_store(
     assert any(key.endswith("/result.txt") for key in keys), keys
 
 
+@pytest.mark.mpi
 @pytest.mark.spark
 def test_a_task_runs_on_a_spark_connect_endpoint(spark_connect_url, no_leftover_ranks):
     """`connect_url`: the task connects to an existing cluster instead of starting a session;

@@ -270,6 +270,7 @@ def test_registration_time_work_dir_becomes_the_default(tmp_path):
 # -- Spark features and the tasks on their own ---------------------------------------------
 
 
+@pytest.mark.spark
 def test_features_keep_every_row_and_flag_validation(spark_local2, small_dataset):
     from workflows.rossmann_features import FEATURE_COLS, baseline_rmspe, prepare_frames
 
@@ -367,6 +368,7 @@ def test_summarize_reports_the_closed_test_rows(tmp_path, capsys):
     assert " beats " in out
 
 
+@pytest.mark.spark
 def test_a_join_that_loses_rows_is_an_error(spark_local2, small_dataset, tmp_path):
     from workflows.rossmann_features import LostRowsError, prepare_frames
 
@@ -385,6 +387,7 @@ def _train(prepared, **inputs):
     )  # fmt: skip
 
 
+@pytest.mark.spark
 @pytest.mark.flyte
 def test_tasks_on_their_own(spark_local2, small_dataset, tmp_path):
     """download_data, prepare, train (1 epoch) and predict, each called as a task."""
@@ -436,6 +439,7 @@ def _check_report(report, dataset: str) -> pd.DataFrame:
     return submission
 
 
+@pytest.mark.spark
 @pytest.mark.flyte
 @pytest.mark.e2e
 def test_workflow_end_to_end_with_warm_start(spark_local2, small_dataset, tmp_path):
@@ -458,6 +462,7 @@ def test_workflow_end_to_end_with_warm_start(spark_local2, small_dataset, tmp_pa
     assert rossmann._initial_model(Store.create(str(tmp_path / "empty")), rossmann.LATEST) is None
 
 
+@pytest.mark.spark
 @pytest.mark.flyte
 @pytest.mark.e2e
 def test_workflow_with_work_dir_on_s3(spark_local2, small_dataset, s3_server, monkeypatch):

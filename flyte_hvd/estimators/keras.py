@@ -62,7 +62,7 @@ class KerasEstimator(HorovodEstimator):
         >>> from flyte_hvd.estimators import KerasEstimator
         >>> est = KerasEstimator(num_proc=2, store=store, model=model, optimizer="adam",
         ...                      loss="mse", feature_cols=["features"], label_cols=["y"],
-        ...                      batch_size=64, epochs=5)
+        ...                      batch_size=64, epochs=5, verbose=0)
         >>> predictions = est.fit(train_df).transform(test_df)  # doctest: +SKIP
     """
 

@@ -43,10 +43,12 @@ ENDED_GRACE_S = 2.0
 
 logger = get_logger(__name__)
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_COLLECTIVE_FILES = (os.path.join(_HERE, "collectives.py"),)
-_INIT_FILE = os.path.join(_HERE, "state.py")
-_PACKAGE = os.path.dirname(_HERE)
+# The collective core's files, found by path: importing them here would start MPI in every
+# process that watches ranks (the Spark driver).
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # flyte_hvd/
+_CORE = os.path.join(_PACKAGE, "core")
+_COLLECTIVE_FILES = (os.path.join(_CORE, "collectives.py"),)
+_INIT_FILE = os.path.join(_CORE, "state.py")
 
 
 @dataclass(frozen=True)

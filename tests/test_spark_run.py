@@ -142,8 +142,7 @@ def test_rank_output_reaches_driver_with_prefix(spark, caplog):
     out, err = io.StringIO(), io.StringIO()
     run(fn, num_proc=1, stdout=out, stderr=err, verbose=1, prefix_output_with_timestamp=True)
     connect = is_connect_session(spark)
-    module = "dataframe_stage" if connect else "runner"
-    launcher = [r for r in caplog.records if r.name == f"flyte_hvd.spark.{module}"]
+    launcher = [r for r in caplog.records if r.name == "flyte_hvd.spark.pipeline"]
     assert [r.levelno for r in launcher] == [logging.INFO, logging.INFO]
     assert launcher[0].getMessage() == "running 1 ranks in a Spark barrier stage" + (
         " (DataFrame API)" if connect else ""

@@ -410,3 +410,77 @@ def test_a_vector_label_gets_vector_predictions(spark_local2, tmp_path):
     assert dict(out.dtypes)["label_prob"] == "vector"
     row = out.first()
     assert isinstance(row.label_prob, DenseVector) and len(row.label_prob.toArray()) == 2
+
+
+def test_legacy_module_loss_is_the_weighted_sum_of_each_outputs_loss():
+    torch = pytest.importorskip("torch")
+    from flyte_hvd.spark.lightning.legacy import to_lightning_module
+
+    def minus(output, label, reduction=None):
+        losses = label - output
+        return losses if reduction == "none" else losses.mean()
+
+    def plus(output, label, reduction=None):
+        losses = label + output
+        return losses if reduction == "none" else losses.mean()
+
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    module = to_lightning_module(net, opt, [minus, plus], [0.25, 0.75], ["x"], ["a", "b"],
+                                 "w", None)  # fmt: skip
+    outputs = [torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 0.0, 2.0])]
+    labels = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.0, 2.0, 4.0])]
+    # minus: (0, 2, 1) . (1, 6, 3) / 3 = 5; plus: (0, 2, 6) . (1, 6, 3) / 3 = 10
+    weighted = module._calculate_loss(outputs, labels, torch.tensor([1.0, 6.0, 3.0]))
+    assert float(weighted) == pytest.approx(0.25 * 5 + 0.75 * 10)
+    # without weights: the means, (0 + 2 + 1) / 3 = 1 and (0 + 2 + 6) / 3 = 8/3
+    assert float(module._calculate_loss(outputs, labels)) == pytest.approx(0.25 + 2.0)
+    # the optimizer is rebuilt on the module's own parameters, with the settings given
+    rebuilt = module.configure_optimizers()
+    assert rebuilt.defaults["lr"] == 0.1
+    assert {id(p) for g in rebuilt.param_groups for p in g["params"]} == {
+        id(p) for p in module.parameters()
+    }
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.e2e
+def test_a_plain_module_with_optimizer_and_loss_trains_as_horovods_legacy_mode(
+    spark_local2, tmp_path
+):
+    torch = pytest.importorskip("torch")
+    from pyspark.ml.linalg import Vectors
+
+    from flyte_hvd.spark.lightning import TorchEstimator
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 1))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 2))
+    df = spark_local2.createDataFrame(
+        [(Vectors.dense(a.tolist()), float(a.sum()), 1.0 + (i % 2)) for i, a in enumerate(x)],
+        ["features", "y", "weight"],
+    )
+    fitted = TorchEstimator(
+        num_proc=2, store=Store.create(str(tmp_path / "store")), model=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1), loss=torch.nn.functional.mse_loss,
+        input_shapes=[[-1, 2]], feature_cols=["features"], label_cols=["y"], batch_size=8,
+        epochs=2, verbose=0, sample_weight_col="weight", validation=0.25,
+    ).fit(df)  # fmt: skip
+    history = fitted.getHistory()
+    assert history["train_loss"][1] < history["train_loss"][0] and len(history["val_loss"]) == 2
+    prediction = fitted.getModel()(torch.ones([1, 2]))
+    assert prediction.shape == (1, 1) and prediction.dtype == torch.float32
+    assert fitted.transform(df).count() == 128
+
+
+def test_a_plain_module_without_optimizer_or_loss_is_refused(tmp_path):
+    torch = pytest.importorskip("torch")
+    from flyte_hvd.spark.lightning import TorchEstimator
+
+    estimator = TorchEstimator(num_proc=2, store=Store.create(str(tmp_path / "s")),
+                               model=torch.nn.Linear(2, 1), feature_cols=["f"],
+                               label_cols=["y"])  # fmt: skip
+    with pytest.raises(ValueError, match="give `optimizer` and `loss` \\(Horovod's legacy mode"):
+        estimator._check_model(["f"], ["y"])

@@ -19,3 +19,18 @@ def require_int(name: str, value: Any, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"`{name}` must be an int >= {minimum}; found {value}.")
     return int(value)
+
+
+def to_list(var: Any, length: int) -> list[Any] | None:
+    """``var`` as a list of ``length`` items (Horovod's ``util.to_list``): a single value (or a
+    one-item list) repeated, a list of that length as it is; None stays None."""
+    if var is None:
+        return None
+    items = list(var) if isinstance(var, list | tuple) else [var]
+    if len(items) == 1:
+        return items * length
+    if len(items) != length:
+        raise ValueError(
+            f"expected {length} item(s) (one per column); found {len(items)}: {var!r}."
+        )
+    return items

@@ -117,9 +117,11 @@ class LightningTrainingSpec(TrainingSpec):
 class LightningEstimator(ShapedInputs, HorovodEstimator):
     """Train a ``LightningModule`` with Horovod's estimator API; returns a ``TorchModel``.
 
-    The module's ``configure_optimizers`` defines the optimizers (``optimizer`` and ``loss``
-    are not used); its ``forward(*features)`` is what ``TorchModel.transform`` calls. Learning
-    rates are used as the module gives them.
+    The module's ``configure_optimizers`` defines the optimizers (leave ``optimizer`` and
+    ``loss`` unset); its ``forward(*features)`` is what ``TorchModel.transform`` calls. Learning
+    rates are used as the module gives them. A plain ``torch.nn.Module`` with ``optimizer`` and
+    ``loss`` (Horovod's legacy mode) is trained in a LightningModule built around it
+    (``lightning_legacy.to_lightning_module``).
     """
 
     _inert_params: ClassVar[dict[str, str]] = {
@@ -200,11 +202,21 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
         _import_lightning()
         model = self.getModel()
         if lightning_package(model) is None:
-            raise ValueError(
-                f"`model` must be a LightningModule (of `lightning.pytorch` or "
-                f"`pytorch_lightning`); found {type(model).__name__}."
-            )
-        if self.getOptimizer() is not None or self.getLoss() is not None:
+            import torch
+
+            if not isinstance(model, torch.nn.Module):
+                raise ValueError(
+                    f"`model` must be a LightningModule (of `lightning.pytorch` or "
+                    f"`pytorch_lightning`), or a torch.nn.Module with `optimizer` and `loss` "
+                    f"(Horovod's legacy mode); found {type(model).__name__}."
+                )
+            if self.getOptimizer() is None or self.getLoss() is None:
+                raise ValueError(
+                    f"`model` must be a LightningModule, or for a plain torch.nn.Module "
+                    f"({type(model).__name__}), give `optimizer` and `loss` (Horovod's legacy "
+                    f"mode: the estimator trains it in a LightningModule built around it)."
+                )
+        elif self.getOptimizer() is not None or self.getLoss() is not None:
             raise ValueError(
                 "LightningEstimator takes the optimizers from the module's "
                 "configure_optimizers() and the loss from its training_step(); leave "
@@ -224,7 +236,7 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
     ) -> LightningTrainingSpec:
         return LightningTrainingSpec(
             **self._spec_fields(remote_store, features, metadata),
-            model_bytes=cloudpickle.dumps(self.getModel()),
+            model_bytes=cloudpickle.dumps(self._lightning_module(features)),
             lightning_package=lightning_package(self.getModel()) or LIGHTNING_PACKAGES[0],
             input_shapes=resolve_input_shapes(self.getInputShapes(), features, metadata[0]),
             trainer_args=dict(self.getTrainerArgs() or {}),
@@ -235,6 +247,19 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
             checkpoint_callback=self.getCheckpointCallback(),
             compression=self.getGradientCompression(),
         )
+
+    def _lightning_module(self, features: list[str]) -> Any:
+        """The module the ranks train: the model, or for a plain ``torch.nn.Module`` (Horovod's
+        legacy mode) a LightningModule built around it with the optimizer and loss."""
+        model = self.getModel()
+        if lightning_package(model) is not None:
+            return model
+        from flyte_hvd.estimators.lightning_legacy import to_lightning_module
+
+        return to_lightning_module(
+            model, self.getOptimizer(), self.getLoss(), self.getLossWeights(), features,
+            list(self.getLabelCols()), self.getSampleWeightCol(), self.getValidation(),
+        )  # fmt: skip
 
     def _remote_trainer(self) -> Callable[[LightningTrainingSpec], dict]:
         return train_on_rank

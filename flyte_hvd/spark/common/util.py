@@ -5,25 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from flyte_hvd.core.checks import to_list
 from flyte_hvd.data.prepare import prepare_data
 from flyte_hvd.data.store import Store
 
 __all__ = ["get_simple_meta_from_parquet", "prepare_data", "to_list"]
-
-
-def to_list(var: Any, length: int) -> list[Any] | None:
-    """``var`` as a list of ``length`` items: a single value (or a one-item list) repeated,
-    a list of that length as it is; None stays None."""
-    if var is None:
-        return None
-    items = list(var) if isinstance(var, list | tuple) else [var]
-    if len(items) == 1:
-        return items * length
-    if len(items) != length:
-        raise ValueError(
-            f"expected {length} item(s) (one per column); found {len(items)}: {var!r}."
-        )
-    return items
 
 
 def get_simple_meta_from_parquet(

@@ -16,7 +16,7 @@ import uuid
 import fsspec
 import pytest
 
-from flyte_hvd.data import store as store_module
+from flyte_hvd.core import log as log_module
 from flyte_hvd.data.dataset import METADATA_FILENAME
 from flyte_hvd.data.store import (
     AbstractFilesystemStore,
@@ -334,7 +334,7 @@ def test_s3_missing_bucket_fails_at_create(s3_server):
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """Forget which one-time warnings were given, so a test sees its own."""
-    monkeypatch.setattr(store_module, "_warned", set())
+    monkeypatch.setattr(log_module, "_warned", set())  # the once-per-process registry
 
 
 @pytest.fixture

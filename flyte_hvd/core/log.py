@@ -40,6 +40,17 @@ def get_logger(name: str = LOGGER_NAME) -> logging.Logger:
     return logging.getLogger(name)
 
 
+_warned: set[str] = set()
+
+
+def warn_once(logger: logging.Logger, key: str, message: str) -> None:
+    """Log ``message`` at WARNING once per process and ``key`` (e.g. a Horovod argument that
+    does nothing here: said once, not at every call)."""
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+
+
 def verbosity_level(verbose: int) -> int:
     """The level at which a launcher's own messages are logged: INFO when ``verbose >= 1``
     (shown by default), DEBUG when ``verbose`` is 0 (hidden unless asked for)."""

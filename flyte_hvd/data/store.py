@@ -40,7 +40,7 @@ from urllib.parse import urlparse
 
 import fsspec
 
-from flyte_hvd.core.log import get_logger
+from flyte_hvd.core.log import get_logger, warn_once
 from flyte_hvd.data.parquet import METADATA_FILENAME, open_parquet_dataset
 
 __all__ = [
@@ -68,14 +68,9 @@ _TMP_SUFFIX = ".tmp"
 # Protocols whose single PUT publishes an object atomically and that have no real directories.
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "oss"})
 
-_warned: set[str] = set()
-
 
 def _warn_once(key: str, message: str) -> None:
-    """Log ``message`` once per process (a Horovod argument that does nothing here)."""
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message)
+    warn_once(logger, f"store:{key}", message)
 
 
 class _SavingRuns:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import IO, Any
 
-from flyte_hvd.core.log import get_logger
+from flyte_hvd.core.log import get_logger, warn_once
 from flyte_hvd.launch.environment import driver_env
 from flyte_hvd.spark import dataframe_stage, pipeline, runner
 
@@ -155,14 +155,11 @@ def run(
     ).results  # fmt: skip
 
 
-_warned: set[str] = set()
-
-
-def warn_once(name: str, meaning: str) -> None:
+def _warn_unused(name: str, meaning: str) -> None:
     """One warning per process for a Horovod argument that does nothing here."""
-    if name not in _warned:
-        _warned.add(name)
-        logger.warning("`%s` is accepted for Horovod compatibility and %s", name, meaning)
+    warn_once(
+        logger, f"run:{name}", f"`{name}` is accepted for Horovod compatibility and {meaning}"
+    )
 
 
 def horovod_run_args(env: dict[str, str] | None, use_mpi: Any = None, use_gloo: Any = None,
@@ -172,11 +169,11 @@ def horovod_run_args(env: dict[str, str] | None, use_mpi: Any = None, use_gloo: 
     those interfaces (``FI_TCP_IFACE`` for MPICH's libfabric TCP, ``UCX_NET_DEVICES`` for
     UCX), added to ``env``; the others do nothing here and say so once."""
     if use_mpi is not None or use_gloo is not None:
-        warn_once("use_mpi/use_gloo", "does nothing: ranks always talk over MPICH")
+        _warn_unused("use_mpi/use_gloo", "does nothing: ranks always talk over MPICH")
     if extra_mpi_args:
-        warn_once("extra_mpi_args", "does nothing: each rank runs under its own `mpiexec -n 1`")
+        _warn_unused("extra_mpi_args", "does nothing: each rank runs under its own `mpiexec -n 1`")
     if executable is not None and executable != sys.executable:
-        warn_once("executable", "does nothing: ranks run the Python of Spark's workers "
+        _warn_unused("executable", "does nothing: ranks run the Python of Spark's workers "
                   "(`spark.pyspark.python` / PYSPARK_PYTHON)")  # fmt: skip
     if not nics:
         return env

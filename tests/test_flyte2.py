@@ -22,7 +22,6 @@ from google.protobuf.json_format import MessageToDict
 from flyte_hvd.data.store import Store
 from flyte_hvd.estimators.history import history_html, watch_history
 from flyte_hvd.flyte2 import HorovodSpark, HorovodSparkTask, fit_with_report
-from flyte_hvd.spark.barrier_task import PYTHON_WORKER_CONF
 
 pytestmark = pytest.mark.flyte
 
@@ -130,14 +129,13 @@ def test_num_proc_above_the_sessions_slots_fails_before_ranks_start(spark_local2
 
 # -- serialization: the SparkJob flyteplugins-spark produces, with the barrier settings -------
 
-CONFIG = HorovodSpark(
-    num_proc=4,
-    cores_per_rank=2,
-    gpus_per_rank=1,
-    spark_conf={"spark.executor.memory": "4g", "spark.executor.instances": 5},
-    hadoop_conf={"fs.s3a.fast.upload": "true"},
-    executor_path="/opt/conda/bin/python",
-)
+# What the two configs have in common: the Spark plugin's own fields.
+SPARK_FIELDS = {
+    "hadoop_conf": {"fs.s3a.fast.upload": "true"},
+    "executor_path": "/opt/py/bin/python",
+}
+CONFIG = HorovodSpark(num_proc=3, gpus_per_rank=2, spark_conf={"spark.executor.memory": "2g"},
+                      **SPARK_FIELDS)  # fmt: skip
 
 
 def _wire(plugin_config):
@@ -157,31 +155,17 @@ def _wire(plugin_config):
 def test_serialized_task_is_the_spark_plugins_job_with_the_barrier_settings():
     ours = _wire(CONFIG).task_template
     spark_conf = CONFIG.effective_spark_conf
-    theirs = _wire(
-        Spark(
-            spark_conf=spark_conf,
-            hadoop_conf=CONFIG.hadoop_conf,
-            executor_path=CONFIG.executor_path,
-        )
-    ).task_template
+    theirs = _wire(Spark(spark_conf=spark_conf, **SPARK_FIELDS)).task_template
     assert ours.type == theirs.type == "spark"
     assert ours.custom == theirs.custom
     assert list(ours.container.args) == list(theirs.container.args)
     custom = MessageToDict(ours.custom)
-    assert custom["sparkConf"] == {
-        "spark.executor.instances": "5",  # overridden
-        "spark.executor.cores": "2",
-        "spark.task.cpus": "2",
-        "spark.dynamicAllocation.enabled": "false",
-        **PYTHON_WORKER_CONF,
-        "spark.executor.resource.gpu.amount": "1",
-        "spark.task.resource.gpu.amount": "1",
-        "spark.executor.resource.gpu.vendor": "nvidia.com",
-        **{k: v for k, v in spark_conf.items() if k.startswith("spark.kubernetes.")},
-        "spark.executorEnv.TF_FORCE_GPU_ALLOW_GROWTH": "true",
-        "spark.executor.memory": "4g",
-    }
-    assert custom["executorPath"] == "/opt/conda/bin/python"
+    # The derivation is the flytekit plugin's (tests/test_flyte_plugin.py checks each value).
+    assert custom["sparkConf"] == spark_conf
+    assert spark_conf["spark.executor.instances"] == "3"
+    assert spark_conf["spark.task.resource.gpu.amount"] == "2"
+    assert spark_conf["spark.executor.memory"] == "2g"
+    assert custom["executorPath"] == "/opt/py/bin/python"
     assert custom["hadoopConf"] == {"fs.s3a.fast.upload": "true"}
 
 

@@ -30,16 +30,11 @@ except ImportError as error:  # pragma: no cover - depends on the install
     ) from error
 
 from flyte_hvd.flyte2.rank import RankSpec, outputs_from_bytes
-from flyte_hvd.spark.barrier_task import (
-    BarrierTaskConfig,
-    connect_session,
-    launch_body,
-    start_local_session,
-)
+from flyte_hvd.spark import barrier_task
 
 
 @dataclass(frozen=True)
-class HorovodSpark(BarrierTaskConfig):
+class HorovodSpark(barrier_task.BarrierTaskConfig):
     """Flyte 2 task config for ``num_proc`` ranks in one Spark barrier stage:
     ``flyte.TaskEnvironment(name=..., plugin_config=HorovodSpark(num_proc=2))``.
 
@@ -97,10 +92,12 @@ class HorovodSparkTask(PysparkFunctionTask):
         if config.connect_url is not None:
             bundle = ctx.code_bundle if ctx and in_cluster else None
             code_dir = bundle.destination if bundle is not None else None
-            return {"spark_session": connect_session(config.connect_url, config, code_dir)}
+            return {
+                "spark_session": barrier_task.connect_session(config.connect_url, config, code_dir)
+            }
         if not in_cluster:
             action = ctx.action.name if ctx else "local"
-            start_local_session(f"FlyteSpark: {action}", config)
+            barrier_task.start_local_session(f"FlyteSpark: {action}", config)
         return await super().pre(*args, **kwargs)
 
     async def execute(self, *args: Any, **kwargs: Any) -> Any:
@@ -112,7 +109,13 @@ class HorovodSparkTask(PysparkFunctionTask):
         spec = RankSpec.of(self)
         # The launch blocks until the ranks end: off the event loop, in the context of the run.
         encoded = await asyncio.to_thread(
-            launch_body, self.name, self.func, kwargs, spec, self.plugin_config, connect
+            barrier_task.launch_body,
+            self.name,
+            self.func,
+            kwargs,
+            spec,
+            self.plugin_config,
+            connect,
         )
         value = await outputs_from_bytes(spec, encoded)
         if connect is None:  # the session flyteplugins-spark stops in a debug run

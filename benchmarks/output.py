@@ -82,8 +82,8 @@ def main() -> None:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # the ranks' Python: this venv's
     from pyspark.sql import SparkSession
 
-    from flyte_hvd.flyte.task import PYTHON_WORKER_CONF
     from flyte_hvd.spark import run
+    from flyte_hvd.spark.barrier_task import PYTHON_WORKER_CONF
 
     builder = (
         SparkSession.builder.master("local[2]")

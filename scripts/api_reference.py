@@ -25,6 +25,7 @@ PACKAGES = {
     "data": "Store, `prepare_data`, the dataset format and the loaders.",
     "estimators": "Spark ML estimators and models for Keras, PyTorch and Lightning.",
     "flyte": "The `HorovodSpark` flytekit task plugin.",
+    "flyte2": "The `HorovodSpark` task plugin of Flyte 2 (the `flyte` SDK), and live fit reports.",
 }
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "reference"
 

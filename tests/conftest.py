@@ -119,7 +119,7 @@ def _spark_session(kind: str, configure):
             _spark["session"].stop()
         from pyspark.sql import SparkSession
 
-        from flyte_hvd.flyte.task import PYTHON_WORKER_CONF
+        from flyte_hvd.spark.barrier_task import PYTHON_WORKER_CONF
 
         builder = (
             SparkSession.builder.appName(f"flyte-hvd-tests-{kind}")

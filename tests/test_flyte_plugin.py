@@ -22,7 +22,7 @@ from flytekitplugins.spark import Spark
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.flyte import HorovodSpark, HorovodSparkFunctionTask
 from flyte_hvd.flyte.rank import RankSpec, _to_literal_map
-from flyte_hvd.flyte.task import GPU_EXECUTOR_CONF, PYTHON_WORKER_CONF, _pickle_body
+from flyte_hvd.spark.barrier_task import GPU_EXECUTOR_CONF, PYTHON_WORKER_CONF, pickle_body
 
 from test_output import assert_shown, printer
 
@@ -254,7 +254,12 @@ def test_unpicklable_inputs_are_refused_before_any_rank_starts():
     with pytest.raises(
         ValueError, match=r"the body of `.*rank_info` or its inputs cannot be pickled"
     ):
-        _pickle_body(rank_info, {"offset": threading.Lock()}, RankSpec.of(rank_info, ctx))
+        pickle_body(
+            rank_info.name,
+            rank_info.task_function,
+            {"offset": threading.Lock()},
+            RankSpec.of(rank_info, ctx),
+        )
 
 
 @pytest.mark.parametrize(

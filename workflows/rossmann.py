@@ -15,7 +15,6 @@ run's checkpoint under ``work_dir``.
 from __future__ import annotations
 
 import datetime
-import html
 import os
 import sys
 import tempfile
@@ -448,46 +447,6 @@ rossmann_weekly_retrain = LaunchPlan.get_or_create(
 
 def training_curves_html(history: dict[str, list[float]], best: int) -> str:
     """Loss and RMSPE per epoch, training and validation, as inline SVG charts."""
-    charts = []
-    for metric, title in (("loss", "loss (MAE of log sales)"), ("exp_rmspe", "RMSPE")):
-        series = {
-            name: history[key]
-            for name, key in (("train", metric), ("validation", f"val_{metric}"))
-            if key in history
-        }
-        charts.append(_line_chart(title, series, best))
-    return "<div style='display:flex;gap:24px'>" + "".join(charts) + "</div>"
+    from flyte_hvd.estimators.history import history_charts
 
-
-def _line_chart(title: str, series: dict[str, list[float]], best: int) -> str:
-    width, height, pad = 420, 260, 40
-    values = [v for vs in series.values() for v in vs]
-    if not values:
-        return f"<p>{html.escape(title)}: no values</p>"
-    low, high = min(values), max(values)
-    span = (high - low) or 1.0
-    epochs = max(len(vs) for vs in series.values())
-
-    def xy(i: int, v: float) -> str:
-        x = pad + (width - 2 * pad) * (i / max(epochs - 1, 1))
-        y = height - pad - (height - 2 * pad) * ((v - low) / span)
-        return f"{x:.1f},{y:.1f}"
-
-    colors = {"train": "#1f77b4", "validation": "#d62728"}
-    parts = [
-        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}'>",
-        f"<text x='{width / 2}' y='18' text-anchor='middle'>{html.escape(title)}</text>",
-        f"<text x='4' y='{pad}'>{high:.4g}</text><text x='4' y='{height - pad}'>{low:.4g}</text>",
-        f"<text x='{width / 2}' y='{height - 8}' text-anchor='middle'>epoch 1..{epochs} "
-        f"(best {best + 1})</text>",
-    ]
-    for k, (name, vs) in enumerate(series.items()):
-        color = colors.get(name, "#333")
-        points = " ".join(xy(i, v) for i, v in enumerate(vs))
-        parts.append(f"<polyline fill='none' stroke='{color}' stroke-width='2' points='{points}'/>")
-        parts.append(
-            f"<text x='{width - pad}' y='{34 + 14 * k}' fill='{color}' "
-            f"text-anchor='end'>{name}</text>"
-        )
-    parts.append("</svg>")
-    return "".join(parts)
+    return history_charts(history, best, {"loss": "loss (MAE of log sales)", "exp_rmspe": "RMSPE"})

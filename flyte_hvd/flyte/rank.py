@@ -16,19 +16,19 @@ in the rank's working directory, which is removed when the rank ends, is never r
 from __future__ import annotations
 
 import os
-import reprlib
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import cloudpickle
 from flytekit import FlyteContextManager
 from flytekit.core.context_manager import ExecutionParameters, ExecutionState, FlyteContext
 from flytekit.models.literals import LiteralMap
+
+from flyte_hvd.spark.barrier_task import output_error, split_outputs
 
 
 @dataclass(frozen=True)
@@ -62,19 +62,12 @@ class RankSpec:
             task_id=params.task_id if params else None,
         )
 
-
-def run_rank(payload: bytes) -> bytes | None:
-    """What every rank runs: init, the body, and on rank 0 its outputs as literals. (The
-    rank imports what the body needs through the import path the launcher gives it.)"""
-    import flyte_hvd.core as hvd
-
-    fn, kwargs, spec = cloudpickle.loads(payload)
-    hvd.init()
-    with _rank_context(spec) as ctx:
-        value = fn(**kwargs)
-        if hvd.rank() != 0:
-            return None
-        return _to_literal_map(ctx, value, spec).to_flyte_idl().SerializeToString()
+    @contextmanager
+    def rank_context(self) -> Iterator[Callable[[Any], bytes]]:
+        """flytekit's task context on the rank; yields the encoder of rank 0's value: its
+        outputs as a serialized ``LiteralMap``."""
+        with _rank_context(self) as ctx:
+            yield lambda value: _to_literal_map(ctx, value, self).to_flyte_idl().SerializeToString()
 
 
 @contextmanager
@@ -122,20 +115,7 @@ def _to_literal_map(ctx: FlyteContext, value: Any, spec: RankSpec) -> LiteralMap
     from flytekit.core.type_engine import TypeEngine
     from flytekit.models.types import LiteralType
 
-    names = spec.output_names
-    if not names:
-        values: dict[str, Any] = {}
-    elif len(names) == 1:
-        single = value[0] if spec.tuple_output and isinstance(value, tuple) else value
-        values = {names[0]: single}
-    else:
-        if not isinstance(value, tuple | list) or len(value) != len(names):
-            raise ValueError(
-                f"`{spec.task_name}` declares {len(names)} outputs ({', '.join(names)}), but "
-                f"rank 0 returned {type(value).__name__} {reprlib.repr(value)}; return a tuple of "
-                f"{len(names)} values."
-            )
-        values = dict(zip(names, value, strict=True))
+    values = split_outputs(spec.task_name, spec.output_names, value, spec.tuple_output)
     literals = {}
     for name, item in values.items():
         python_type = spec.output_types[name]
@@ -145,21 +125,11 @@ def _to_literal_map(ctx: FlyteContext, value: Any, spec: RankSpec) -> LiteralMap
         try:
             literals[name] = TypeEngine.to_literal(ctx, item, python_type, literal_type)
         except Exception as error:
-            raise ValueError(
-                f"output `{name}` of `{spec.task_name}`: rank 0 returned "
-                f"{type(item).__name__} {reprlib.repr(item)}, which does not convert to the "
-                f"declared {python_type!r} ({type(error).__name__}: {error}). Return a value "
-                f"of the declared type."
-            ) from error
+            raise output_error(spec.task_name, name, item, python_type, error) from error
     return LiteralMap(literals=literals)
 
 
-def literal_map_from_bytes(payload: bytes | None) -> LiteralMap:
+def literal_map_from_bytes(payload: bytes) -> LiteralMap:
     from flyteidl.core import literals_pb2
 
-    if payload is None:
-        raise RuntimeError(
-            "rank 0 sent back no outputs (found None where a serialized LiteralMap was "
-            "expected); the launcher's results are not in rank order. Report this as a bug."
-        )
     return LiteralMap.from_flyte_idl(literals_pb2.LiteralMap.FromString(payload))

@@ -1,0 +1,423 @@
+"""A Flyte task whose body runs on every rank of a Spark barrier stage: what both Flyte SDKs'
+plugins share (``flyte_hvd.flyte`` for flytekit, ``flyte_hvd.flyte2`` for ``flyte``).
+
+The config's Spark settings and their preflight (``BarrierTaskConfig``), the sessions a task
+runs on (a local one, or a Spark Connect one), launching the body on the ranks and what each
+rank runs around it. What differs between the SDKs is how rank 0's return value becomes the
+task's outputs: each plugin hands ``run_rank`` an output spec whose ``rank_context()`` sets up
+the SDK's task context on the rank and yields the function that turns rank 0's value into
+bytes the driver decodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import reprlib
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import cloudpickle
+
+from flyte_hvd.core.checks import require_int
+from flyte_hvd.launch.supervisor import check_start_timeout
+
+GPU_VENDOR = "nvidia.com"
+# What a GPU executor pod gets besides its GPUs, as Spark's own Kubernetes settings: Flyte's
+# Spark plugin copies no volumes from a pod template, so a memory-backed /dev/shm (NCCL and
+# TensorFlow's input pipeline use it beyond the container default of 64 MiB) and the GPU node
+# selector are Spark settings. Tolerations of GPU nodes' taints have no Spark setting; the
+# ExtendedResourceToleration admission plugin adds them to pods that request nvidia.com/gpu.
+GPU_EXECUTOR_CONF = {
+    "spark.kubernetes.executor.volumes.emptyDir.dshm.mount.path": "/dev/shm",
+    "spark.kubernetes.executor.volumes.emptyDir.dshm.options.medium": "Memory",
+    "spark.kubernetes.executor.volumes.emptyDir.dshm.options.sizeLimit": "8Gi",
+    "spark.kubernetes.executor.node.selector.nvidia.com/gpu.present": "true",
+    "spark.executorEnv.TF_FORCE_GPU_ALLOW_GROWTH": "true",
+}
+
+# Spark's JVM talks to its Python workers over Unix domain sockets instead of TCP on loopback
+# (Spark 4.1+; off by default): `transform`'s Arrow batches go both ways through them, and
+# measured 1.25x the rows/s of TCP on 2 cores (430k -> 540k rows/s, 1 M rows, 20 features).
+# The workers import pyspark from its installed package rather than from the archives Spark
+# puts first on their path, which cost 0.11 s of CPU per task (see `worker_daemon`).
+PYTHON_WORKER_CONF = {
+    "spark.python.unix.domain.socket.enabled": "true",
+    "spark.python.daemon.module": "flyte_hvd.spark.worker_daemon",
+}
+
+
+@dataclass(frozen=True)
+class BarrierTaskConfig:
+    """Task config for ``num_proc`` ranks in one Spark barrier stage, for either Flyte SDK.
+
+    It mirrors the SDK's ``Spark`` config field for field (``Spark`` is not frozen, so a
+    frozen config cannot extend it) and derives the Spark settings a barrier stage needs from
+    ``num_proc``: one executor per rank with ``cores_per_rank`` cores, ``spark.task.cpus`` of
+    the same, dynamic allocation off, Python workers on Unix domain sockets that import
+    pyspark from its installed package (``PYTHON_WORKER_CONF``), and ``gpus_per_rank`` GPUs
+    per executor and task. Keys in ``spark_conf`` override the derived ones; a ``spark_conf``
+    that leaves fewer than ``num_proc`` task slots is refused here rather than at run time.
+
+    For GPUs on Kubernetes also set ``spark.executor.resource.gpu.discoveryScript`` (the path
+    in your Spark image) in ``spark_conf``; the executors get a memory-backed ``/dev/shm`` and
+    a GPU node selector (``GPU_EXECUTOR_CONF``) as Spark settings, since Flyte's Spark plugin
+    copies no volumes from ``executor_pod``. Locally the GPU settings are left out unless
+    ``spark_conf`` names them, so a laptop without GPUs runs the same task.
+
+    With ``connect_url`` the task runs on an existing cluster through Spark Connect
+    (``sc://host:15002``) instead of starting a session: locally and in its pod alike it
+    connects there, and the ranks run in that cluster's executors. The cluster's settings are
+    fixed when its server starts, so the derived settings are not applied; ``spark_conf`` may
+    name only runtime settings (``spark.sql.*``) there. Pass the token through the
+    ``SPARK_CONNECT_AUTHENTICATE_TOKEN`` environment variable rather than in the URL, which is
+    part of the task's serialized config.
+
+    Attributes:
+        num_proc: number of ranks (Spark barrier tasks).
+        spark_conf: Spark settings; override the derived ones.
+        hadoop_conf, executor_path, applications_path, driver_pod, executor_pod: as in the
+            SDK's ``Spark`` config (pod templates of that SDK).
+        start_timeout: seconds for scheduling plus rendezvous (``flyte_hvd.spark.run``).
+        cores_per_rank: CPU cores reserved per rank.
+        gpus_per_rank: GPUs per rank; 0 requests none.
+        connect_url: a Spark Connect endpoint (``sc://...``) to run on instead of a session
+            of the task's own.
+    """
+
+    # The SDK's pod template class and how an error names it; set by each SDK's config.
+    pod_template_type: ClassVar[type] = object
+    pod_template_name: ClassVar[str] = "PodTemplate"
+
+    num_proc: int
+    spark_conf: dict[str, str] | None = None
+    hadoop_conf: dict[str, str] | None = None
+    executor_path: str | None = None
+    applications_path: str | None = None
+    driver_pod: Any = None
+    executor_pod: Any = None
+    start_timeout: float | None = None
+    cores_per_rank: int = 1
+    gpus_per_rank: int = 0
+    connect_url: str | None = None
+
+    def __post_init__(self) -> None:
+        require_int("num_proc", self.num_proc, minimum=1)
+        require_int("cores_per_rank", self.cores_per_rank, minimum=1)
+        require_int("gpus_per_rank", self.gpus_per_rank, minimum=0)
+        if self.start_timeout is not None:  # None: the launcher's default
+            check_start_timeout(self.start_timeout)
+        for name in ("executor_path", "applications_path"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"`{name}` must be a str or None; found {type(value).__name__}.")
+        for name in ("driver_pod", "executor_pod"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, self.pod_template_type):
+                raise ValueError(
+                    f"`{name}` must be a {self.pod_template_name} or None; found "
+                    f"{type(value).__name__}."
+                )
+        url = self.connect_url
+        if url is not None and (not isinstance(url, str) or not url.startswith("sc://")):
+            raise ValueError(
+                f"`connect_url` must be a Spark Connect URL such as 'sc://host:15002' or None; "
+                f"found {url!r}."
+            )
+        # Frozen: normalize through object.__setattr__, on copies the caller cannot mutate.
+        object.__setattr__(self, "spark_conf", _string_map("spark_conf", self.spark_conf))
+        object.__setattr__(self, "hadoop_conf", _string_map("hadoop_conf", self.hadoop_conf))
+        _check_feasible(self.num_proc, self.effective_spark_conf)
+
+    def derived_spark_conf(self, gpus: bool = True) -> dict[str, str]:
+        """The settings a barrier stage of ``num_proc`` ranks needs, before overrides."""
+        conf = {
+            "spark.executor.instances": str(self.num_proc),
+            "spark.executor.cores": str(self.cores_per_rank),
+            "spark.task.cpus": str(self.cores_per_rank),
+            "spark.dynamicAllocation.enabled": "false",
+            **PYTHON_WORKER_CONF,
+        }
+        if gpus and self.gpus_per_rank:
+            conf["spark.executor.resource.gpu.amount"] = str(self.gpus_per_rank)
+            conf["spark.task.resource.gpu.amount"] = str(self.gpus_per_rank)
+            conf["spark.executor.resource.gpu.vendor"] = GPU_VENDOR
+            conf.update(GPU_EXECUTOR_CONF)
+        return conf
+
+    @property
+    def effective_spark_conf(self) -> dict[str, str]:
+        """Derived settings with ``spark_conf`` on top: what the SparkApplication gets."""
+        return {**self.derived_spark_conf(), **(self.spark_conf or {})}
+
+    @property
+    def local_spark_conf(self) -> dict[str, str]:
+        """Settings for a local SparkSession: GPU settings only where ``spark_conf`` names
+        them, and a ``local[N]`` master with a task slot per rank unless it names one."""
+        conf = {**self.derived_spark_conf(gpus=False), **(self.spark_conf or {})}
+        task_cpus = int(conf["spark.task.cpus"])
+        conf.setdefault("spark.master", f"local[{self.num_proc * task_cpus}]")
+        return conf
+
+
+def _string_map(name: str, value: Any) -> dict[str, str]:
+    """Spark and Hadoop settings are strings; numbers and booleans are written as Spark
+    spells them (``2``, ``true``) so ``{"spark.executor.cores": 2}`` works."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"`{name}` must be a dict of setting names to values; found {type(value).__name__}."
+        )
+    out: dict[str, str] = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise ValueError(f"`{name}` keys must be str; found {key!r} ({type(key).__name__}).")
+        if isinstance(item, bool):
+            out[key] = "true" if item else "false"
+        elif isinstance(item, str | int | float):
+            out[key] = str(item)
+        else:
+            raise ValueError(
+                f"`{name}[{key!r}]` must be a str, int, float or bool; found {item!r} "
+                f"({type(item).__name__})."
+            )
+    return out
+
+
+def _conf_number(conf: dict[str, str], key: str, kind: type, default: str, minimum: float) -> Any:
+    raw = conf.get(key, default)
+    try:
+        number = kind(raw)
+    except ValueError:
+        number = None
+    if number is None or number < minimum:
+        raise ValueError(
+            f"`spark_conf[{key!r}]` must be a number >= {minimum}; found {raw!r}. Fix or remove "
+            f"the setting."
+        )
+    return number
+
+
+def _check_feasible(num_proc: int, conf: dict[str, str]) -> None:
+    """Refuse settings under which a barrier stage of ``num_proc`` tasks can never start."""
+    if conf.get("spark.dynamicAllocation.enabled", "false").strip().lower() != "false":
+        raise ValueError(
+            f"`spark_conf` sets spark.dynamicAllocation.enabled="
+            f"{conf['spark.dynamicAllocation.enabled']!r}, but a Spark barrier stage needs "
+            f"'false' (all {num_proc} ranks start together). Remove the override."
+        )
+    instances = _conf_number(conf, "spark.executor.instances", int, "1", 1)
+    cores = _conf_number(conf, "spark.executor.cores", int, "1", 1)
+    task_cpus = _conf_number(conf, "spark.task.cpus", int, "1", 1)
+    per_executor = cores // task_cpus
+    limit = f"spark.executor.cores={cores} // spark.task.cpus={task_cpus}"
+    task_gpus = _conf_number(conf, "spark.task.resource.gpu.amount", float, "0", 0)
+    if task_gpus > 0:
+        executor_gpus = _conf_number(conf, "spark.executor.resource.gpu.amount", int, "0", 0)
+        # Spark allows fractions (0.5: two tasks per GPU); 1e-9 absorbs float rounding.
+        gpu_slots = int(executor_gpus / task_gpus + 1e-9)
+        if gpu_slots < per_executor:
+            per_executor = gpu_slots
+            limit = (
+                f"spark.executor.resource.gpu.amount={executor_gpus} / "
+                f"spark.task.resource.gpu.amount={conf['spark.task.resource.gpu.amount']}"
+            )
+    slots = instances * per_executor
+    if slots < num_proc:
+        raise ValueError(
+            f"`num_proc`={num_proc} needs {num_proc} task slots, but `spark_conf` leaves "
+            f"{slots}: spark.executor.instances={instances} x {per_executor} per executor "
+            f"({limit}). Remove the overrides, or raise spark.executor.instances or the "
+            f"per-executor resources."
+        )
+
+
+# -- the driver: sessions and the launch -----------------------------------------------------
+
+
+class OutputSpec(Protocol):
+    """What a rank needs to turn rank 0's return value into the task's outputs (each SDK's
+    plugin has one): plain values, picklable, not the task object."""
+
+    def rank_context(self) -> AbstractContextManager[Callable[[Any], bytes]]:
+        """The SDK's task context on the rank; yields the encoder of rank 0's value."""
+        ...
+
+
+def pickle_body(
+    task_name: str, fn: Callable[..., Any], kwargs: dict[str, Any], spec: OutputSpec
+) -> bytes:
+    """The body, its inputs and the output spec, pickled apart from the launcher's job so
+    that a rank unpickles them only after it can import what the driver imports."""
+    try:
+        return cloudpickle.dumps((fn, kwargs, spec))
+    except Exception as error:
+        raise ValueError(
+            f"the body of `{task_name}` or its inputs cannot be pickled "
+            f"({type(error).__name__}: {error}); they travel to the ranks with cloudpickle. "
+            f"Create objects such as locks, sockets, sessions or open files inside the task."
+        ) from error
+
+
+def launch_body(
+    task_name: str,
+    fn: Callable[..., Any],
+    kwargs: dict[str, Any],
+    spec: OutputSpec,
+    config: BarrierTaskConfig,
+    session: Any = None,
+) -> bytes:
+    """Run ``fn(**kwargs)`` on ``config.num_proc`` ranks of the active session; rank 0's
+    encoded outputs. ``session``, a Spark Connect session the task made active, stops being
+    the active one afterwards."""
+    from flyte_hvd.spark.dispatch import run
+
+    try:
+        payload = pickle_body(task_name, fn, kwargs, spec)
+        results = run(
+            run_rank, args=(payload,), num_proc=config.num_proc, start_timeout=config.start_timeout
+        )
+    finally:
+        if session is not None:
+            deactivate(session)
+    if results[0] is None:
+        raise RuntimeError(
+            "rank 0 sent back no outputs (found None where its encoded outputs were "
+            "expected); the launcher's results are not in rank order. Report this as a bug."
+        )
+    return results[0]
+
+
+def connect_session(url: str, config: BarrierTaskConfig, code_dir: str | None = None) -> Any:
+    """The Spark Connect session of ``url``, active in this thread, with the task's runtime
+    settings and, when the task runs from shipped code (``code_dir``), that code as an
+    artifact (Connect's ``addPyFile``)."""
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    session = ConnectSession.builder.remote(url).getOrCreate()
+    ConnectSession._set_default_and_active_session(session)
+    fixed = []
+    for key, value in (config.spark_conf or {}).items():
+        if session.conf.isModifiable(key):
+            session.conf.set(key, value)
+        else:
+            fixed.append(key)
+    if fixed:
+        raise RuntimeError(
+            f"`spark_conf` sets {sorted(fixed)}, which a Spark Connect session cannot change: "
+            f"the cluster behind {url} fixed them when its server started. Set "
+            f"them on that server, or remove them from `spark_conf` (only runtime settings "
+            f"such as spark.sql.* apply over Spark Connect)."
+        )
+    if code_dir is not None:
+        archive = shutil.make_archive(os.path.join(tempfile.mkdtemp(), "flyte_wf"), "zip", code_dir)
+        session.addArtifacts(archive, pyfile=True)
+    return session
+
+
+def deactivate(session: Any) -> None:
+    """The Connect session a task made active stops being this thread's active one, so a
+    later task in this process launches on its own session."""
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    if getattr(ConnectSession._active_session, "session", None) is session:
+        ConnectSession._active_session.session = None
+    if ConnectSession._default_session is session:
+        ConnectSession._default_session = None
+
+
+def start_local_session(app_name: str, config: BarrierTaskConfig) -> None:
+    """Locally, the SparkSession the SDK would start, with a task slot per rank and this
+    interpreter for Spark's Python workers; an active session is kept as it is (the
+    launcher's preflight says if it has too few slots)."""
+    from pyspark.sql import SparkSession
+
+    if SparkSession.getActiveSession() is not None:
+        return
+    conf = config.local_spark_conf
+    builder = SparkSession.builder.appName(app_name).master(conf.pop("spark.master"))
+    # As the SDKs do locally: bind to loopback, hand PYTHONPATH to the Python workers. Also
+    # advertise loopback: the host's own address is not bound, so block fetches would fail.
+    builder = builder.config("spark.driver.bindAddress", "127.0.0.1")
+    builder = builder.config("spark.driver.host", "127.0.0.1")
+    if "PYTHONPATH" in os.environ:
+        builder = builder.config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    with _pyspark_python(sys.executable):
+        builder.getOrCreate()
+
+
+@contextmanager
+def _pyspark_python(executable: str) -> Iterator[None]:
+    """The SparkContext reads ``PYSPARK_PYTHON`` once, when it starts: its Python workers (and
+    so the ranks) must be this interpreter, which has flyte_hvd, mpi4py and the user's code."""
+    before = os.environ.get("PYSPARK_PYTHON")
+    os.environ["PYSPARK_PYTHON"] = executable
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PYSPARK_PYTHON", None)
+        else:
+            os.environ["PYSPARK_PYTHON"] = before
+
+
+# -- the ranks -------------------------------------------------------------------------------
+
+
+def run_rank(payload: bytes) -> bytes | None:
+    """What every rank runs: init, the body (awaited if it is a coroutine function), and on
+    rank 0 its outputs, encoded by the SDK's output spec. (The rank imports what the body
+    needs through the import path the launcher gives it.)"""
+    import flyte_hvd.core as hvd
+
+    fn, kwargs, spec = cloudpickle.loads(payload)
+    hvd.init()
+    with spec.rank_context() as encode:
+        value = fn(**kwargs)
+        if inspect.isawaitable(value):
+            value = asyncio.run(_result(value))
+        if hvd.rank() != 0:
+            return None
+        return encode(value)
+
+
+async def _result(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def split_outputs(
+    task_name: str, names: tuple[str, ...], value: Any, tuple_output: bool
+) -> dict[str, Any]:
+    """Rank 0's return value by output name; a wrong count names the outputs."""
+    if not names:
+        return {}
+    if len(names) == 1:
+        return {names[0]: value[0] if tuple_output and isinstance(value, tuple) else value}
+    if not isinstance(value, tuple | list) or len(value) != len(names):
+        raise ValueError(
+            f"`{task_name}` declares {len(names)} outputs ({', '.join(names)}), but "
+            f"rank 0 returned {type(value).__name__} {reprlib.repr(value)}; return a tuple of "
+            f"{len(names)} values."
+        )
+    return dict(zip(names, value, strict=True))
+
+
+def output_error(
+    task_name: str, name: str, item: Any, python_type: Any, error: Exception
+) -> ValueError:
+    """The error for an output rank 0 returned that does not convert to its declared type."""
+    return ValueError(
+        f"output `{name}` of `{task_name}`: rank 0 returned "
+        f"{type(item).__name__} {reprlib.repr(item)}, which does not convert to the "
+        f"declared {python_type!r} ({type(error).__name__}: {error}). Return a value "
+        f"of the declared type."
+    )

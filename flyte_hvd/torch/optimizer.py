@@ -141,6 +141,7 @@ class _Reducer:
             self.next_submit += 1
 
     def _submit(self, bucket: _Bucket) -> None:
+        assert self.comm is not None  # only an optimizer over several ranks submits
         settings = self.settings
         floating = bucket.buffer.is_floating_point() or bucket.buffer.is_complex()
         op, pre, post = collectives.average_as_sum(

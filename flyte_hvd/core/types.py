@@ -11,3 +11,6 @@ Tensor: TypeAlias = Any
 
 # What a user's function returns (or a rank sends back): any picklable value, passed through.
 UserValue: TypeAlias = Any
+
+# A JSON object as ``json.loads`` gives it: field name -> any JSON value.
+JSONObject: TypeAlias = dict[str, Any]

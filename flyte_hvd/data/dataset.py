@@ -170,7 +170,7 @@ class DatasetMetadata:
 
 
 def get_dataset_metadata(
-    store: Store | RemoteStore, dataset_idx: str
+    store: Store | RemoteStore, dataset_idx: str | int | None
 ) -> tuple[DatasetMetadata, DatasetMetadata | None]:
     """The train and (if prepared) validation metadata of ``dataset_idx``."""
     st = store.store if isinstance(store, RemoteStore) else store

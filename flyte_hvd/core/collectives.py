@@ -675,7 +675,7 @@ def broadcast_on(
     return out
 
 
-def _send_rows(arr: np.ndarray, splits: Sequence[int] | None, size: int) -> np.ndarray:
+def _send_rows(arr: np.ndarray, splits: Sequence[int] | np.ndarray | None, size: int) -> np.ndarray:
     if arr.ndim == 0:
         raise ValueError("`alltoall` needs an array with at least one dimension; found a scalar.")
     if splits is None:
@@ -702,7 +702,7 @@ def _send_rows(arr: np.ndarray, splits: Sequence[int] | None, size: int) -> np.n
 
 def alltoall(
     array: ArrayLike,
-    splits: Sequence[int] | None = None,
+    splits: Sequence[int] | np.ndarray | None = None,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -715,7 +715,10 @@ def alltoall(
 
 
 def alltoall_on(
-    comm: MPI.Comm, array: ArrayLike, splits: Sequence[int] | None = None, name: str | None = None
+    comm: MPI.Comm,
+    array: ArrayLike,
+    splits: Sequence[int] | np.ndarray | None = None,
+    name: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``alltoall`` on the given communicator."""
     size = comm.Get_size()
@@ -981,7 +984,7 @@ def broadcast_async(
 
 def alltoall_async(
     array: ArrayLike,
-    splits: Sequence[int] | None = None,
+    splits: Sequence[int] | np.ndarray | None = None,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> background.Handle:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
 import subprocess
 import sys
 
@@ -20,6 +23,40 @@ def test_horovod_spark_names_resolve_to_the_layers_that_define_them():
     assert spark.Store is Store and spark.TorchModel is TorchModel
     with pytest.raises(AttributeError, match="has no attribute 'NoSuchName'"):
         _ = spark.NoSuchName
+
+
+def _type_checking_imports(module: str) -> dict[str, str]:
+    """``{name: module}`` of what ``module`` imports under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(inspect.getsource(importlib.import_module(module)))
+    found: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for stmt in node.body:
+                if isinstance(stmt, ast.ImportFrom) and stmt.module:
+                    found.update({a.asname or a.name: stmt.module for a in stmt.names})
+    return found
+
+
+@pytest.mark.parametrize(
+    ("package", "expected"),
+    [
+        ("flyte_hvd.data", None),  # its _LAZY table
+        ("flyte_hvd.estimators", None),
+        ("flyte_hvd.spark", {"flyte_hvd.data", "flyte_hvd.estimators"}),  # Horovod's names
+    ],
+)
+def test_a_type_checker_sees_every_lazy_name_from_where_it_is_loaded(package, expected):
+    # A name loaded by a module `__getattr__` is `Any` to a type checker unless the package
+    # also imports it under TYPE_CHECKING; a lazy name added without one would go unnoticed.
+    seen = _type_checking_imports(package)
+    pkg = importlib.import_module(package)
+    if expected is None:
+        assert seen == pkg._LAZY
+    else:
+        lazy = {n for p in expected for n in importlib.import_module(p).__all__}
+        assert set(seen) == lazy and set(seen.values()) == expected
+    for name, module in seen.items():
+        assert getattr(pkg, name) is getattr(importlib.import_module(module), name)
 
 
 def test_importing_the_launcher_loads_no_framework_and_no_data_layer():

@@ -15,10 +15,17 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from flyte_hvd.core import state
 from flyte_hvd.core.errors import HorovodInternalError
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+# What an operation's function returns (an array, a list or tuple of arrays), or what its
+# ``finish`` makes of that on the waiting thread (a framework's tensor): each op its own.
+Result: TypeAlias = Any
 
 
 class Handle:
@@ -27,17 +34,17 @@ class Handle:
 
     __slots__ = ("_done", "_error", "_finish", "_result", "name")
 
-    def __init__(self, name: str | None = None, finish: Callable[[Any], Any] | None = None):
+    def __init__(self, name: str | None = None, finish: Callable[[Result], Result] | None = None):
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._result: Any = None
+        self._result: Result = None
         self._finish = finish
         self.name = name
 
     def done(self) -> bool:
         return self._done.is_set()
 
-    def wait(self) -> Any:
+    def wait(self) -> Result:
         self._done.wait()
         if self._error is not None:
             raise self._error
@@ -60,10 +67,10 @@ class Engine:
 
     def submit(
         self,
-        fn: Callable[[Any], Any],
-        comm: Any,
+        fn: Callable[[MPI.Comm], Result],
+        comm: MPI.Comm,
         name: str | None = None,
-        finish: Callable[[Any], Any] | None = None,
+        finish: Callable[[Result], Result] | None = None,
     ) -> Handle:
         """Queue ``fn(comm)``. A ``name`` still in flight on this rank is a ``ValueError``:
         the ranks could not tell the two operations apart."""
@@ -135,10 +142,10 @@ def engine() -> Engine:
 
 
 def submit(
-    fn: Callable[[Any], Any],
-    comm: Any,
+    fn: Callable[[MPI.Comm], Result],
+    comm: MPI.Comm,
     name: str | None = None,
-    finish: Callable[[Any], Any] | None = None,
+    finish: Callable[[Result], Result] | None = None,
 ) -> Handle:
     """Run ``fn(comm)`` on the background thread; see ``Engine.submit``."""
     return engine().submit(fn, comm, name, finish)
@@ -150,7 +157,7 @@ def drain() -> None:
         _engine.drain()
 
 
-def synchronize(handle: Handle) -> Any:
+def synchronize(handle: Handle) -> Result:
     """Wait for an async op; returns its result (raises the error it failed with)."""
     if not isinstance(handle, Handle):
         raise ValueError(

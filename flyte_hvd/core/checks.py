@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
-def require_int(name: str, value: Any, minimum: int) -> int:
+def require_int(name: str, value: object, minimum: int) -> int:
     """``value`` as an int, or a ``ValueError`` naming ``name`` if it is not an int >= ``minimum``.
 
     ``bool`` is refused although it is an ``int`` subclass (``True`` is never meant as 1);
@@ -21,7 +23,7 @@ def require_int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
-def to_list(var: Any, length: int) -> list[Any] | None:
+def to_list(var: T | list[T] | tuple[T, ...] | None, length: int) -> list[T] | None:
     """``var`` as a list of ``length`` items (Horovod's ``util.to_list``): a single value (or a
     one-item list) repeated, a list of that length as it is; None stays None."""
     if var is None:

@@ -18,8 +18,8 @@ import enum
 import os
 import time
 import zlib
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import cloudpickle
 import numpy as np
@@ -36,6 +36,11 @@ from flyte_hvd.core.process_sets import (
     global_process_set,
     translate_root,
 )
+from flyte_hvd.core.types import UserValue
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+    from numpy.typing import ArrayLike
 
 FUSION_THRESHOLD_ENV = "HOROVOD_FUSION_THRESHOLD"
 DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024
@@ -59,10 +64,10 @@ Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 
 _SUPPORTED_KINDS = "fiuc"
-_MPI_OPS: dict[int, Any] = {}
+_MPI_OPS: dict[int, MPI.Op] = {}
 
 
-def _mpi_ops() -> dict[int, Any]:
+def _mpi_ops() -> dict[int, MPI.Op]:
     if not _MPI_OPS:
         from mpi4py import MPI
 
@@ -78,7 +83,7 @@ def _mpi_ops() -> dict[int, Any]:
     return _MPI_OPS
 
 
-def mpi_op(op: Any) -> tuple[ReduceOp, Any]:
+def mpi_op(op: int) -> tuple[ReduceOp, MPI.Op]:
     """``(ReduceOp, MPI op)`` for a Horovod op; ``NotImplementedError`` for ``Adasum``,
     ``ValueError`` for anything else unknown."""
     found = _mpi_ops().get(op) if isinstance(op, int) else None
@@ -112,12 +117,13 @@ def fusion_threshold() -> int:
     return value
 
 
-def fusion_buckets(items: Sequence[tuple[Any, int]], threshold: int) -> list[list[int]]:
-    """Indices of ``items`` (``(dtype, nbytes)`` pairs) grouped into fusion buffers: one dtype
-    each, at most ``threshold`` bytes (a larger item gets a buffer of its own), order kept
-    within a dtype. Buffers are listed in the order they close, then the open ones."""
+def fusion_buckets(items: Sequence[tuple[Hashable, int]], threshold: int) -> list[list[int]]:
+    """Indices of ``items`` (``(dtype, nbytes)`` pairs, any framework's dtype) grouped into
+    fusion buffers: one dtype each, at most ``threshold`` bytes (a larger item gets a buffer of
+    its own), order kept within a dtype. Buffers are listed in the order they close, then the
+    open ones."""
     groups: list[list[int]] = []
-    open_group: dict[Any, tuple[list[int], int]] = {}
+    open_group: dict[Hashable, tuple[list[int], int]] = {}
     for i, (dtype, nbytes) in enumerate(items):
         members, used = open_group.get(dtype, ([], 0))
         if members and used + nbytes > threshold:
@@ -140,7 +146,7 @@ def packed_offsets(counts: Sequence[int], itemsize: int) -> tuple[list[int], int
     return offsets, total
 
 
-def _as_array(value: Any, what: str, kinds: str = _SUPPORTED_KINDS) -> np.ndarray:
+def _as_array(value: ArrayLike, what: str, kinds: str = _SUPPORTED_KINDS) -> np.ndarray:
     array = np.asarray(value)
     if array.dtype.kind not in kinds:
         raise ValueError(
@@ -164,7 +170,7 @@ def _fingerprint(fields: tuple) -> int:
     return hash(fields) & 0x7FFFFFFFFFFFFFFF
 
 
-def check_optimizer_args(backward_passes_per_step: Any, op: Any,
+def check_optimizer_args(backward_passes_per_step: int, op: int,
                          gradient_predivide_factor: float) -> None:  # fmt: skip
     """The checks every framework's ``DistributedOptimizer`` makes of its reduction args."""
     require_int("backward_passes_per_step", backward_passes_per_step, 1)
@@ -195,7 +201,7 @@ Reduction = tuple[ReduceOp, np.ndarray] | Callable[[], ReductionSpec] | None
 
 
 def check_same(
-    comm: Any,
+    comm: MPI.Comm,
     fields: tuple,
     describe: Callable[[], str],
     reduction: Reduction = None,
@@ -238,7 +244,9 @@ def _reduction_spec(reduction: Reduction) -> ReductionSpec | None:
     return [(wire.dtype.str, int(wire.size), int(op))]
 
 
-def _meet_joined(comm: Any, fp: int, describe: Callable[[], str], reduction: Reduction) -> None:
+def _meet_joined(
+    comm: MPI.Comm, fp: int, describe: Callable[[], str], reduction: Reduction
+) -> None:
     """The active ranks' side of a collective while some ranks are inside ``join()``."""
     description = describe()
     entries = comm.allgather((fp, description, _reduction_spec(reduction)))  # joined: None
@@ -255,7 +263,7 @@ def _meet_joined(comm: Any, fp: int, describe: Callable[[], str], reduction: Red
         )
 
 
-def _serve_joined_round(comm: Any) -> int:
+def _serve_joined_round(comm: MPI.Comm) -> int:
     """A joined rank's side of one collective of the active ranks: contribute the identity of
     the op to each of its reductions. Returns 1 if a reduction was served."""
     active = [e for e in comm.allgather(None) if e is not None]
@@ -279,7 +287,7 @@ def _identity(dtype: np.dtype, op: ReduceOp, count: int) -> np.ndarray:
     return np.full(count, info.max if op == ReduceOp.MIN else info.min, dtype)
 
 
-def _serve_until_all_joined(comm: Any) -> int:
+def _serve_until_all_joined(comm: MPI.Comm) -> int:
     """Take part in the active ranks' collectives on ``comm`` until every rank has joined;
     returns how many reductions this rank served."""
     served = 0
@@ -405,7 +413,9 @@ def _displacements(counts: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
 
 
-def _submit(process_set: ProcessSet, name: str | None, fn: Callable[[Any], Any]):
+def _submit(
+    process_set: ProcessSet, name: str | None, fn: Callable[[MPI.Comm], background.Result]
+) -> background.Handle:
     return background.submit(fn, async_comm_of(process_set), name)
 
 
@@ -413,7 +423,7 @@ def _submit(process_set: ProcessSet, name: str | None, fn: Callable[[Any], Any])
 
 
 def allreduce(
-    array: Any,
+    array: ArrayLike,
     op: ReduceOp = Average,
     name: str | None = None,
     compression: type[Compressor] = Compression.none,
@@ -433,8 +443,8 @@ def allreduce(
 
 
 def allreduce_on(
-    comm: Any,
-    array: Any,
+    comm: MPI.Comm,
+    array: ArrayLike,
     op: ReduceOp = Average,
     name: str | None = None,
     compression: type[Compressor] = Compression.none,
@@ -470,7 +480,7 @@ def allreduce_on(
 
 
 def grouped_allreduce(
-    arrays: Sequence[Any],
+    arrays: Sequence[ArrayLike],
     op: ReduceOp = Average,
     name: str | None = None,
     compression: type[Compressor] = Compression.none,
@@ -490,8 +500,8 @@ def grouped_allreduce(
 
 
 def grouped_allreduce_on(
-    comm: Any,
-    arrays: Sequence[Any],
+    comm: MPI.Comm,
+    arrays: Sequence[ArrayLike],
     op: ReduceOp = Average,
     name: str | None = None,
     compression: type[Compressor] = Compression.none,
@@ -542,7 +552,7 @@ def grouped_allreduce_on(
 
 
 def reduce_in_place(
-    comm: Any,
+    comm: MPI.Comm,
     flat: np.ndarray,
     op: ReduceOp,
     compression: type[Compressor],
@@ -579,7 +589,7 @@ def reduce_in_place(
 
 
 def allgather(
-    array: Any, name: str | None = None, process_set: ProcessSet = global_process_set
+    array: ArrayLike, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> np.ndarray:
     """Concatenate every rank's array along the first dimension, in rank order.
 
@@ -589,7 +599,7 @@ def allgather(
     return allgather_on(comm_of(process_set), array, name)
 
 
-def allgather_on(comm: Any, array: Any, name: str | None = None) -> np.ndarray:
+def allgather_on(comm: MPI.Comm, array: ArrayLike, name: str | None = None) -> np.ndarray:
     """``allgather`` on the given communicator."""
     arr = np.asarray(_as_array(array, "allgather"), order="C")
     if arr.ndim == 0:
@@ -612,7 +622,9 @@ def allgather_on(comm: Any, array: Any, name: str | None = None) -> np.ndarray:
 
 
 def grouped_allgather(
-    arrays: Sequence[Any], name: str | None = None, process_set: ProcessSet = global_process_set
+    arrays: Sequence[ArrayLike],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
 ) -> list[np.ndarray]:
     """``allgather`` of each array, in order."""
     comm = comm_of(process_set)
@@ -620,7 +632,7 @@ def grouped_allgather(
 
 
 def broadcast(
-    array: Any,
+    array: ArrayLike,
     root_rank: int,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
@@ -634,7 +646,7 @@ def broadcast(
     return broadcast_on(comm_of(process_set), array, root, name)
 
 
-def _check_root(root_rank: Any, what: str) -> int:
+def _check_root(root_rank: object, what: str) -> int:
     size = state.size()
     if not isinstance(root_rank, int | np.integer) or not 0 <= root_rank < size:
         raise ValueError(
@@ -644,7 +656,9 @@ def _check_root(root_rank: Any, what: str) -> int:
     return int(root_rank)
 
 
-def broadcast_on(comm: Any, array: Any, root: int, name: str | None = None) -> np.ndarray:
+def broadcast_on(
+    comm: MPI.Comm, array: ArrayLike, root: int, name: str | None = None
+) -> np.ndarray:
     """``broadcast`` on the given communicator (``root`` is a rank of ``comm``)."""
     arr = _as_array(array, "broadcast", _SUPPORTED_KINDS + "b")  # a copy: booleans too
     check_same(
@@ -661,7 +675,7 @@ def broadcast_on(comm: Any, array: Any, root: int, name: str | None = None) -> n
     return out
 
 
-def _send_rows(arr: np.ndarray, splits: Any, size: int) -> np.ndarray:
+def _send_rows(arr: np.ndarray, splits: Sequence[int] | np.ndarray | None, size: int) -> np.ndarray:
     if arr.ndim == 0:
         raise ValueError("`alltoall` needs an array with at least one dimension; found a scalar.")
     if splits is None:
@@ -687,8 +701,8 @@ def _send_rows(arr: np.ndarray, splits: Any, size: int) -> np.ndarray:
 
 
 def alltoall(
-    array: Any,
-    splits: Sequence[int] | None = None,
+    array: ArrayLike,
+    splits: Sequence[int] | np.ndarray | None = None,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -701,7 +715,10 @@ def alltoall(
 
 
 def alltoall_on(
-    comm: Any, array: Any, splits: Sequence[int] | None = None, name: str | None = None
+    comm: MPI.Comm,
+    array: ArrayLike,
+    splits: Sequence[int] | np.ndarray | None = None,
+    name: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``alltoall`` on the given communicator."""
     size = comm.Get_size()
@@ -728,7 +745,7 @@ def alltoall_on(
 
 
 def reducescatter(
-    array: Any,
+    array: ArrayLike,
     op: ReduceOp = Average,
     name: str | None = None,
     prescale_factor: float = 1.0,
@@ -745,8 +762,8 @@ def reducescatter(
 
 
 def reducescatter_on(
-    comm: Any,
-    array: Any,
+    comm: MPI.Comm,
+    array: ArrayLike,
     op: ReduceOp = Average,
     name: str | None = None,
     prescale_factor: float = 1.0,
@@ -779,7 +796,7 @@ def reducescatter_on(
 
 
 def grouped_reducescatter(
-    arrays: Sequence[Any],
+    arrays: Sequence[ArrayLike],
     op: ReduceOp = Average,
     name: str | None = None,
     prescale_factor: float = 1.0,
@@ -851,11 +868,11 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 
 def broadcast_object(
-    obj: Any,
+    obj: UserValue,
     root_rank: int = 0,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
-) -> Any:
+) -> UserValue:
     """Every rank gets ``root_rank``'s object (cloudpickled, so lambdas travel too)."""
     root = translate_root(process_set, _check_root(root_rank, "broadcast_object"))
     comm = comm_of(process_set)
@@ -871,8 +888,8 @@ def broadcast_object(
 
 
 def allgather_object(
-    obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set
-) -> list[Any]:
+    obj: UserValue, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[UserValue]:
     """Every rank's object, in rank order (cloudpickled)."""
     comm = comm_of(process_set)
     payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8)
@@ -892,12 +909,12 @@ def allgather_object(
 # -- async ---------------------------------------------------------------------------------------
 
 
-def _copy(array: Any, what: str) -> np.ndarray:
+def _copy(array: ArrayLike, what: str) -> np.ndarray:
     return np.array(_as_array(array, what), copy=True, order="C")
 
 
 def allreduce_async(
-    array: Any,
+    array: ArrayLike,
     op: ReduceOp = Average,
     name: str | None = None,
     compression: type[Compressor] = Compression.none,
@@ -916,7 +933,7 @@ def allreduce_async(
 
 
 def grouped_allreduce_async(
-    arrays: Sequence[Any],
+    arrays: Sequence[ArrayLike],
     op: ReduceOp = Average,
     name: str | None = None,
     compression: type[Compressor] = Compression.none,
@@ -936,7 +953,7 @@ def grouped_allreduce_async(
 
 
 def allgather_async(
-    array: Any, name: str | None = None, process_set: ProcessSet = global_process_set
+    array: ArrayLike, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> background.Handle:
     """``allgather`` on the background thread (see ``allreduce_async``)."""
     arr = _copy(array, "allgather_async")
@@ -944,7 +961,9 @@ def allgather_async(
 
 
 def grouped_allgather_async(
-    arrays: Sequence[Any], name: str | None = None, process_set: ProcessSet = global_process_set
+    arrays: Sequence[ArrayLike],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
 ) -> background.Handle:
     """``grouped_allgather`` on the background thread (see ``allreduce_async``)."""
     arrs = [_copy(a, "grouped_allgather_async") for a in arrays]
@@ -952,7 +971,7 @@ def grouped_allgather_async(
 
 
 def broadcast_async(
-    array: Any,
+    array: ArrayLike,
     root_rank: int,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
@@ -964,8 +983,8 @@ def broadcast_async(
 
 
 def alltoall_async(
-    array: Any,
-    splits: Sequence[int] | None = None,
+    array: ArrayLike,
+    splits: Sequence[int] | np.ndarray | None = None,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> background.Handle:
@@ -976,7 +995,7 @@ def alltoall_async(
 
 
 def reducescatter_async(
-    array: Any,
+    array: ArrayLike,
     op: ReduceOp = Average,
     name: str | None = None,
     prescale_factor: float = 1.0,
@@ -993,7 +1012,7 @@ def reducescatter_async(
 
 
 def grouped_reducescatter_async(
-    arrays: Sequence[Any],
+    arrays: Sequence[ArrayLike],
     op: ReduceOp = Average,
     name: str | None = None,
     prescale_factor: float = 1.0,

@@ -4,7 +4,7 @@ describe their tensors and hand over numpy views; this module does the rest."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -15,7 +15,7 @@ Described = tuple[str, tuple[int, ...], str]
 
 
 def check_same_tensors(
-    described: list[Described], root_rank: Any, *, compare_names: bool, noun: str
+    described: list[Described], root_rank: int, *, compare_names: bool, noun: str
 ) -> None:
     """Raise ``ValueError`` on every rank unless all ranks describe the same tensors as
     ``root_rank`` (shapes and dtypes, and names when ``compare_names``); the message names the
@@ -39,7 +39,14 @@ def check_same_tensors(
             raise ValueError(_mismatch(root_rank, root, rank, theirs, key, noun))
 
 
-def _mismatch(root_rank: int, root: list, rank: int, theirs: list, key: Any, noun: str) -> str:
+def _mismatch(
+    root_rank: int,
+    root: list[Described],
+    rank: int,
+    theirs: list[Described],
+    key: Callable[[Described], tuple],
+    noun: str,
+) -> str:
     if len(root) != len(theirs):
         detail = f"rank {root_rank} has {len(root)} {noun}s, rank {rank} has {len(theirs)}"
     else:

@@ -13,9 +13,12 @@ collective's ``process_set=`` argument.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from flyte_hvd.core import state
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 
 class ProcessSet:
@@ -26,8 +29,10 @@ class ProcessSet:
 
     def __init__(self, ranks: Sequence[int] | None):
         self._ranks = None if ranks is None else _checked_ranks(ranks)
-        self.comm: Any = None  # collectives of the calling thread
-        self.async_comm: Any = None  # collectives of the background thread (``*_async``)
+        self.comm: MPI.Comm | None = None  # collectives of the calling thread
+        self.async_comm: MPI.Comm | None = (
+            None  # collectives of the background thread (``*_async``)
+        )
         self.process_set_id: int | None = None
 
     @property
@@ -75,21 +80,21 @@ def _checked_ranks(ranks: Sequence[int]) -> list[int]:
     return out
 
 
-def comm_of(process_set: ProcessSet) -> Any:
+def comm_of(process_set: ProcessSet) -> MPI.Comm:
     """The communicator a collective on ``process_set`` runs on (this thread's)."""
     if process_set is global_process_set:
         return state.comm()
     return _member_comm(process_set, "comm")
 
 
-def async_comm_of(process_set: ProcessSet) -> Any:
+def async_comm_of(process_set: ProcessSet) -> MPI.Comm:
     """The communicator the background thread uses for ``process_set``."""
     if process_set is global_process_set:
         return state.async_comm()
     return _member_comm(process_set, "async_comm")
 
 
-def _member_comm(process_set: Any, which: str) -> Any:
+def _member_comm(process_set: object, which: str) -> MPI.Comm:
     if not isinstance(process_set, ProcessSet):
         raise ValueError(
             f"`process_set` must be a hvd.ProcessSet (hvd.global_process_set or one from "

@@ -11,9 +11,12 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from flyte_hvd.core import timeline
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 HOSTNAME_ENV = "FLYTE_HVD_HOSTNAME"
 # "0" skips the argument check before each collective (one 16-byte reduction, about 5 us on
@@ -62,23 +65,25 @@ def host_name() -> str:
 
 
 class _State:
-    comm: Any = None
-    async_comm: Any = None  # the background thread's duplicate (``*_async``, optimizers)
+    comm: MPI.Comm | None = None
+    async_comm: MPI.Comm | None = (
+        None  # the background thread's duplicate (``*_async``, optimizers)
+    )
     topology: Topology | None = None
     owns_comm: bool = False
-    launcher_comm: Any = None
+    launcher_comm: MPI.Comm | None = None
     check_collectives: bool = True
 
 
 _state = _State()
 
 
-def set_launcher_comm(comm: Any) -> None:
+def set_launcher_comm(comm: MPI.Comm) -> None:
     """Called by the rank bootstrap: the communicator that ``init()`` picks up by default."""
     _state.launcher_comm = comm
 
 
-def init(comm: Any = None) -> None:
+def init(comm: MPI.Comm | None = None) -> None:
     """Initialize Horovod for this process. Calling it again is a no-op, as in Horovod."""
     if _state.comm is not None:
         return
@@ -124,6 +129,7 @@ def shutdown() -> None:
     timeline.stop(_state.comm)
     for _, hook in sorted(_shutdown_hooks, key=lambda h: h[0]):
         hook()
+    assert _state.async_comm is not None  # init() sets both communicators
     _state.async_comm.Free()
     _state.async_comm = None
     if _state.owns_comm:
@@ -149,7 +155,7 @@ def mpi_enabled() -> bool:
     return True
 
 
-def comm() -> Any:
+def comm() -> MPI.Comm:
     """The communicator collectives run on; raises the Horovod error before ``init()``."""
     if _state.comm is None:
         raise ValueError(
@@ -159,9 +165,10 @@ def comm() -> Any:
     return _state.comm
 
 
-def async_comm() -> Any:
+def async_comm() -> MPI.Comm:
     """The communicator of the background thread (a duplicate of ``comm()``)."""
     comm()
+    assert _state.async_comm is not None  # init() sets both communicators
     return _state.async_comm
 
 

@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 TIMELINE_ENV = "HOROVOD_TIMELINE"
 
@@ -21,7 +24,7 @@ class Timeline:
     def __init__(self, path: str, rank: int):
         self.path = path
         self.rank = rank
-        self.events: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []  # Chrome trace events: JSON values
 
     def record(self, kind: str, name: str | None, nbytes: int, start_ns: int) -> None:
         end_ns = time.time_ns()
@@ -67,7 +70,7 @@ def start_from_env(rank: int) -> None:
         _active = Timeline(path, rank)
 
 
-def stop(comm: Any) -> None:
+def stop(comm: MPI.Comm) -> None:
     """Stop recording and write the file on rank 0 (collective over ``comm``)."""
     global _active
     timeline, _active = _active, None
@@ -76,7 +79,7 @@ def stop(comm: Any) -> None:
     all_events = comm.gather(timeline.events, root=0)
     if all_events is None:
         return
-    trace: list[dict[str, Any]] = [
+    trace: list[dict[str, Any]] = [  # JSON values
         {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
         for r in range(len(all_events))
     ]

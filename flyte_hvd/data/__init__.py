@@ -8,7 +8,36 @@ Nothing here imports an estimator. Modules load on first use (they import pyarro
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from flyte_hvd.core.lazy import lazy_attributes
+
+# The real types of the lazy names below, for type checkers (names they re-export).
+# ruff: noqa: F401
+if TYPE_CHECKING:
+    from flyte_hvd.data.dataset import (
+        ColumnInfo,
+        DatasetMetadata,
+        get_dataset_metadata,
+        read_metadata,
+    )
+    from flyte_hvd.data.loader import (
+        ArrowDataLoader,
+        AsyncArrowDataLoader,
+        AsyncDataLoaderMixin,
+        BaseDataLoader,
+    )
+    from flyte_hvd.data.prepare import prepare_data
+    from flyte_hvd.data.store import (
+        AbstractFilesystemStore,
+        DBFSLocalStore,
+        FilesystemStore,
+        HDFSStore,
+        LocalStore,
+        RemoteStore,
+        S3Store,
+        Store,
+    )
 
 _LAZY = {
     "Store": "flyte_hvd.data.store",

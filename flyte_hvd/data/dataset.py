@@ -20,14 +20,23 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flyte_hvd.data.parquet import METADATA_FILENAME, as_arrow_filesystem, open_parquet_dataset
+from flyte_hvd.core.types import JSONObject
+from flyte_hvd.data.parquet import (
+    METADATA_FILENAME,
+    FileSystem,
+    as_arrow_filesystem,
+    open_parquet_dataset,
+)
 from flyte_hvd.data.store import RemoteStore, Store
+
+if TYPE_CHECKING:
+    import pyarrow.dataset as ds
 
 FORMAT = "flyte_hvd.dataset/1"
 FIELD_METADATA_KEY = "flyte_hvd"  # per column, in the Spark and Arrow schemas
@@ -70,7 +79,7 @@ class ColumnInfo:
         """Values per row."""
         return math.prod(self.shape)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "name": self.name,
             "kind": self.kind,
@@ -80,7 +89,7 @@ class ColumnInfo:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ColumnInfo:
+    def from_dict(cls, d: JSONObject) -> ColumnInfo:
         return cls(
             d["name"], d["kind"], d["dtype"], tuple(d.get("shape", ())), d.get("encoding", "plain")
         )
@@ -161,7 +170,7 @@ class DatasetMetadata:
 
 
 def get_dataset_metadata(
-    store: Store | RemoteStore, dataset_idx: str
+    store: Store | RemoteStore, dataset_idx: str | int | None
 ) -> tuple[DatasetMetadata, DatasetMetadata | None]:
     """The train and (if prepared) validation metadata of ``dataset_idx``."""
     st = store.store if isinstance(store, RemoteStore) else store
@@ -219,7 +228,7 @@ def read_metadata(store: Store | RemoteStore, path: str) -> DatasetMetadata:
     return read_metadata_fs(store.arrow_filesystem, store.fs_path(path))
 
 
-def read_metadata_fs(filesystem: Any, path: str) -> DatasetMetadata:
+def read_metadata_fs(filesystem: FileSystem, path: str) -> DatasetMetadata:
     """``read_metadata`` on a pyarrow or fsspec filesystem and a path inside it."""
     fs = as_arrow_filesystem(filesystem)
     sidecar = f"{path.rstrip('/')}/{METADATA_FILENAME}"
@@ -234,7 +243,9 @@ def read_metadata_fs(filesystem: Any, path: str) -> DatasetMetadata:
     return scan_parquet(fs, path, None)
 
 
-def scan_parquet(fs: Any, path: str, infos: tuple[ColumnInfo, ...] | None) -> DatasetMetadata:
+def scan_parquet(
+    fs: FileSystem, path: str, infos: tuple[ColumnInfo, ...] | None
+) -> DatasetMetadata:
     dataset = open_parquet_dataset(fs, path)
     fragments = list(dataset.get_fragments())
     rows = row_groups = 0
@@ -249,8 +260,10 @@ def scan_parquet(fs: Any, path: str, infos: tuple[ColumnInfo, ...] | None) -> Da
     )
 
 
-def _infos_from_schema(schema: pa.Schema, fragments: list[Any]) -> tuple[ColumnInfo, ...]:
-    recorded: dict[str, dict[str, Any]] = {}
+def _infos_from_schema(
+    schema: pa.Schema, fragments: list[ds.ParquetFileFragment]
+) -> tuple[ColumnInfo, ...]:
+    recorded: dict[str, JSONObject] = {}
     spark_json = (schema.metadata or {}).get(SPARK_ROW_METADATA_KEY)
     if spark_json:
         for f in json.loads(spark_json).get("fields", []):

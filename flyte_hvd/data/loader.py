@@ -16,9 +16,9 @@ import math
 import queue
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -30,10 +30,19 @@ from flyte_hvd.data.dataset import (
     decode_column,
     read_metadata_fs,
 )
-from flyte_hvd.data.parquet import as_arrow_filesystem, open_parquet_dataset
+from flyte_hvd.data.parquet import FileSystem, as_arrow_filesystem, open_parquet_dataset
 from flyte_hvd.data.store import RemoteStore, Store
 
+if TYPE_CHECKING:
+    import pyarrow.dataset as ds
+    import pyarrow.fs as pafs
+    import tensorflow as tf
+    from numpy.typing import DTypeLike
+
 Batch = dict[str, np.ndarray]
+# (row-group fragment, first row, end row): the part of a row group a rank reads.
+Piece = tuple["ds.ParquetFileFragment", int, int]
+T = TypeVar("T")
 # Pipeline of an epoch: a reader thread decodes pieces (pyarrow, without the GIL) up to
 # _READ_AHEAD ahead; a shuffling thread joins and permutes them (Arrow's take, without the
 # GIL) up to _BLOCKS_AHEAD runs of batches ahead; the caller only slices batches off runs.
@@ -49,7 +58,7 @@ _CACHED_BLOCK_BATCHES = 64  # batches per crossing from the in-memory shard
 AUTO_CACHE_MAX_BYTES = 256 << 20
 
 
-def _float_dtype(arg: str, value: Any) -> np.dtype:
+def _float_dtype(arg: str, value: DTypeLike) -> np.dtype:
     try:
         dtype = np.dtype(value)
     except TypeError:
@@ -131,7 +140,7 @@ class BaseDataLoader(abc.ABC):
         prefetch: int | None = 2,
         float64_as: str | None = None,
         shapes: dict[str, Sequence[int]] | None = None,
-    ) -> Any:
+    ) -> tf.data.Dataset:
         """A ``tf.data.Dataset`` of ``x``, ``(x, y)`` or ``(x, y, w)`` for ``model.fit``.
 
         One column gives a tensor, several a tuple in the order given. Each time Keras starts
@@ -170,6 +179,7 @@ class BaseDataLoader(abc.ABC):
         if sample_weight_col is not None:
             parts.append(_column_list("sample_weight_col", sample_weight_col, specs))
 
+        # A column's value, or a tuple of them: numpy arrays, or their ``tf.TensorSpec``s.
         def pack(values: dict[str, Any], names: list[str]) -> Any:
             return values[names[0]] if len(names) == 1 else tuple(values[n] for n in names)
 
@@ -184,7 +194,7 @@ class BaseDataLoader(abc.ABC):
         signature = tuple(pack(signature_by_col, names) for names in parts)
         single = len(parts) == 1
 
-        def generate() -> Iterator[Any]:
+        def generate() -> Iterator[tuple | np.ndarray]:
             for group in self._next_groups():
                 values = {c: np.asarray(group[c], specs[c][0]) for c in columns}
                 for c, row in rows.items():
@@ -212,7 +222,7 @@ class TransformedLoader(BaseDataLoader):
     """``loader`` with ``fn(batch) -> batch`` applied to every batch (Horovod's
     ``transformation_fn``); ``fn`` must keep each column's dtype and shape."""
 
-    def __init__(self, loader: BaseDataLoader, fn: Any):
+    def __init__(self, loader: BaseDataLoader, fn: Callable[[Batch], Batch]):
         super().__init__()
         self.loader, self.fn = loader, fn
 
@@ -273,7 +283,7 @@ class ArrowDataLoader(BaseDataLoader):
         rank: int = 0,
         size: int = 1,
         store: Store | RemoteStore | None = None,
-        filesystem: Any = None,
+        filesystem: FileSystem | None = None,
         columns: Sequence[str] | None = None,
         metadata: DatasetMetadata | None = None,
         shuffle: bool = True,
@@ -364,7 +374,7 @@ class ArrowDataLoader(BaseDataLoader):
         finally:
             blocks.close()  # type: ignore[attr-defined]
 
-    def _read_piece(self, piece: tuple[Any, int, int]) -> pa.Table:
+    def _read_piece(self, piece: Piece) -> pa.Table:
         fragment, start, stop = piece
         return fragment.to_table(columns=self.columns).slice(start, stop - start)
 
@@ -497,6 +507,7 @@ class AsyncDataLoaderMixin:
     reads in the caller's thread.
     """
 
+    # ``*args``, ``**kwargs``: the arguments of the loader this is mixed into, passed on.
     def __init__(self, *args: Any, async_loader_queue_size: int = 8, **kwargs: Any):
         require_int("async_loader_queue_size", async_loader_queue_size, 0)
         self.async_loader_queue_size = async_loader_queue_size
@@ -536,15 +547,15 @@ class _Failure:
 
 
 def _in_background(
-    inner: Iterator[Any], maxsize: int, name: str, stop: threading.Event | None = None
-) -> Iterator[Any]:
+    inner: Iterator[T], maxsize: int, name: str, stop: threading.Event | None = None
+) -> Iterator[T]:
     """Run ``inner`` in a thread that stays at most ``maxsize`` items ahead; its error is
     raised here, with its traceback, and closing this generator (or setting ``stop``) ends
     the thread."""
     q: queue.Queue = queue.Queue(maxsize=maxsize)
     stop = stop or threading.Event()
 
-    def put(item: Any) -> bool:
+    def put(item: T | object) -> bool:
         while not stop.is_set():
             try:
                 q.put(item, timeout=0.1)
@@ -584,7 +595,7 @@ def _in_background(
             inner.close()
 
 
-def _column_list(arg: str, value: str | Sequence[str], specs: dict[str, Any]) -> list[str]:
+def _column_list(arg: str, value: str | Sequence[str], specs: Mapping[str, object]) -> list[str]:
     names = [value] if isinstance(value, str) else list(value)
     missing = [n for n in names if n not in specs]
     if not names or missing:
@@ -595,7 +606,9 @@ def _column_list(arg: str, value: str | Sequence[str], specs: dict[str, Any]) ->
     return names
 
 
-def _resolve_filesystem(path: str, store: Any, filesystem: Any) -> tuple[Any, str]:
+def _resolve_filesystem(
+    path: str, store: Store | RemoteStore | None, filesystem: FileSystem | None
+) -> tuple[pafs.FileSystem, str]:
     import pyarrow.fs as pafs
 
     fs, fs_path = _arrow_filesystem(path, store, filesystem)
@@ -606,7 +619,9 @@ def _resolve_filesystem(path: str, store: Any, filesystem: Any) -> tuple[Any, st
     return fs, fs_path
 
 
-def _arrow_filesystem(path: str, store: Any, filesystem: Any) -> tuple[Any, str]:
+def _arrow_filesystem(
+    path: str, store: Store | RemoteStore | None, filesystem: FileSystem | None
+) -> tuple[pafs.FileSystem, str]:
     import os
 
     import fsspec
@@ -626,7 +641,7 @@ def _arrow_filesystem(path: str, store: Any, filesystem: Any) -> tuple[Any, str]
     return as_arrow_filesystem(fs), fs_path
 
 
-def _shard_pieces(fragments: list[Any], lo: int, hi: int) -> list[tuple[Any, int, int]]:
+def _shard_pieces(fragments: list[ds.ParquetFileFragment], lo: int, hi: int) -> list[Piece]:
     """(row-group fragment, first row, end row) of every row group overlapping [lo, hi)."""
     pieces = []
     offset = 0

@@ -3,13 +3,21 @@ an fsspec one): what the Store, the metadata reader and the loaders share."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    import fsspec
+    import pyarrow.dataset as ds
+    import pyarrow.fs as pafs
+
+# What the readers accept: a pyarrow filesystem, or an fsspec one (wrapped for pyarrow).
+FileSystem: TypeAlias = "pafs.FileSystem | fsspec.AbstractFileSystem"
 
 # The JSON sidecar ``prepare_data`` writes inside each dataset's folder (``dataset``).
 METADATA_FILENAME = "_flyte_hvd_metadata.json"
 
 
-def open_parquet_dataset(filesystem: Any, path: str) -> Any:
+def open_parquet_dataset(filesystem: FileSystem, path: str) -> ds.Dataset:
     """A ``pyarrow.dataset.Dataset`` of the Parquet files under ``path``, files sorted by path.
 
     Hidden and ``_``-prefixed files (``_SUCCESS``, ``.crc``, the sidecar) are skipped; when
@@ -42,7 +50,7 @@ def open_parquet_dataset(filesystem: Any, path: str) -> Any:
     return ds.dataset(parquet or files, filesystem=fs, format="parquet")
 
 
-def as_arrow_filesystem(filesystem: Any) -> Any:
+def as_arrow_filesystem(filesystem: FileSystem) -> pafs.FileSystem:
     """A pyarrow filesystem for ``filesystem`` (pyarrow's own, or fsspec's wrapped)."""
     import fsspec
     import pyarrow.fs as pafs

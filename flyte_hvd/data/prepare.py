@@ -16,12 +16,13 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import pyarrow as pa
 
 from flyte_hvd.core.log import get_logger, verbosity_level
+from flyte_hvd.core.types import JSONObject
 from flyte_hvd.data.dataset import (
     FIELD_METADATA_KEY,
     FORMAT,
@@ -40,7 +41,15 @@ from flyte_hvd.data.store import Store
 from flyte_hvd.launch.environment import local_storage_env
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    from pyspark.sql import Column, DataFrame, SparkSession
+    from pyspark.sql.connect.session import SparkSession as ConnectSparkSession
+    from pyspark.sql.types import DataType
+
+# A classic SparkSession or a Spark Connect one: the two share no base class.
+AnySparkSession: TypeAlias = "SparkSession | ConnectSparkSession"
+# What one aggregation found: "rows", "val_rows" and per column ("cols") counts and lengths
+# (see ``_collect_stats``); ints, or None where a column has no rows.
+Stats: TypeAlias = dict[str, Any]
 
 logger = get_logger(__name__)
 
@@ -76,7 +85,7 @@ def prepare_data(
     partitions_per_process: int = 10,
     verbose: int = 0,
     allow_non_finite_features: bool = False,
-    on_checked: Callable[[], Any] | None = None,
+    on_checked: Callable[[], object] | None = None,
 ) -> Iterator[str]:
     """Write ``df``'s selected columns to Parquet in ``store``; yields the dataset index.
 
@@ -287,12 +296,12 @@ def _prepare(
     return idx
 
 
-def _check_count(name: str, value: Any) -> None:
+def _check_count(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"`{name}` must be an int >= 1; found {value!r}.")
 
 
-def _names(arg: str, value: Any) -> list[str]:
+def _names(arg: str, value: str | Iterable[str]) -> list[str]:
     if isinstance(value, str):
         return [value]
     try:
@@ -314,7 +323,7 @@ def _check_exist(arg: str, names: list[str], available: list[str]) -> None:
         )
 
 
-def _check_validation(validation: Any) -> None:
+def _check_validation(validation: object) -> None:
     if validation is None or isinstance(validation, str):
         return
     if isinstance(validation, bool) or not isinstance(validation, float | int):
@@ -328,7 +337,7 @@ def _check_validation(validation: Any) -> None:
         )
 
 
-def _spark_kind(name: str, dtype: Any) -> tuple[str, str]:
+def _spark_kind(name: str, dtype: DataType) -> tuple[str, str]:
     """(kind, numpy dtype) of a Spark column type, or a ValueError naming it."""
     from pyspark.sql import types as T
 
@@ -360,7 +369,7 @@ def _q(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
-def _dataset_key(df: DataFrame, options: dict[str, Any]) -> str:
+def _dataset_key(df: DataFrame, options: JSONObject) -> str:
     try:
         files = sorted(df.inputFiles())
     except Exception:
@@ -393,23 +402,23 @@ def _complete(store: Store, paths: dict[str, str], key: str) -> bool:
 # -- statistics: one aggregation over the selected columns, in Spark ------------------------
 
 
-def _non_finite(x: Any) -> Any:
+def _non_finite(x: Column) -> Column:
     """Whether a number is NaN or infinite, as a Spark expression."""
     from pyspark.sql import functions as F
 
     return F.isnan(x) | (F.abs(x) == float("inf"))
 
 
-def _column_stats(c: str, kind: str, dtype: str, check_nan: bool) -> dict[str, Any]:
+def _column_stats(c: str, kind: str, dtype: str, check_nan: bool) -> dict[str, Column]:
     """Spark aggregate expressions of one column's statistics (see ``_collect_stats``)."""
     from pyspark.sql import functions as F
 
     col = F.col(_q(c))
 
-    def count(condition: Any) -> Any:
+    def count(condition: Column) -> Column:
         return F.sum(F.when(condition, 1).otherwise(0))
 
-    exprs: dict[str, Any] = {"nulls": count(col.isNull())}
+    exprs: dict[str, Column] = {"nulls": count(col.isNull())}
     values = col
     if kind == "vector":
         from pyspark.ml.functions import array_to_vector, vector_to_array
@@ -439,7 +448,7 @@ def _column_stats(c: str, kind: str, dtype: str, check_nan: bool) -> dict[str, A
     return exprs
 
 
-def _count_non_finite(sel: Any, c: str, kind: str) -> int:
+def _count_non_finite(sel: DataFrame, c: str, kind: str) -> int:
     """The NaN or infinite values of an array or vector column, for the error message."""
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F
@@ -451,12 +460,12 @@ def _count_non_finite(sel: Any, c: str, kind: str) -> int:
 
 
 def _collect_stats(
-    sel: Any,
+    sel: DataFrame,
     kinds: dict[str, tuple[str, str]],
     nan_checked: set[str],
     has_split: bool,
     features: set[str] = frozenset(),  # type: ignore[assignment]
-) -> dict[str, Any]:
+) -> Stats:
     """Rows, validation rows and, per column, nulls, NaN or infinite values, the least and
     greatest array or vector length and the sparse and dense vector counts, in one Spark
     aggregation (in the JVM: no rows cross to Python; a second one counts the NaN values of a
@@ -472,7 +481,7 @@ def _collect_stats(
         per_column[c] = {stat: f"s{i}_{stat}" for stat in exprs}
         named.extend(expr.alias(per_column[c][stat]) for stat, expr in exprs.items())
     row = sel.agg(*named).collect()[0].asDict()
-    total: dict[str, Any] = {"rows": row["rows"], "val_rows": row.get("val_rows") or 0, "cols": {}}
+    total: Stats = {"rows": row["rows"], "val_rows": row.get("val_rows") or 0, "cols": {}}
     for c, aliases in per_column.items():
         st = {"nulls": 0, "nans": 0, "min_len": None, "max_len": None, "sparse": 0, "dense": 0}
         st.update({stat: row[alias] for stat, alias in aliases.items()})
@@ -522,7 +531,7 @@ def _collect_stats(
 def _column_infos(
     selected: list[str],
     kinds: dict[str, tuple[str, str]],
-    stats: dict[str, Any],
+    stats: Stats,
     compress_sparse: bool,
 ) -> list[ColumnInfo]:
     infos = []
@@ -541,7 +550,7 @@ def _column_infos(
     return infos
 
 
-def _check_split_rows(stats: dict[str, Any], validation: Any, num_processes: int) -> None:
+def _check_split_rows(stats: Stats, validation: float | str | None, num_processes: int) -> None:
     if validation is None:
         return
     val_rows, rows = stats["val_rows"], stats["rows"]
@@ -557,7 +566,7 @@ def _check_split_rows(stats: dict[str, Any], validation: Any, num_processes: int
 # -- writing ---------------------------------------------------------------------------------
 
 
-def _split_rows(stats: dict[str, Any], split: str, validation: Any) -> int:
+def _split_rows(stats: Stats, split: str, validation: float | str | None) -> int:
     if validation is None:
         return int(stats["rows"])
     val_rows = int(stats["val_rows"])
@@ -576,7 +585,7 @@ def _write_tasks(rows: int, infos: list[ColumnInfo], num_processes: int, files: 
 
 
 def _write_split(
-    part: Any, store: Store, path: str, infos: list[ColumnInfo], rows_per_file: int
+    part: DataFrame, store: Store, path: str, infos: list[ColumnInfo], rows_per_file: int
 ) -> None:
     """Spark writes straight to the store's URL when its cluster can reach it; otherwise each
     task writes its partition to local files and uploads them through the store's fsspec.
@@ -637,19 +646,19 @@ def _leaf_paths(infos: list[ColumnInfo]) -> dict[str, bool]:
     return leaves
 
 
-def _master(spark: Any) -> str:
+def _master(spark: AnySparkSession) -> str:
     """The master URL of a classic or a Spark Connect session (``spark.conf`` works on both;
     ``sparkContext`` does not exist on Connect)."""
     return str(spark.conf.get("spark.master", "") or "")
 
 
-def _spark_can_write(spark: Any, url: str) -> bool:
+def _spark_can_write(spark: AnySparkSession, url: str) -> bool:
     """Whether the cluster has a Hadoop FileSystem for ``url``: its scheme names a class,
     and that class answers for ``url`` (a scheme can be mapped to a class whose own client
     is missing, e.g. S3A without its AWS SDK, or a view with no mount for this bucket)."""
     scheme = url.split(":", 1)[0] if ":" in url else "file"
     try:
-        jvm = spark._jvm
+        jvm: Any = spark._jvm  # py4j's JVM view: untyped (pyspark declares it Optional)
         conf = spark._jsc.hadoopConfiguration()
         jvm.org.apache.hadoop.fs.FileSystem.getFileSystemClass(scheme, conf)
         path = jvm.org.apache.hadoop.fs.Path(url)

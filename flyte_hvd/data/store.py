@@ -35,13 +35,17 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlparse
 
 import fsspec
 
 from flyte_hvd.core.log import get_logger, warn_once
-from flyte_hvd.data.parquet import METADATA_FILENAME, open_parquet_dataset
+from flyte_hvd.data.parquet import METADATA_FILENAME, FileSystem, open_parquet_dataset
+
+if TYPE_CHECKING:
+    import keras
+    import pyarrow.dataset as ds
 
 __all__ = [
     "AbstractFilesystemStore",
@@ -137,10 +141,10 @@ class Store:
         test_path: str | None = None,
         runs_path: str | None = None,
         save_runs: bool = True,
-        storage_options: dict[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,  # fsspec's options for the filesystem
         checkpoint_filename: str | None = None,
         temp_dir: str | os.PathLike[str] | None = None,
-        **kwargs: Any,
+        **kwargs: Any,  # Horovod's other arguments: ignored, with a warning
     ):
         for key in kwargs:
             _warn_once(
@@ -183,9 +187,9 @@ class Store:
         test_path: str | None = None,
         runs_path: str | None = None,
         save_runs: bool = True,
-        storage_options: dict[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,  # fsspec's options for the filesystem
         checkpoint_filename: str | None = None,
-        **kwargs: Any,
+        **kwargs: Any,  # the chosen class's other arguments
     ) -> Store:
         """The Store for ``prefix_path``'s scheme, checked writable now rather than mid-run.
 
@@ -225,7 +229,7 @@ class Store:
         ``Store.create`` uses the first class that does, ``FilesystemStore`` last."""
         return _scheme_of(_check_path("path", path)) in cls.schemes
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         state = self.__dict__.copy()
         state["_fs"] = None  # no live connections travel to the ranks
         return state
@@ -388,7 +392,7 @@ class Store:
         return self._fs
 
     @property
-    def arrow_filesystem(self) -> Any:
+    def arrow_filesystem(self) -> FileSystem:
         """A filesystem ``pyarrow.dataset`` reads from (paths from ``fs_path``)."""
         return self.fs
 
@@ -469,8 +473,8 @@ class Store:
         lpath: str,
         rpath: str,
         recursive: bool = False,
-        callback: Any = None,
-        **kwargs: Any,
+        callback: fsspec.callbacks.Callback | None = None,
+        **kwargs: Any,  # Horovod's arguments to fsspec's put_file
     ) -> list[str]:
         """Copy the local file or folder ``lpath`` to ``rpath`` in the store (Horovod's
         ``copy``); returns the store paths written.
@@ -541,7 +545,10 @@ class Store:
         return _RunSync(self, self.get_run_path(run_id))
 
     def read_serialized_keras_model(
-        self, ckpt_path: str, model: Any = None, custom_objects: Any = None
+        self,
+        ckpt_path: str,
+        model: keras.Model | None = None,
+        custom_objects: dict[str, Any] | None = None,  # Keras' name -> class or function
     ) -> str:
         """The Keras model file at ``ckpt_path``, read through the store, serialized as
         Horovod's estimators pass models around: base64 (ASCII) of the pickled file bytes,
@@ -595,7 +602,7 @@ class Store:
         except FileNotFoundError:
             return False
 
-    def get_parquet_dataset(self, path: str) -> Any:
+    def get_parquet_dataset(self, path: str) -> ds.Dataset:
         """A ``pyarrow.dataset.Dataset`` over the Parquet files under ``path`` (files sorted
         by path; hidden, ``_``-prefixed and, if there are ``.parquet`` files, other files
         skipped)."""
@@ -686,7 +693,7 @@ class LocalStore(Store):
         return fsspec.filesystem("file")
 
     @property
-    def arrow_filesystem(self) -> Any:
+    def arrow_filesystem(self) -> FileSystem:
         import pyarrow.fs
 
         return pyarrow.fs.LocalFileSystem()
@@ -736,6 +743,7 @@ class DBFSLocalStore(LocalStore):
 
     schemes: ClassVar[tuple[str, ...]] = ("dbfs",)
 
+    # ``*args``, ``**kwargs``: ``Store``'s arguments, passed on.
     def __init__(self, prefix_path: str, *args: Any, **kwargs: Any):
         path = _check_path("prefix_path", prefix_path)
         if not self.matches_dbfs(path):
@@ -877,8 +885,8 @@ class HDFSStore(Store):
         driver: str = "libhdfs",
         extra_conf: dict[str, str] | None = None,
         temp_dir: str | os.PathLike[str] | None = None,
-        *args: Any,
-        **kwargs: Any,
+        *args: Any,  # ``Store``'s arguments, passed on
+        **kwargs: Any,  # ``Store``'s arguments, passed on
     ):
         path = _check_path("prefix_path", prefix_path)
         scheme = _scheme_of(path)
@@ -954,7 +962,7 @@ class HDFSStore(Store):
         return HadoopFileSystem(host=self.host, port=self.port, **options)
 
     @property
-    def arrow_filesystem(self) -> Any:
+    def arrow_filesystem(self) -> FileSystem:
         return self.fs.fs  # the pyarrow filesystem under fsspec's wrapper
 
     def _replace(self, tmp: str, target: str) -> None:
@@ -1007,10 +1015,10 @@ class FilesystemStore(Store):
         test_path: str | None = None,
         runs_path: str | None = None,
         save_runs: bool = True,
-        storage_options: dict[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,  # fsspec's options for the filesystem
         checkpoint_filename: str | None = None,
         temp_dir: str | os.PathLike[str] | None = None,
-        **kwargs: Any,
+        **kwargs: Any,  # ``Store``'s other arguments, passed on
     ):
         path = _check_path("prefix_path", prefix_path)
         self.protocol = _scheme_of(path) or "file"
@@ -1190,7 +1198,7 @@ class RemoteStore:
         return self.store.fs
 
     @property
-    def arrow_filesystem(self) -> Any:
+    def arrow_filesystem(self) -> FileSystem:
         return self.store.arrow_filesystem
 
     def fs_path(self, path: str) -> str:
@@ -1328,7 +1336,7 @@ def _unknown_scheme(path: str, scheme: str) -> str:
     )
 
 
-def _check_path(name: str, path: Any) -> str:
+def _check_path(name: str, path: object) -> str:
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
     if not isinstance(path, str) or not path.strip():
@@ -1336,7 +1344,7 @@ def _check_path(name: str, path: Any) -> str:
     return path
 
 
-def _check_run_id(run_id: Any) -> str:
+def _check_run_id(run_id: object) -> str:
     if not isinstance(run_id, str) or not run_id or "/" in run_id or run_id in (".", ".."):
         raise ValueError(f"`run_id` must be a non-empty name without '/'; found {run_id!r}.")
     return run_id
@@ -1354,6 +1362,6 @@ def _tmp_name(target: str) -> str:
     return posixpath.join(folder, f".{name}.{uuid.uuid4().hex[:12]}{_TMP_SUFFIX}")
 
 
-def _quietly(fn: Any, *args: Any) -> None:
+def _quietly(fn: Callable[..., object], *args: object) -> None:
     with contextlib.suppress(Exception):
         fn(*args)

@@ -9,7 +9,24 @@ Modules load on first use (each imports its framework).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from flyte_hvd.core.lazy import lazy_attributes
+
+# The real types of the lazy names below, for type checkers (names they re-export).
+# ruff: noqa: F401
+if TYPE_CHECKING:
+    from flyte_hvd.estimators.base import (
+        HorovodEstimator,
+        HorovodModel,
+    )
+    from flyte_hvd.estimators.keras import (
+        KerasEstimator,
+        KerasModel,
+    )
+    from flyte_hvd.estimators.lightning import LightningEstimator
+    from flyte_hvd.estimators.torch import TorchEstimator
+    from flyte_hvd.estimators.torch_model import TorchModel
 
 _LAZY = {
     "HorovodEstimator": "flyte_hvd.estimators.base",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import keras
@@ -21,7 +21,12 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     first batch instead, as Horovod always did.
     """
 
-    def __init__(self, root_rank: int = 0, device: str = "", local_variables: Any = None):
+    def __init__(
+        self,
+        root_rank: int = 0,
+        device: str = "",
+        local_variables: keras.Variable | Iterable[keras.Variable] | None = None,
+    ):
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
@@ -53,11 +58,11 @@ def _fully_built(model: keras.Model) -> bool:
     return model.built and all(layer.built for layer in model._flatten_layers())
 
 
-def _ref(variable: Any) -> Any:
+def _ref(variable: keras.Variable) -> Hashable:
     return getattr(variable, "path", None) or id(variable)
 
 
-def _refs(variables: Any) -> set:
+def _refs(variables: keras.Variable | Iterable[keras.Variable] | None) -> set[Hashable]:
     """``local_variables``: variables (or one) that keep each rank's own value."""
     if variables is None:
         return set()
@@ -84,7 +89,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs[key] = float(value)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> bool:  # any logged value: float() decides
     try:
         float(value)
     except (TypeError, ValueError):

@@ -6,9 +6,11 @@ import contextlib
 import gc
 import runpy
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from flyte_hvd.core.types import UserValue
 
 
 @contextlib.contextmanager
@@ -35,11 +37,11 @@ def collector_paused() -> Iterator[None]:
 class FunctionJob:
     """``fn(*args, **kwargs)``; its return value goes back to the launcher."""
 
-    fn: Any
+    fn: Callable[..., UserValue]
     args: tuple = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the user's arguments to ``fn``
 
-    def run(self) -> Any:
+    def run(self) -> UserValue:
         return self.fn(*self.args, **self.kwargs)
 
 
@@ -68,7 +70,7 @@ class ProgramJob:
             raise ValueError(f"`python {args[0]}` needs an argument after it.")
         return cls(list(args))
 
-    def run(self) -> Any:
+    def run(self) -> None:
         args = self.argv
         if args[0] == "-c":
             sys.argv = ["-c", *args[2:]]
@@ -80,3 +82,7 @@ class ProgramJob:
             sys.argv = list(args)
             runpy.run_path(args[0], run_name="__main__")
         return None
+
+
+# What a supervisor runs on each rank.
+Job = FunctionJob | ProgramJob

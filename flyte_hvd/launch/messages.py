@@ -15,7 +15,10 @@ Each builder below returns one message; the fields it names are the message's wh
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeAlias
+
+# One message on either channel: field name -> JSON value (the builders below say which).
+Message: TypeAlias = dict[str, Any]
 
 
 class RankOp(StrEnum):
@@ -44,71 +47,71 @@ class LinkKind(StrEnum):
 # -- the control socket ------------------------------------------------------------------------
 
 
-def hello(rank: int, pid: int) -> dict[str, Any]:
+def hello(rank: int, pid: int) -> Message:
     return {"op": RankOp.HELLO, "rank": rank, "pid": pid}
 
 
-def allgather(value: str) -> dict[str, Any]:
+def allgather(value: str) -> Message:
     return {"op": RankOp.ALLGATHER, "value": value}
 
 
-def rank_event(op: RankOp) -> dict[str, Any]:
+def rank_event(op: RankOp) -> Message:
     """``joined``, ``warm`` or ``done``: messages without fields."""
     return {"op": op}
 
 
-def rank_failed(traceback: str) -> dict[str, Any]:
+def rank_failed(traceback: str) -> Message:
     return {"op": RankOp.FAILED, "traceback": traceback}
 
 
-def probe(coll: str | None, age: float, where: str) -> dict[str, Any]:
+def probe(coll: str | None, age: float, where: str) -> Message:
     return {"op": RankOp.PROBE, "coll": coll, "age": round(age, 3), "where": where}
 
 
-def secret_reply(secret: str) -> dict[str, Any]:
+def secret_reply(secret: str) -> Message:
     return {"secret": secret}
 
 
-def values_reply(values: list[str]) -> dict[str, Any]:
+def values_reply(values: list[str]) -> Message:
     return {"values": values}
 
 
 # -- the driver link ---------------------------------------------------------------------------
 
 
-def link_proof(proof: str) -> dict[str, Any]:
+def link_proof(proof: str) -> Message:
     return {"proof": proof}
 
 
-def gather(rank: int, round_: int, value: str) -> dict[str, Any]:
+def gather(rank: int, round_: int, value: str) -> Message:
     return {"kind": LinkKind.GATHER, "rank": rank, "round": round_, "value": value}
 
 
-def output(rank: int, stream: str, data_base64: str) -> dict[str, Any]:
+def output(rank: int, stream: str, data_base64: str) -> Message:
     return {"kind": LinkKind.OUT, "rank": rank, "stream": stream, "data": data_base64}
 
 
-def event(rank: int, name: str, at: float) -> dict[str, Any]:
+def event(rank: int, name: str, at: float) -> Message:
     return {"kind": LinkKind.EVENT, "rank": rank, "name": name, "time": at}
 
 
-def forwarded(kind: LinkKind, rank: int, message: dict[str, Any]) -> dict[str, Any]:
+def forwarded(kind: LinkKind, rank: int, message: Message) -> Message:
     """A rank's ``probe`` report or its ``ended`` notice, passed on to the driver."""
     return {**message, "kind": kind, "rank": rank}
 
 
-def link_failed(rank: int, traceback: str) -> dict[str, Any]:
+def link_failed(rank: int, traceback: str) -> Message:
     return {"kind": LinkKind.FAILED, "rank": rank, "traceback": traceback}
 
 
 def round_reply(round_: int, values: list[str] | None = None,
-                aborted: str | None = None) -> dict[str, Any]:  # fmt: skip
+                aborted: str | None = None) -> Message:  # fmt: skip
     """The driver's answer to a ``gather`` round: every task's value, or why it was aborted."""
     if aborted is not None:
         return {"round": round_, "aborted": aborted}
     return {"round": round_, "values": values}
 
 
-def verdict_reply(final: bool) -> dict[str, Any]:
+def verdict_reply(final: bool) -> Message:
     """The driver's answer to ``failed``: whether the run ends here (else Spark retries)."""
     return {"final": final}

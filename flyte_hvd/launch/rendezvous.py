@@ -21,9 +21,12 @@ import queue
 import shutil
 import socket
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 from flyte_hvd.launch import messages
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 CONTROL_ENV = "FLYTE_HVD_CONTROL"
 RANK_ENV = "FLYTE_HVD_RANK"
@@ -35,7 +38,7 @@ RESULT_ENV = "FLYTE_HVD_RESULT"
 ORPHANED_EXIT = 97
 
 
-def encode(message: dict[str, Any]) -> bytes:
+def encode(message: messages.Message) -> bytes:
     return (json.dumps(message) + "\n").encode()
 
 
@@ -52,7 +55,7 @@ class ControlClient:
         self._path = path
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
-        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._replies: queue.Queue[messages.Message] = queue.Queue()
         self._lock = threading.Lock()
         self._closing = False
         threading.Thread(target=self._read, name="flyte-hvd-control", daemon=True).start()
@@ -69,7 +72,7 @@ class ControlClient:
             shutil.rmtree(os.path.dirname(self._path), ignore_errors=True)
             os._exit(ORPHANED_EXIT)
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: messages.Message) -> None:
         with self._lock:
             self._sock.sendall(encode(message))
 
@@ -83,7 +86,7 @@ class ControlClient:
         self.send(messages.rank_event(messages.RankOp.DONE))
 
 
-def join(client: ControlClient, rank: int, size: int) -> Any:
+def join(client: ControlClient, rank: int, size: int) -> MPI.Intracomm:
     """Build the ``size``-rank intracommunicator, ordered by ``rank``.
 
     Rank 0 opens one port per joining rank and a single ``all_gather`` hands them out. In
@@ -116,7 +119,7 @@ def join(client: ControlClient, rank: int, size: int) -> Any:
     return comm
 
 
-def verify_secret(comm: Any, secret: str) -> None:
+def verify_secret(comm: MPI.Comm, secret: str) -> None:
     """Every rank proves it holds the run's secret; a stranger that joined is named."""
     challenge = comm.bcast(os.urandom(16).hex() if comm.Get_rank() == 0 else None, root=0)
     proofs = comm.allgather(_proof(secret, challenge, comm.Get_rank()))

@@ -30,8 +30,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from flyte_hvd.launch import messages, rendezvous
 from flyte_hvd.launch.job import collector_paused
@@ -106,7 +106,7 @@ def start(env: dict[str, str], preload: tuple[str, ...], command: list[str], bas
         _stop(_SPARES[0])
 
 
-def claim(key: tuple, assignment: dict[str, Any],
+def claim(key: tuple, assignment: messages.Message,
           timeout: float) -> tuple[subprocess.Popen, tuple[int, int]] | None:  # fmt: skip
     """Hands the rank in ``assignment`` to an idle spare started as ``key`` says; returns its
     process and the read ends of its output pipes (the caller's from now on), or None when
@@ -135,7 +135,7 @@ def stop_all() -> None:
         _stop(_SPARES.pop())
 
 
-def _hand_over(spare: Spare, assignment: dict[str, Any], timeout: float) -> bool:
+def _hand_over(spare: Spare, assignment: messages.Message, timeout: float) -> bool:
     """Sends the rank; the spare acknowledges once its imports are done and it took it."""
     path = os.path.join(spare.folder, SOCKET_NAME)
     deadline = time.monotonic() + timeout
@@ -176,10 +176,12 @@ def _forget(spare: Spare) -> None:
 
 # -- in a rank ---------------------------------------------------------------------------------
 
-_to_supervisor: list[Any] = []  # the rank's control channel, set by the bootstrap
+_to_supervisor: list[
+    Callable[[messages.Message], None]
+] = []  # the rank's control channel, set by the bootstrap
 
 
-def set_channel(send: Any) -> None:
+def set_channel(send: Callable[[messages.Message], None]) -> None:
     _to_supervisor[:] = [send]
 
 
@@ -239,7 +241,7 @@ def wait_for_rank() -> dict[str, str]:
     os._exit(0)
 
 
-def rank_environment(assignment: dict[str, Any]) -> dict[str, str]:
+def rank_environment(assignment: messages.Message) -> dict[str, str]:
     """A rank's own environment entries: where its run is (a new rank gets them at start, a
     spare with its rank)."""
     return {

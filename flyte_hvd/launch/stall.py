@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from types import FrameType
 
 from flyte_hvd.core.log import get_logger
 from flyte_hvd.launch import messages
@@ -91,7 +91,7 @@ def _seconds(env: Mapping[str, str], name: str, default: float, allow_zero: bool
 # -- the rank's side -------------------------------------------------------------------------
 
 
-def _collective_of(frame: Any) -> tuple[Any, str] | None:
+def _collective_of(frame: FrameType | None) -> tuple[FrameType, str] | None:
     """The outermost frame of a collective the thread at ``frame`` is in, and its name."""
     found = None
     while frame is not None:
@@ -106,7 +106,7 @@ def _collective_of(frame: Any) -> tuple[Any, str] | None:
     return found, found.f_code.co_name.lstrip("_")
 
 
-def _where(frame: Any) -> str:
+def _where(frame: FrameType | None) -> str:
     """``file:line in function`` of the innermost frame outside flyte_hvd."""
     innermost = frame
     while frame is not None:
@@ -127,7 +127,7 @@ class Probe:
     A report is ``{"op": "probe", "coll": name or None, "age": seconds, "where": text}``.
     """
 
-    def __init__(self, send: Callable[[dict[str, Any]], None], main: int | None = None):
+    def __init__(self, send: Callable[[messages.Message], None], main: int | None = None):
         self._send = send
         self._main = threading.main_thread().ident if main is None else main
         self._frame_id = 0  # id() of the collective's frame seen last (see `sample`)
@@ -233,7 +233,7 @@ class StallWatch:
             self._ranks[rank] = _RankView()
             self._warned_at = None
 
-    def probe(self, rank: int, report: Mapping[str, Any]) -> None:
+    def probe(self, rank: int, report: messages.Message) -> None:
         with self._lock:
             view = self._ranks.get(rank)
             if view is None:
@@ -329,10 +329,10 @@ class ForwardWatch:
     """A supervisor's watch when the decisions are made elsewhere (a Spark run's driver):
     passes each report on with ``forward(kind, rank, message)`` and never stops the run."""
 
-    def __init__(self, forward: Callable[[str, int, dict[str, Any]], None]):
+    def __init__(self, forward: Callable[[str, int, messages.Message], None]):
         self._forward = forward
 
-    def probe(self, rank: int, report: Mapping[str, Any]) -> None:
+    def probe(self, rank: int, report: messages.Message) -> None:
         self._forward(messages.LinkKind.PROBE, rank, dict(report))
 
     def ended(self, rank: int, how: str) -> None:

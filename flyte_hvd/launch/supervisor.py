@@ -24,12 +24,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import IO, Any, Protocol
+from typing import IO, Protocol
 
 import cloudpickle
 
 from flyte_hvd.core.errors import RanksFailedError, RendezvousTimeoutError
+from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch import messages, rendezvous, spare, stall
+from flyte_hvd.launch.job import Job
 from flyte_hvd.launch.messages import RankOp
 from flyte_hvd.launch.output import (
     ByteSink,
@@ -191,7 +193,7 @@ class RankSupervisor:
 
     def __init__(
         self,
-        job: Any,
+        job: Job | bytes,
         ranks: list[int],
         size: int,
         exchange: Exchange,
@@ -199,7 +201,7 @@ class RankSupervisor:
         start_timeout: float = 600.0,
         env: dict[str, str] | None = None,
         output: ByteSink | None = None,
-        watch: Any = None,
+        watch: stall.StallWatch | stall.ForwardWatch | None = None,
         output_log: OutputLog | None = None,
         timeout_hint: str = "`start_timeout` (or HOROVOD_SPARK_START_TIMEOUT)",
         single_host: bool = False,
@@ -227,7 +229,7 @@ class RankSupervisor:
         self.started_at = 0.0
         self._stopping_for_failure = False
 
-    def run(self) -> dict[int, Any]:
+    def run(self) -> dict[int, UserValue]:
         workdir = _private_dir()
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -315,7 +317,7 @@ class RankSupervisor:
                     os.close(fd)
         state.times["spawned"] = time.time()
         assert state.outputs is not None
-        pumps: list[tuple[Callable[..., None], str, Any]] = [
+        pumps: list[tuple[Callable[..., None], str, IO[bytes] | int | None]] = [
             (self._pump_launcher, "stdout", state.proc.stdout),
             (self._pump_launcher, "stderr", state.proc.stderr),
             (self._pump_rank, "stdout", state.outputs[0]),
@@ -556,7 +558,7 @@ class RankSupervisor:
             for pump in state.pumps:
                 pump.join(timeout=5)
 
-    def _load_result(self, workdir: str, rank: int) -> Any:
+    def _load_result(self, workdir: str, rank: int) -> UserValue:
         path = os.path.join(workdir, f"result.{rank}.pkl")
         if not os.path.exists(path):
             raise RanksFailedError(
@@ -645,13 +647,13 @@ def new_secret() -> str:
 
 
 def launch_local(
-    job: Any,
+    job: Job,
     num_proc: int,
     start_timeout: float = 60.0,
     env: dict[str, str] | None = None,
     output: OutputSink | None = None,
     timeout_hint: str = "`start_timeout`",
-) -> list[Any]:
+) -> list[UserValue]:
     """Run ``job`` on ``num_proc`` rank processes on this machine; results in rank order.
 
     If a rank fails, the error keeps every rank's output in a file it names."""
@@ -681,7 +683,7 @@ def launch_local(
     return [results[r] for r in range(num_proc)]
 
 
-def check_start_timeout(start_timeout: Any) -> float:
+def check_start_timeout(start_timeout: object) -> float:
     """The one check of a ``start_timeout`` (every launcher's): seconds > 0."""
     if isinstance(start_timeout, bool) or not isinstance(start_timeout, int | float):
         raise ValueError(f"`start_timeout` must be seconds > 0; found {start_timeout!r}.")

@@ -5,7 +5,7 @@ pyspark is imported only when a function needs it.
 """
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flyte_hvd.spark.dispatch import launch, run
 from flyte_hvd.spark.horovod_runner import HorovodRunner
@@ -18,8 +18,40 @@ __all__ = ["HorovodRunner", "RunReport", "get_available_devices", "launch", "run
 # flyte_hvd.estimators). The launcher itself imports neither.
 _COMPAT_PACKAGES = ("flyte_hvd.data", "flyte_hvd.estimators")
 
+# The same names' real types, for type checkers (names they re-export).
+# ruff: noqa: F401
+if TYPE_CHECKING:
+    from flyte_hvd.data import (
+        AbstractFilesystemStore,
+        ArrowDataLoader,
+        AsyncArrowDataLoader,
+        AsyncDataLoaderMixin,
+        BaseDataLoader,
+        ColumnInfo,
+        DatasetMetadata,
+        DBFSLocalStore,
+        FilesystemStore,
+        HDFSStore,
+        LocalStore,
+        RemoteStore,
+        S3Store,
+        Store,
+        get_dataset_metadata,
+        prepare_data,
+        read_metadata,
+    )
+    from flyte_hvd.estimators import (
+        HorovodEstimator,
+        HorovodModel,
+        KerasEstimator,
+        KerasModel,
+        LightningEstimator,
+        TorchEstimator,
+        TorchModel,
+    )
 
-def __getattr__(name: str) -> Any:
+
+def __getattr__(name: str) -> Any:  # whatever class or function the package defines
     for package in _COMPAT_PACKAGES:
         module = importlib.import_module(package)
         if name in module.__all__:

@@ -23,10 +23,15 @@ import re
 import socket
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, overload
 
 from flyte_hvd.core.log import get_logger
 from flyte_hvd.spark import runner
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame, Row
+    from pyspark.sql.connect.session import SparkSession
 
 logger = get_logger(__name__)
 
@@ -42,23 +47,30 @@ class SessionConf:
     ``SparkContext`` that ``runner``'s preflight helpers read: ``master`` and
     ``getConf().get``."""
 
-    def __init__(self, spark: Any):
+    def __init__(self, spark: SparkSession):
         self._conf: dict[str, str] = dict(spark.conf.getAll)
         self.master = self._conf.get("spark.master", "")
 
     def getConf(self) -> SessionConf:
         return self
 
+    @overload
+    def get(self, key: str, /) -> str | None: ...
+
+    @overload
+    def get(self, key: str, default: str, /) -> str: ...
+
     def get(self, key: str, default: str | None = None) -> str | None:
         return self._conf.get(key, default)
 
 
-def default_parallelism(spark: Any) -> int:
+def default_parallelism(spark: SparkSession) -> int:
     """The cluster's default parallelism as the server plans it: the number of splits of a
     ``range`` without ``numPartitions`` (an analysis round trip, no job). Spark sets it to the
     cores of the executors registered now (the N of ``local[N]``), unless
     ``spark.default.parallelism`` overrides it."""
-    plan = spark.range(0, 1 << 30)._explain_string(extended=False)
+    # A private method that pyspark's annotations do not declare (so a Column to mypy).
+    plan = spark.range(0, 1 << 30)._explain_string(extended=False)  # type: ignore[operator]
     match = re.search(r"splits=(\d+)", plan)
     if match is None:
         raise RuntimeError(
@@ -71,18 +83,18 @@ def default_parallelism(spark: Any) -> int:
 _BYTE_UNITS = {"B": 0, "KiB": 10, "MiB": 20, "GiB": 30, "TiB": 40, "PiB": 50, "EiB": 60}
 
 
-def estimated_bytes(df: Any) -> int | None:
+def estimated_bytes(df: DataFrame) -> int | None:
     """The optimizer's size estimate of ``df``'s plan, read from its cost explanation (one
     analysis round trip, no job): the root's ``Statistics(sizeInBytes=209.8 MiB, ...)``, in
     Spark's rounded units. None when the explanation gives none."""
-    plan = df._explain_string(mode="cost")
+    plan = df._explain_string(mode="cost")  # type: ignore[operator]  # as above
     match = re.search(r"Statistics\(sizeInBytes=([0-9.]+(?:E[+-]?[0-9]+)?) ?([KMGTPE]iB|B)\b", plan)
     if match is None:
         return None
     return int(float(match.group(1)) * (1 << _BYTE_UNITS[match.group(2)]))
 
 
-def task_slots(spark: Any, conf: SessionConf | None = None) -> int:
+def task_slots(spark: SparkSession, conf: SessionConf | None = None) -> int:
     """How many tasks the cluster can run at once now, as far as a Connect session can tell:
     executor cores (the default parallelism) over ``spark.task.cpus``, and, when tasks ask
     for GPUs, no more than the executors' GPUs allow."""
@@ -110,7 +122,7 @@ def _int(conf: SessionConf, key: str, default: int) -> int:
 
 
 def wait_for_slots(
-    spark: Any, conf: SessionConf, num_proc: int, deadline: float, timeout: float
+    spark: SparkSession, conf: SessionConf, num_proc: int, deadline: float, timeout: float
 ) -> None:
     """``runner.wait_for_slots`` for a Connect session: fail fast when the stage can never be
     scheduled (Spark itself would retry the barrier check for minutes); wait only while
@@ -136,11 +148,11 @@ def wait_for_slots(
         time.sleep(_SLOT_POLL_S)
 
 
-def link_host(spark: Any) -> str:
+def link_host(spark: SparkSession) -> str:
     """The address of this (client) host that the cluster can reach: the one the client
     uses to reach the Connect server. The server's ``spark.driver.host`` names the driver's
     host, which is not the client's when the client runs elsewhere."""
-    endpoint = spark.client._builder.endpoint  # "host:port"
+    endpoint = spark.client._builder.endpoint  # type: ignore[attr-defined]  # "host:port", undeclared
     host, _, port = endpoint.rpartition(":")
     host = host.strip("[]")
     if host in ("localhost", "127.0.0.1", "::1"):
@@ -156,12 +168,12 @@ def link_host(spark: Any) -> str:
 
 
 def stage_task(
-    task: Callable[[Any], Iterator[tuple[int, bytes]]],
-) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    task: runner.BarrierTask,
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """Wraps a barrier task (``runner.barrier_task``) as a ``mapInArrow`` function: its
     ``(rank, payload)`` comes back as rows of ``CHUNK_BYTES``-sized chunks."""
 
-    def run_rank(batches: Iterator[Any]) -> Iterator[Any]:
+    def run_rank(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow as pa
 
         for _ in batches:  # the one input row: the partition index, which the task knows
@@ -179,7 +191,7 @@ def stage_task(
     return run_rank
 
 
-def join_chunks(rows: list[Any]) -> list[tuple[int, bytes]]:
+def join_chunks(rows: list[Row]) -> list[tuple[int, bytes]]:
     """``(rank, payload)`` per rank, in rank order, from the stage's rows."""
     parts: dict[int, list[tuple[int, bytes]]] = {}
     for row in rows:
@@ -194,7 +206,7 @@ class ConnectBackend:
 
     label = " (DataFrame API)"
 
-    def __init__(self, spark: Any):
+    def __init__(self, spark: SparkSession):
         self.spark = spark
         self.conf = SessionConf(spark)
         self.master = self.conf.master
@@ -211,7 +223,7 @@ class ConnectBackend:
     def link_host(self) -> str:
         return link_host(self.spark)
 
-    def run_stage(self, task: Callable[[Any], Any], num_proc: int, retried: bool,
+    def run_stage(self, task: runner.BarrierTask, num_proc: int, retried: bool,
                   tag: str) -> list[tuple[int, bytes]]:  # fmt: skip
         self.spark.addTag(tag)
         try:

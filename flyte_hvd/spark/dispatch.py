@@ -10,22 +10,33 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
 from flyte_hvd.core.log import get_logger, warn_once
+from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch.environment import driver_env
 from flyte_hvd.spark import dataframe_stage, pipeline, runner
+
+if TYPE_CHECKING:
+    import threading
+
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.connect.session import SparkSession as ConnectSparkSession
+    from typing_extensions import TypeIs
+
+# A classic SparkSession or a Spark Connect one: the two share no base class.
+AnySparkSession: TypeAlias = "SparkSession | ConnectSparkSession"
 
 logger = get_logger(__name__)
 
 
-def is_connect_session(spark: Any) -> bool:
+def is_connect_session(spark: object) -> TypeIs[ConnectSparkSession]:
     """Whether ``spark`` is a Spark Connect session (no SparkContext, no py4j)."""
     module = sys.modules.get("pyspark.sql.connect.session")
     return module is not None and isinstance(spark, module.SparkSession)
 
 
-def active_session() -> Any:
+def active_session() -> AnySparkSession:
     """The session ``run`` launches on: this thread's active Spark Connect session, else the
     active classic one, else (in a thread the user started) the classic session the builder
     made, else the default Connect session."""
@@ -63,7 +74,7 @@ def active_session() -> Any:
 _UNKNOWN_SIZE = 1 << 60
 
 
-def estimated_bytes(df: Any) -> int | None:
+def estimated_bytes(df: DataFrame) -> int | None:
     """Spark's estimate of ``df``'s size in bytes: the optimizer's statistics of its plan, which
     adaptive execution and join planning go by (exact for a cached DataFrame; a filter keeps its
     input's size, so it errs high). None where the plan has no estimate."""
@@ -74,14 +85,14 @@ def estimated_bytes(df: Any) -> int | None:
     return None if size is None or size >= _UNKNOWN_SIZE else size
 
 
-def task_slots(spark: Any) -> int:
+def task_slots(spark: AnySparkSession) -> int:
     """How many tasks the cluster of ``spark`` can run at once now."""
     if is_connect_session(spark):
         return dataframe_stage.task_slots(spark)
     return runner.task_slots(spark.sparkContext)
 
 
-def default_parallelism(spark: Any) -> int:
+def default_parallelism(spark: AnySparkSession) -> int:
     """``spark.sparkContext.defaultParallelism``, on either kind of session."""
     if is_connect_session(spark):
         return dataframe_stage.default_parallelism(spark)
@@ -89,9 +100,9 @@ def default_parallelism(spark: Any) -> int:
 
 
 def run(
-    fn: Callable[..., Any],
+    fn: Callable[..., UserValue],
     args: tuple = (),
-    kwargs: dict[str, Any] | None = None,
+    kwargs: dict[str, Any] | None = None,  # ``fn``'s keyword arguments
     num_proc: int | None = None,
     start_timeout: float | None = None,
     use_mpi: bool | None = None,
@@ -104,7 +115,7 @@ def run(
     nics: set[str] | list[str] | None = None,
     prefix_output_with_timestamp: bool = False,
     executable: str | None = None,
-) -> list[Any]:
+) -> list[UserValue]:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` ranks of the active SparkSession (classic
     or Spark Connect): one Spark barrier stage, one task per rank, one rank process per task.
 
@@ -162,9 +173,10 @@ def _warn_unused(name: str, meaning: str) -> None:
     )
 
 
-def horovod_run_args(env: dict[str, str] | None, use_mpi: Any = None, use_gloo: Any = None,
-                     extra_mpi_args: Any = None, nics: Any = None,
-                     executable: Any = None) -> dict[str, str] | None:  # fmt: skip
+def horovod_run_args(env: dict[str, str] | None, use_mpi: bool | None = None,
+                     use_gloo: bool | None = None, extra_mpi_args: str | None = None,
+                     nics: set[str] | list[str] | None = None,
+                     executable: str | None = None) -> dict[str, str] | None:  # fmt: skip
     """Horovod's launcher arguments of ``run``: ``nics`` restricts the ranks' MPI traffic to
     those interfaces (``FI_TCP_IFACE`` for MPICH's libfabric TCP, ``UCX_NET_DEVICES`` for
     UCX), added to ``env``; the others do nothing here and say so once."""
@@ -185,7 +197,7 @@ def horovod_run_args(env: dict[str, str] | None, use_mpi: Any = None, use_gloo: 
     return {**(env or driver_env()), "FI_TCP_IFACE": names[0], "UCX_NET_DEVICES": ",".join(names)}
 
 
-def backend_of(spark: Any) -> pipeline.StageBackend:
+def backend_of(spark: AnySparkSession) -> pipeline.StageBackend:
     """The stage backend of a session of either kind."""
     if is_connect_session(spark):
         return dataframe_stage.ConnectBackend(spark)
@@ -193,9 +205,9 @@ def backend_of(spark: Any) -> pipeline.StageBackend:
 
 
 def launch(
-    fn: Callable[..., Any],
+    fn: Callable[..., UserValue],
     args: tuple = (),
-    kwargs: dict[str, Any] | None = None,
+    kwargs: dict[str, Any] | None = None,  # ``fn``'s keyword arguments
     num_proc: int | None = None,
     start_timeout: float | None = None,
     env: dict[str, str] | None = None,
@@ -217,7 +229,9 @@ def launch(
     return pipeline.launch(spec, backend)
 
 
-def start_spares(num_proc: int, env: dict[str, str] | None, preload: tuple[str, ...]) -> Any:
+def start_spares(
+    num_proc: int, env: dict[str, str] | None, preload: tuple[str, ...]
+) -> threading.Thread | None:
     """Spare rank processes started ahead of a run, on a classic session
     (``runner.start_spares``); nothing on Spark Connect, whose runs start their ranks as
     usual."""

@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO
 
 from flyte_hvd.launch import messages
 from flyte_hvd.launch.messages import LinkKind
@@ -37,6 +37,7 @@ from flyte_hvd.launch.output import (
     decode_tag,
     encode_tag,
 )
+from flyte_hvd.launch.stall import StallWatch
 
 
 def _proof(secret: str) -> str:
@@ -55,7 +56,7 @@ class DriverServer:
         stderr: IO[str] | None = None,
         prefix_output_with_timestamp: bool = False,
         on_failure: Callable[[int, int, str], bool] | None = None,
-        watch: Any = None,
+        watch: StallWatch | None = None,
         on_stuck: Callable[[], None] | None = None,
     ):
         self._secret_proof = _proof(secret)
@@ -89,6 +90,7 @@ class DriverServer:
             threading.Thread(target=self._watch, name="flyte-hvd-stall", daemon=True).start()
 
     def _watch(self) -> None:
+        assert self.watch is not None  # the thread starts only with a watch
         while not self._closed.wait(0.25):
             verdict = self.watch.check()
             if verdict is not None:
@@ -137,7 +139,7 @@ class DriverServer:
                     if born == self._generation and self._gathers:
                         self._abort_gathers("a task's link to the driver closed")
 
-    def _handle(self, message: dict[str, Any], conn: socket.socket, born: int) -> bool | None:
+    def _handle(self, message: messages.Message, conn: socket.socket, born: int) -> bool | None:
         """Takes one message; for a failure, returns whether the run ends here."""
         kind, rank = message["kind"], message["rank"]
         with self._lock:
@@ -169,7 +171,7 @@ class DriverServer:
             return False
         return self._on_failure(self.attempts_started, rank, message["traceback"])
 
-    def _gather(self, message: dict[str, Any], conn: socket.socket, born: int) -> None:
+    def _gather(self, message: messages.Message, conn: socket.socket, born: int) -> None:
         """One task's value for a rendezvous round; when all are in, every task gets them all
         in rank order."""
         round_ = int(message["round"])
@@ -235,7 +237,7 @@ def _hang_up(conn: socket.socket) -> None:
     conn.close()
 
 
-def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
+def _reply(conn: socket.socket, message: messages.Message) -> None:
     """Sends one line to a task (under the server's lock: replies to one task may come from
     several connections' threads); a task that went away is not the sender's problem."""
     with contextlib.suppress(OSError):
@@ -259,8 +261,8 @@ class DriverLink:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = socket.create_connection(address, timeout=30)
         self._sock.settimeout(None)
-        self._verdicts: queue.Queue[dict[str, Any]] = queue.Queue()
-        self._rounds: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._verdicts: queue.Queue[messages.Message] = queue.Queue()
+        self._rounds: queue.Queue[messages.Message] = queue.Queue()
         self._lost = threading.Event()  # the driver closed the link
         self._closing = False
         # Rank output waits here, never blocking the ranks, while one thread sends it.
@@ -289,7 +291,7 @@ class DriverLink:
     def _connected(self) -> bool:
         return self._sock is not None and not self._lost.is_set()
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, message: messages.Message) -> None:
         data = (json.dumps(message) + "\n").encode()
         with self._lock:
             if self._sock is None:
@@ -330,7 +332,7 @@ class DriverLink:
     def event(self, name: str, at: float | None = None) -> None:
         self._send(messages.event(self.rank, name, at or time.time()))
 
-    def forward(self, kind: str, rank: int, message: dict[str, Any]) -> None:
+    def forward(self, kind: str, rank: int, message: messages.Message) -> None:
         """A rank's probe report or ending, for the driver's stall watch."""
         self._send(messages.forwarded(LinkKind(kind), rank, message))
 

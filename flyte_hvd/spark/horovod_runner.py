@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch.job import FunctionJob
 from flyte_hvd.launch.supervisor import launch_local
 from flyte_hvd.spark.dispatch import active_session, run, task_slots
@@ -42,7 +43,11 @@ class HorovodRunner:
         self.driver_log_verbosity = driver_log_verbosity
         self.start_timeout = start_timeout
 
-    def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:
+    def run(
+        self,
+        main: Callable[..., UserValue],
+        **kwargs: Any,  # ``main``'s keyword arguments
+    ) -> UserValue:
         if self.num_processor < 0:
             return launch_local(
                 FunctionJob(main, (), kwargs), -self.num_processor, self.start_timeout

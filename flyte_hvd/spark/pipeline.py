@@ -22,6 +22,7 @@ import cloudpickle
 
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.log import get_logger, verbosity_level
+from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch import stall
 from flyte_hvd.launch.supervisor import check_start_timeout, new_secret, start_timeout_from_env
 from flyte_hvd.spark import runner
@@ -50,7 +51,7 @@ class StageBackend(Protocol):
     def link_host(self) -> str:
         """The driver-side address the stage's tasks reach the driver link at."""
 
-    def run_stage(self, task: Callable[[Any], Any], num_proc: int, retried: bool,
+    def run_stage(self, task: runner.BarrierTask, num_proc: int, retried: bool,
                   tag: str) -> list[tuple[int, bytes]]:  # fmt: skip
         """Runs ``task`` in a barrier stage of ``num_proc`` tasks, tagged ``tag`` (so that
         ``cancel`` reaches it), retried as a whole when ``retried``; returns each task's
@@ -74,7 +75,8 @@ class LaunchSpec:
     preload: tuple[str, ...] = field(default=())
 
     @classmethod
-    def of(cls, fn: Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None,
+    def of(cls, fn: Callable[..., UserValue], args: tuple = (),
+           kwargs: dict[str, Any] | None = None,  # ``fn``'s keyword arguments
            num_proc: int | None = None, start_timeout: float | None = None,
            env: dict[str, str] | None = None, stdout: IO[str] | None = None,
            stderr: IO[str] | None = None, verbose: int = 1,

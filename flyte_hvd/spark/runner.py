@@ -17,19 +17,44 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, overload
 
 import cloudpickle
 
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.log import get_logger
+from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch.environment import driver_env, local_driver_env
 from flyte_hvd.launch.job import FunctionJob
 
 if TYPE_CHECKING:
-    from pyspark import SparkContext
+    from pyspark import SparkContext, TaskContext
+
+    from flyte_hvd.spark.driver_link import DriverLink, DriverServer
+
+
+class _Settings(Protocol):
+    @overload
+    def get(self, key: str, /) -> str | None: ...
+    @overload
+    def get(self, key: str, default: str, /) -> str: ...
+
+
+class ClusterConf(Protocol):
+    """What the preflight helpers read of a cluster: a ``SparkContext``, or a Connect
+    session's ``dataframe_stage.SessionConf``."""
+
+    @property
+    def master(self) -> str | None: ...
+
+    def getConf(self) -> _Settings: ...
+
+
+# A barrier task: given its partition (unused: the task knows its rank), it yields its rank's
+# ``(rank, pickled result)``.
+BarrierTask: TypeAlias = Callable[[object], Iterator[tuple[int, bytes]]]
 
 logger = get_logger(__name__)
 
@@ -42,12 +67,12 @@ _SLOT_POLL_S = 1.0
 class RunReport:
     """What one ``run`` produced: results by rank and each rank's start-up timeline."""
 
-    results: list[Any]
+    results: list[UserValue]
     submitted_at: float
     events: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
-def check_num_proc(num_proc: Any) -> int:
+def check_num_proc(num_proc: object) -> int:
     if isinstance(num_proc, bool) or not isinstance(num_proc, int):
         raise ValueError(f"`num_proc` must be an int >= 1; found {num_proc!r}.")
     if num_proc < 1:
@@ -55,7 +80,11 @@ def check_num_proc(num_proc: Any) -> int:
     return num_proc
 
 
-def pickle_job(fn: Any, args: tuple, kwargs: dict[str, Any] | None) -> bytes:
+def pickle_job(
+    fn: Callable[..., UserValue],
+    args: tuple,
+    kwargs: dict[str, Any] | None,  # ``fn``'s keyword arguments
+) -> bytes:
     if not callable(fn):
         raise ValueError(f"`fn` must be callable; found {type(fn).__name__}.")
     if not isinstance(args, tuple | list):
@@ -100,15 +129,21 @@ def task_slots(sc: SparkContext) -> int:
     return int(jsc.maxNumConcurrentTasks(profile))
 
 
-def _expected_executors(sc: Any) -> int | None:  # a SparkContext or dataframe_stage.SessionConf
+def _expected_executors(sc: ClusterConf) -> int | None:
     """Executors the application asked for but may not have yet (None in local mode)."""
-    cluster = re.match(r"local-cluster\[\s*(\d+)\s*,", sc.master)
+    master = _master(sc)
+    cluster = re.match(r"local-cluster\[\s*(\d+)\s*,", master)
     if cluster:
         return int(cluster.group(1))
-    if is_local(sc.master):
+    if is_local(master):
         return None
     raw = sc.getConf().get("spark.executor.instances")
     return int(raw) if raw else None
+
+
+def _master(sc: ClusterConf) -> str:
+    # pyspark declares ``SparkContext.master`` optional; a running context always has one.
+    return str(sc.master)
 
 
 def is_local(master: str) -> bool:
@@ -116,7 +151,9 @@ def is_local(master: str) -> bool:
     return master == "local" or master.startswith("local[")
 
 
-def stage_failure(server: Any, num_proc: int, error: BaseException | None = None) -> Exception:
+def stage_failure(
+    server: DriverServer, num_proc: int, error: BaseException | None = None
+) -> Exception:
     """The error a failed barrier stage raises on the driver: the ranks' own reports when
     any rank sent one (or the stall watch stopped the run), else what Spark said."""
     failures = dict([server.stuck]) if server.stuck else server.latest_failures()
@@ -184,13 +221,19 @@ def wait_for_slots(sc: SparkContext, num_proc: int, deadline: float, timeout: fl
 
 
 def _slots_message(
-    sc: Any, num_proc: int, slots: int, registered: int, waited: bool, timeout: float
+    sc: ClusterConf,
+    num_proc: int,
+    slots: int,
+    registered: int,
+    waited: bool,
+    timeout: float,
 ) -> str:
     conf = sc.getConf()
+    master = _master(sc)
     task_cpus = conf.get("spark.task.cpus", "1")
     where = (
-        f"master {sc.master}"
-        if is_local(sc.master)
+        f"master {master}"
+        if is_local(master)
         else f"{registered} executor(s) x spark.executor.cores="
         f"{conf.get('spark.executor.cores', '?')}"
     )
@@ -200,17 +243,18 @@ def _slots_message(
         f"spark.task.cpus={task_cpus}){also}. Lower `num_proc`, or add task slots: "
         + (
             f"a master of local[{num_proc}]."
-            if is_local(sc.master)
+            if is_local(master)
             else "more executors (spark.executor.instances) or cores (spark.executor.cores)."
         )
     )
 
 
-def stage_attempts(sc: Any) -> int:
+def stage_attempts(sc: ClusterConf) -> int:
     """How many times a failed stage may run: ``spark.task.maxFailures`` (Spark's default 4),
     or F of a ``local[N,F]`` master (1 for plain ``local[N]``)."""
-    if is_local(sc.master):
-        match = re.match(r"local\[[^,\]]+,\s*(\d+)\]", sc.master)
+    master = _master(sc)
+    if is_local(master):
+        match = re.match(r"local\[[^,\]]+,\s*(\d+)\]", master)
         return int(match.group(1)) if match else 1
     return max(1, int(sc.getConf().get("spark.task.maxFailures", "4")))
 
@@ -218,7 +262,7 @@ def stage_attempts(sc: Any) -> int:
 # -- the barrier task ------------------------------------------------------------------------
 
 
-def _task_rank_env(env: dict[str, str], ctx: Any) -> dict[str, str]:
+def _task_rank_env(env: dict[str, str], ctx: TaskContext) -> dict[str, str]:
     """The run's rank environment as this Spark task gives it to its rank: the worker's
     import path and the task's GPUs added."""
     rank_env = dict(env)
@@ -231,7 +275,7 @@ def _task_rank_env(env: dict[str, str], ctx: Any) -> dict[str, str]:
 
 
 def start_spares(sc: SparkContext, num_proc: int, env: dict[str, str] | None,
-                 preload: tuple[str, ...]) -> Any:  # fmt: skip
+                 preload: tuple[str, ...]) -> threading.Thread | None:  # fmt: skip
     """Starts, in a background thread, a short Spark job of ``num_proc`` tasks that each
     start a spare rank process importing ``preload`` in their Python worker, unless one is
     idle there (``flyte_hvd.launch.spare``). An estimator calls it once ``prepare_data`` has
@@ -263,13 +307,17 @@ def start_spares(sc: SparkContext, num_proc: int, env: dict[str, str] | None,
     return thread
 
 
-def _spare_task(rank_env: dict[str, str], preload: tuple[str, ...], single_host: bool):
-    def task(_: Any) -> Any:
+def _spare_task(
+    rank_env: dict[str, str], preload: tuple[str, ...], single_host: bool
+) -> Callable[[object], Iterator[int]]:
+    def task(_: object) -> Iterator[int]:
         from pyspark import TaskContext
 
         from flyte_hvd.launch.supervisor import start_spare_ahead
 
-        env = _task_rank_env(rank_env, TaskContext.get())
+        ctx = TaskContext.get()
+        assert ctx is not None  # inside a Spark task
+        env = _task_rank_env(rank_env, ctx)
         yield int(start_spare_ahead(env, preload, single_host))
 
     return task
@@ -297,7 +345,7 @@ class ClassicBackend:
     def link_host(self) -> str:
         return self.sc.getConf().get("spark.driver.host") or "127.0.0.1"
 
-    def run_stage(self, task: Callable[[Any], Any], num_proc: int, retried: bool,
+    def run_stage(self, task: BarrierTask, num_proc: int, retried: bool,
                   tag: str) -> list[tuple[int, bytes]]:  # fmt: skip
         self.sc.addJobTag(tag)
         try:
@@ -337,10 +385,10 @@ def barrier_task(
     start_timeout: float,
     single_host: bool = False,
     preload: tuple[str, ...] = (),
-) -> Callable[[Any], Any]:
+) -> BarrierTask:
     """The closure each barrier task runs: plain values only, no driver objects."""
 
-    def task(_: Any) -> Any:
+    def task(_: object) -> Iterator[tuple[int, bytes]]:
         from pyspark import BarrierTaskContext
 
         from flyte_hvd.launch.stall import ForwardWatch
@@ -411,7 +459,7 @@ class _DriverExchange:
     """Rendezvous rounds through the driver link (authenticated by the run's secret), not
     ``BarrierTaskContext.allGather``, which costs a second a call (see ``driver_link``)."""
 
-    def __init__(self, link: Any):
+    def __init__(self, link: DriverLink):
         self._link = link
         self._rounds = 0
         self._aborted = threading.Event()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -26,9 +25,11 @@ from flyte_hvd.core import collectives, model_sync, state
 from flyte_hvd.core.collectives import Average, ReduceOp, Sum
 from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.core.errors import CollectiveMismatchError
+from flyte_hvd.core.process_sets import ProcessSet
+from flyte_hvd.core.types import UserValue
 
 
-def check_process_set(process_set: Any) -> None:
+def check_process_set(process_set: object) -> None:
     """Only the global process set is supported here; ``None`` means it."""
     if process_set is None or getattr(process_set, "process_set_id", None) == 0:
         return
@@ -40,7 +41,7 @@ def check_process_set(process_set: Any) -> None:
 
 def numpy_call(
     fn: Callable[..., Sequence[np.ndarray]],
-    tensors: Sequence[Any],
+    tensors: Sequence[tf.Tensor],
     dtypes: Sequence[tf.DType],
     name: str | None = None,
 ) -> list[tf.Tensor]:
@@ -78,7 +79,9 @@ class InvalidArgumentError(tf.errors.InvalidArgumentError, ValueError):
     ``ValueError``, and still a ``ValueError``."""
 
 
-def _tensorflow_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _tensorflow_errors(
+    fn: Callable[..., Sequence[np.ndarray]],
+) -> Callable[..., Sequence[np.ndarray]]:
     """The core's errors as Horovod's TensorFlow ops raise them: ranks that disagree on a
     collective's arguments get ``FailedPreconditionError`` (with the core's one-line-per-rank
     message), a bad argument ``InvalidArgumentError``."""
@@ -112,7 +115,7 @@ def resolve_op(average: bool | None, op: ReduceOp | None) -> ReduceOp:
     return Average if average is None or average else Sum
 
 
-def _dtype(tensor: Any) -> tf.DType:
+def _dtype(tensor: tf.Tensor) -> tf.DType:
     if tensor.dtype == tf.bfloat16:
         raise ValueError(
             "flyte_hvd.tensorflow collectives cannot take bfloat16 tensors (numpy has no "
@@ -122,7 +125,7 @@ def _dtype(tensor: Any) -> tf.DType:
 
 
 def allreduce(
-    tensor: Any,
+    tensor: tf.Tensor,
     average: bool | None = None,
     device_dense: str = "",
     device_sparse: str = "",
@@ -131,9 +134,9 @@ def allreduce(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     name: str | None = None,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
     ignore_name_scope: bool = False,
-) -> Any:
+) -> tf.Tensor | tf.IndexedSlices:
     """Reduce ``tensor`` across ranks (``tf.IndexedSlices`` are gathered, as in Horovod)."""
     check_process_set(process_set)
     op = resolve_op(average, op)
@@ -161,7 +164,7 @@ def allreduce(
 
 
 def grouped_allreduce(
-    tensors: Sequence[Any],
+    tensors: Sequence[tf.Tensor],
     average: bool | None = None,
     device_dense: str = "",
     device_sparse: str = "",
@@ -170,14 +173,14 @@ def grouped_allreduce(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     name: str | None = None,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
     ignore_name_scope: bool = False,
 ) -> list[tf.Tensor]:
     """Reduce many tensors in as few fused reductions as ``HOROVOD_FUSION_THRESHOLD`` allows."""
     check_process_set(process_set)
     op = resolve_op(average, op)
     tensors = list(tensors)
-    out: list[Any] = list(tensors)
+    out: list[tf.Tensor] = list(tensors)
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):  # gathered, one by one, as Horovod does
@@ -221,7 +224,10 @@ def _grouped_allreduce(tensors, op, compression, prescale, postscale, name) -> l
 
 
 def allgather(
-    tensor: Any, name: str | None = None, ignore_name_scope: bool = False, process_set: Any = None
+    tensor: tf.Tensor,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet | None = None,
 ) -> tf.Tensor:
     """Concatenate every rank's tensor along the first dimension (which may differ)."""
     check_process_set(process_set)
@@ -229,10 +235,10 @@ def allgather(
 
 
 def grouped_allgather(
-    tensors: Sequence[Any],
+    tensors: Sequence[tf.Tensor],
     name: str | None = None,
     ignore_name_scope: bool = False,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> list[tf.Tensor]:
     check_process_set(process_set)
     return [allgather(t, name) for t in tensors]
@@ -262,11 +268,11 @@ def _allgather(tensor: tf.Tensor, name: str | None) -> tf.Tensor:
 
 
 def broadcast(
-    tensor: Any,
+    tensor: tf.Tensor,
     root_rank: int,
     name: str | None = None,
     ignore_name_scope: bool = False,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> tf.Tensor:
     """Every rank gets ``root_rank``'s tensor."""
     check_process_set(process_set)
@@ -299,8 +305,8 @@ def _broadcast(tensor: tf.Tensor, root_rank: int, name: str | None) -> tf.Tensor
     return forward(tensor)
 
 
-def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
-               process_set: Any = None) -> list[tf.Tensor]:  # fmt: skip
+def broadcast_(variables: Sequence[tf.Variable], root_rank: int, name: str | None = None,
+               process_set: ProcessSet | None = None) -> list[tf.Tensor]:  # fmt: skip
     """Broadcast ``variables`` in place; returns their new values (in a graph, the
     assignments' values: evaluating them runs the broadcasts)."""
     check_process_set(process_set)
@@ -311,12 +317,12 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
 
 
 def alltoall(
-    tensor: Any,
-    splits: Any = None,
+    tensor: tf.Tensor,
+    splits: tf.Tensor | Sequence[int] | None = None,
     name: str | None = None,
     ignore_name_scope: bool = False,
-    process_set: Any = None,
-) -> Any:
+    process_set: ProcessSet | None = None,
+) -> tf.Tensor | tuple[tf.Tensor, tf.Tensor]:
     """Send ``splits[i]`` rows to rank ``i``; returns ``(received, received_splits)`` when
     ``splits`` is given, else the received rows only (Horovod's convention)."""
     check_process_set(process_set)
@@ -352,12 +358,12 @@ def _alltoall(tensor: tf.Tensor, splits: tf.Tensor | None, name: str | None):
 
 
 def reducescatter(
-    tensor: Any,
+    tensor: tf.Tensor,
     device_dense: str = "",
     compression: type[Compressor] = Compression.none,
     op: ReduceOp = Average,
     name: str | None = None,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
     ignore_name_scope: bool = False,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
@@ -369,10 +375,10 @@ def reducescatter(
     )
 
 
-def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
+def grouped_reducescatter(tensors: Sequence[tf.Tensor], device_dense: str = "",
                           compression: type[Compressor] = Compression.none,
                           op: ReduceOp = Average, name: str | None = None,
-                          process_set: Any = None, ignore_name_scope: bool = False,
+                          process_set: ProcessSet | None = None, ignore_name_scope: bool = False,
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[tf.Tensor]:  # fmt: skip
     check_process_set(process_set)
@@ -417,8 +423,12 @@ def _scaled(array: np.ndarray, factor: float) -> np.ndarray:
     return array * np.asarray(factor, array.dtype)
 
 
-def broadcast_variables(variables: Sequence[Any], root_rank: int = 0,
-                        process_set: Any = None, inplace: bool = False) -> Any:  # fmt: skip
+def broadcast_variables(
+    variables: Sequence[tf.Variable],
+    root_rank: int = 0,
+    process_set: ProcessSet | None = None,
+    inplace: bool = False,
+) -> tf.Operation | None:
     """Set ``variables`` on every rank to ``root_rank``'s values.
 
     Eagerly: one broadcast per dtype, after checking that every rank passes the same shapes
@@ -444,7 +454,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0,
     return None
 
 
-def broadcast_global_variables(root_rank: int) -> Any:
+def broadcast_global_variables(root_rank: int) -> tf.Operation | None:
     """Broadcast ``tf.compat.v1.global_variables()`` (TF1 graphs only, as in Horovod)."""
     if tf.executing_eagerly():
         raise RuntimeError(
@@ -455,21 +465,34 @@ def broadcast_global_variables(root_rank: int) -> Any:
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
-                     process_set: Any = None) -> Any:  # fmt: skip
+def broadcast_object(
+    obj: UserValue,
+    root_rank: int = 0,
+    session: tf.compat.v1.Session | None = None,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> UserValue:
     """Every rank gets ``root_rank``'s Python object (cloudpickled)."""
     check_process_set(process_set)
     return collectives.broadcast_object(obj, root_rank=root_rank, name=name)
 
 
-def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
-                        process_set: Any = None) -> Callable[[Any], Any]:  # fmt: skip
+def broadcast_object_fn(
+    root_rank: int = 0,
+    session: tf.compat.v1.Session | None = None,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> Callable[[UserValue], UserValue]:
     check_process_set(process_set)
     return lambda obj: collectives.broadcast_object(obj, root_rank=root_rank, name=name)
 
 
-def allgather_object(obj: Any, session: Any = None, name: str | None = None,
-                     process_set: Any = None) -> list[Any]:  # fmt: skip
+def allgather_object(
+    obj: UserValue,
+    session: tf.compat.v1.Session | None = None,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> list[UserValue]:
     """Every rank's Python object, in rank order."""
     check_process_set(process_set)
     return collectives.allgather_object(obj, name=name)

@@ -10,15 +10,27 @@ data-parallel models this targets the dense size is small (Horovod gathers them 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 import tensorflow as tf
 
 from flyte_hvd.core import collectives, state
 from flyte_hvd.core.collectives import Average, ReduceOp, Sum
 from flyte_hvd.core.compression import Compression, Compressor
+from flyte_hvd.core.process_sets import ProcessSet
 from flyte_hvd.tensorflow.functions import check_process_set, numpy_call
+
+if TYPE_CHECKING:
+    import keras
+
+# Horovod's explicit gradient groups: how many, or lists of variables.
+Groups: TypeAlias = "int | list[list[tf.Variable]] | None"
+# Layers whose weights keep local gradients: one layer or several.
+LocalLayers: TypeAlias = (
+    "keras.layers.Layer | list[keras.layers.Layer] | tuple[keras.layers.Layer, ...] | None"
+)
 
 
 @dataclass(frozen=True)
@@ -30,9 +42,9 @@ class Reduction:
     gradient_predivide_factor: float = 1.0
 
     @staticmethod
-    def checked(compression: type[Compressor], op: Any, gradient_predivide_factor: float,
-                backward_passes_per_step: int = 1, num_groups: int = 0, groups: Any = None,
-                process_set: Any = None) -> Reduction:  # fmt: skip
+    def checked(compression: type[Compressor], op: int, gradient_predivide_factor: float,
+                backward_passes_per_step: int = 1, num_groups: int = 0, groups: Groups = None,
+                process_set: ProcessSet | None = None) -> Reduction:  # fmt: skip
         collectives.check_optimizer_args(backward_passes_per_step, op, gradient_predivide_factor)
         check_groups(num_groups, groups)
         check_process_set(process_set)
@@ -47,7 +59,7 @@ class Reduction:
         return self.op, 1.0, 1.0
 
 
-def check_groups(num_groups: Any, groups: Any) -> None:
+def check_groups(num_groups: int, groups: object) -> None:
     """Horovod's explicit grouping only changes which gradients share a fusion buffer; here
     every step's gradients are fused by size, so ``groups`` is checked and otherwise unused."""
     if num_groups:
@@ -63,7 +75,9 @@ def check_groups(num_groups: Any, groups: Any) -> None:
         )
 
 
-def allreduce_gradients(grads: list[Any], reduction: Reduction, name: str = "gradients") -> list:
+def allreduce_gradients(
+    grads: list[tf.Tensor | tf.IndexedSlices | None], reduction: Reduction, name: str = "gradients"
+) -> list[tf.Tensor | None]:
     """Reduce ``grads`` (tensors, IndexedSlices or None) across ranks, in one fused call.
 
     Returns a list of the same length (``None`` stays ``None``; reduced gradients are dense).
@@ -112,12 +126,12 @@ class _DistributedGradientTape(tf.GradientTape):
                     flat_grads[i] = tf.convert_to_tensor(flat_grads[i]) / state.size()
         return tf.nest.pack_sequence_as(grads, flat_grads)
 
-    def register_local_source(self, source: Any) -> None:
+    def register_local_source(self, source: tf.Variable) -> None:
         """Keep ``source``'s gradient local to this rank (not reduced; divided by size)."""
         self._hvd_local.add(_ref(source))
 
 
-def _ref(source: Any) -> Any:
+def _ref(source: tf.Variable) -> Hashable:
     return source.ref() if hasattr(source, "ref") else id(source)
 
 
@@ -130,8 +144,8 @@ def DistributedGradientTape(
     op: ReduceOp = Average,
     gradient_predivide_factor: float = 1.0,
     num_groups: int = 0,
-    groups: Any = None,
-    process_set: Any = None,
+    groups: Groups = None,
+    process_set: ProcessSet | None = None,
     scale_local_gradients: bool = True,
 ) -> tf.GradientTape:
     """Wrap ``gradtape`` so that ``gradient()`` averages gradients across ranks.
@@ -160,7 +174,7 @@ def DistributedGradientTape(
     if issubclass(base, _DistributedGradientTape):
         base = base.__mro__[2]
     cls = type(base.__name__, (_DistributedGradientTape, base), {})
-    tape: Any = object.__new__(cls)
+    tape: tf.GradientTape = object.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)  # the same recording: watched tensors, persistence
     tape._hvd_reduction = reduction
     tape._hvd_local = set()
@@ -177,9 +191,9 @@ def PartialDistributedGradientTape(
     op: ReduceOp = Average,
     gradient_predivide_factor: float = 1.0,
     num_groups: int = 0,
-    groups: Any = None,
-    process_set: Any = None,
-    local_layers: Any = None,
+    groups: Groups = None,
+    process_set: ProcessSet | None = None,
+    local_layers: LocalLayers = None,
     scale_local_gradients: bool = True,
 ) -> tf.GradientTape:
     """``DistributedGradientTape`` whose ``local_layers``' weights keep local gradients."""

@@ -13,6 +13,7 @@ at pass ``k*N`` uses the rate of step ``k*N - 1``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +23,9 @@ import tensorflow as tf
 from flyte_hvd.core import state
 from flyte_hvd.core.collectives import Average, ReduceOp
 from flyte_hvd.core.compression import Compression, Compressor
+from flyte_hvd.core.process_sets import ProcessSet
 from flyte_hvd.tensorflow.functions import broadcast_variables
-from flyte_hvd.tensorflow.gradients import Reduction, allreduce_gradients
+from flyte_hvd.tensorflow.gradients import Groups, LocalLayers, Reduction, allreduce_gradients
 
 __all__ = [
     "DistributedOptimizer",
@@ -55,11 +57,11 @@ class _DistributedMixin:
     _hvd: _Settings
     _hvd_acc: _Accumulators
     # Set by PartialDistributedOptimizer / the Keras optimizer this class is mixed into.
-    _hvd_local: Any
-    _var_key: Any
-    _trainable_variables: Any
+    _hvd_local: set[Hashable]
+    _var_key: Callable[[tf.Variable], str]
+    _trainable_variables: list[tf.Variable]
     built: bool
-    _iterations: Any
+    _iterations: tf.Variable
 
     def build(self, variables):
         super().build(variables)  # type: ignore[misc]  # the Keras optimizer mixed in
@@ -174,8 +176,8 @@ def DistributedOptimizer(
     backward_passes_per_step: int = 1,
     average_aggregated_gradients: bool = False,
     num_groups: int = 0,
-    groups: Any = None,
-    process_set: Any = None,
+    groups: Groups = None,
+    process_set: ProcessSet | None = None,
     scale_local_gradients: bool = True,
 ) -> keras.optimizers.Optimizer:
     """Make ``optimizer`` average gradients across ranks before applying them.
@@ -242,9 +244,9 @@ def PartialDistributedOptimizer(
     op: ReduceOp = Average,
     backward_passes_per_step: int = 1,
     average_aggregated_gradients: bool = False,
-    groups: Any = None,
-    process_set: Any = None,
-    local_layers: Any = None,
+    groups: Groups = None,
+    process_set: ProcessSet | None = None,
+    local_layers: LocalLayers = None,
     scale_local_gradients: bool = True,
 ) -> keras.optimizers.Optimizer:
     """``DistributedOptimizer`` whose ``local_layers``' weights keep local gradients."""
@@ -263,7 +265,7 @@ def PartialDistributedOptimizer(
 def load_model(
     filepath: str,
     custom_optimizers: list[type] | None = None,
-    custom_objects: dict[str, Any] | None = None,
+    custom_objects: dict[str, Any] | None = None,  # Keras' name -> class or function
     compression: type[Compressor] = Compression.none,
     legacy_opts: bool = False,
 ) -> keras.Model:

@@ -7,6 +7,8 @@ and adds ``DistributedOptimizer``, ``broadcast_parameters``, ``broadcast_optimiz
 installed) ``HorovodStrategy``.
 """
 
+from typing import TYPE_CHECKING
+
 try:
     import torch  # noqa: F401
 except ImportError as error:  # pragma: no cover - depends on the environment
@@ -84,7 +86,11 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+if TYPE_CHECKING:  # its real type, for type checkers
+    from flyte_hvd.torch.strategy import HorovodStrategy as HorovodStrategy
+
+
+def __getattr__(name: str) -> "type[HorovodStrategy]":
     # Not in __all__: it imports Lightning, so only on first use.
     if name == "HorovodStrategy":
         from flyte_hvd.torch.strategy import HorovodStrategy

@@ -13,10 +13,14 @@ The ``*_async`` ops run on the core's background thread and return a handle for
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+    from numpy.typing import ArrayLike
 
 from flyte_hvd.core import background, collectives, model_sync, state
 from flyte_hvd.core.collectives import Average, ReduceOp, Sum
@@ -28,8 +32,15 @@ from flyte_hvd.core.process_sets import (
     translate_root,
 )
 
+# How many rows go to each rank: a tensor or a list of ints (None: evenly).
+Splits: TypeAlias = "torch.Tensor | Sequence[int] | None"
+# What ``broadcast_parameters`` takes: a state_dict, named_parameters() or a list of tensors.
+Params: TypeAlias = (
+    "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[torch.Tensor]"
+)
 
-def _array(tensor: Any, what: str) -> np.ndarray:
+
+def _array(tensor: torch.Tensor | ArrayLike, what: str) -> np.ndarray:
     """A numpy view (or, off the CPU, a copy) of ``tensor``; other values go through
     ``np.asarray``."""
     if not isinstance(tensor, torch.Tensor):
@@ -47,7 +58,7 @@ def _array(tensor: Any, what: str) -> np.ndarray:
     return t.resolve_conj().resolve_neg().contiguous().numpy()
 
 
-def _tensor(array: np.ndarray, like: Any) -> torch.Tensor:
+def _tensor(array: np.ndarray, like: object) -> torch.Tensor:
     if not array.flags.c_contiguous:
         array = array.copy(order="C")
     out = torch.from_numpy(array)
@@ -65,7 +76,7 @@ def _resolve_op(average: bool | None, op: ReduceOp | None) -> ReduceOp:
     return Average if average is None or average else Sum
 
 
-def _grad_wanted(tensors: Sequence[Any]) -> bool:
+def _grad_wanted(tensors: Sequence[object]) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
     )
@@ -98,7 +109,7 @@ def _broadcast(t, root_rank, name, ps) -> torch.Tensor:
     return _tensor(out, t)
 
 
-def _splits(splits: Any) -> Any:
+def _splits(splits: Splits) -> np.ndarray | Sequence[int] | None:
     if isinstance(splits, torch.Tensor):
         return splits.detach().cpu().numpy()
     return splits
@@ -231,7 +242,7 @@ class _GroupedReducescatterGrad(torch.autograd.Function):
         return *[None] * 6, *[_allgather(g * ctx.scale, None, ctx.ps) for g in grads]
 
 
-def _check_grouped_reducescatter(tensors: Sequence[Any]) -> None:
+def _check_grouped_reducescatter(tensors: Sequence[torch.Tensor]) -> None:
     if any(isinstance(t, torch.Tensor) and t.dim() == 0 for t in tensors):
         raise ValueError(
             "`grouped_reducescatter` needs tensors with at least one dimension; found a scalar."
@@ -359,10 +370,10 @@ def broadcast_(
 
 def alltoall(
     tensor: torch.Tensor,
-    splits: Any = None,
+    splits: Splits = None,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
-) -> Any:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Send ``splits[i]`` rows to rank ``i`` of the set. Without ``splits`` (rows divided
     evenly) returns the rows received; with ``splits``, also how many came from each rank."""
     if _grad_wanted([tensor]):
@@ -408,11 +419,18 @@ def grouped_reducescatter(
 # -- async ---------------------------------------------------------------------------------
 
 
-def _submit(ps: ProcessSet, name: str | None, run: Callable[[Any], Any], finish=None):
+def _submit(
+    ps: ProcessSet,
+    name: str | None,
+    run: Callable[[MPI.Comm], background.Result],
+    finish: Callable[[background.Result], background.Result] | None = None,
+) -> background.Handle:
     return background.submit(run, async_comm_of(ps), name, finish)
 
 
-def _tensors_like(tensors: Sequence[Any]) -> Callable[[list[np.ndarray]], list[torch.Tensor]]:
+def _tensors_like(
+    tensors: Sequence[torch.Tensor],
+) -> Callable[[list[np.ndarray]], list[torch.Tensor]]:
     return lambda outs: [_tensor(o, t) for o, t in zip(outs, tensors, strict=True)]
 
 
@@ -448,7 +466,7 @@ def allreduce_async_(
     post *= postscale_factor
     shape = tuple(tensor.shape)
 
-    def run(comm: Any) -> torch.Tensor:
+    def run(comm: MPI.Comm) -> torch.Tensor:
         collectives.scale_in_place(flat, pre)
         collectives.reduce_in_place(
             comm, flat, op, Compression.none, post, name,
@@ -488,7 +506,7 @@ def grouped_allreduce_async(
     collectives.mpi_op(op)
     arrays = [_copy(t, "grouped_allreduce_async") for t in tensors]
 
-    def run(comm: Any) -> list[np.ndarray]:
+    def run(comm: MPI.Comm) -> list[np.ndarray]:
         return collectives.grouped_allreduce_on(
             comm, arrays, op, name, Compression.none, prescale_factor, postscale_factor
         )
@@ -579,7 +597,7 @@ def broadcast_async_(
 
 def alltoall_async(
     tensor: torch.Tensor,
-    splits: Any = None,
+    splits: Splits = None,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> background.Handle:
@@ -589,7 +607,9 @@ def alltoall_async(
     raw = _splits(splits)
     collectives._send_rows(array, raw, process_set.size())  # bad splits fail here
 
-    def finish(result: tuple[np.ndarray, np.ndarray]) -> Any:
+    def finish(
+        result: tuple[np.ndarray, np.ndarray],
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         out = _tensor(result[0], tensor)
         return out if splits is None else (out, torch.from_numpy(result[1].astype(np.int32)))
 
@@ -609,7 +629,7 @@ def reducescatter_async(
     array = _copy(tensor, "reducescatter_async")
     collectives.mpi_op(op)
 
-    def run(comm: Any) -> np.ndarray:
+    def run(comm: MPI.Comm) -> np.ndarray:
         return collectives.reducescatter_on(comm, array, op, name, prescale_factor,
                                             postscale_factor)  # fmt: skip
 
@@ -629,7 +649,7 @@ def grouped_reducescatter_async(
     arrays = [_copy(t, "grouped_reducescatter_async") for t in tensors]
     collectives.mpi_op(op)
 
-    def run(comm: Any) -> list[np.ndarray]:
+    def run(comm: MPI.Comm) -> list[np.ndarray]:
         return [collectives.reducescatter_on(comm, a, op, name, prescale_factor,
                                              postscale_factor) for a in arrays]  # fmt: skip
 
@@ -670,7 +690,7 @@ def sparse_allreduce_async(
     return wait
 
 
-def synchronize(handle: background.Handle) -> Any:
+def synchronize(handle: background.Handle) -> background.Result:
     """Wait for an async op; returns its result (raises the error it failed with)."""
     return background.synchronize(handle)
 
@@ -683,7 +703,7 @@ def poll(handle: background.Handle) -> bool:
 # -- model and optimizer state ---------------------------------------------------------------
 
 
-def _named(params: Any) -> list[tuple[str, torch.Tensor]]:
+def _named(params: object) -> list[tuple[str, torch.Tensor]]:
     if isinstance(params, Mapping):
         return sorted(params.items(), key=lambda kv: kv[0])
     if isinstance(params, Iterable):
@@ -700,7 +720,7 @@ def _named(params: Any) -> list[tuple[str, torch.Tensor]]:
     )
 
 
-def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
+def broadcast_parameters(params: Params, root_rank: int = 0) -> None:
     """Set every rank's tensors to ``root_rank``'s, in place: ``model.state_dict()`` or
     ``model.named_parameters()``. One broadcast per dtype; ranks whose tensors differ in names,
     shapes or dtypes get an error naming the first difference."""

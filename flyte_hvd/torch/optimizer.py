@@ -21,9 +21,12 @@ import contextlib
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 from flyte_hvd.core import background, collectives, state
 from flyte_hvd.core.collectives import Average, ReduceOp
@@ -141,6 +144,7 @@ class _Reducer:
             self.next_submit += 1
 
     def _submit(self, bucket: _Bucket) -> None:
+        assert self.comm is not None  # only an optimizer over several ranks submits
         settings = self.settings
         floating = bucket.buffer.is_floating_point() or bucket.buffer.is_complex()
         op, pre, post = collectives.average_as_sum(
@@ -148,7 +152,7 @@ class _Reducer:
         )
         grads = [p.grad for p in bucket.params]
 
-        def run(comm: Any) -> None:
+        def run(comm: MPI.Comm) -> None:
             with torch.no_grad():
                 for grad, view in zip(grads, bucket.views, strict=True):
                     if grad is None or (grad.is_sparse and not settings.sparse_as_dense):
@@ -325,7 +329,7 @@ def DistributedOptimizer(
     op: ReduceOp = Average,
     gradient_predivide_factor: float = 1.0,
     num_groups: int = 0,
-    groups: Any = None,
+    groups: int | list[list[torch.nn.Parameter]] | None = None,
     sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
 ) -> torch.optim.Optimizer:
@@ -402,6 +406,7 @@ def _rewrap_scheduler_step(optimizer: torch.optim.Optimizer) -> None:
         return
     cls_step = type(optimizer).step
 
+    # The wrapped optimizer's own ``step`` arguments and result (a closure, the loss).
     def step(*args: Any, **kwargs: Any) -> Any:
         optimizer._opt_called = True  # type: ignore[attr-defined]  # what the scheduler checks
         return cls_step(optimizer, *args, **kwargs)

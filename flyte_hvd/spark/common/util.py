@@ -3,8 +3,6 @@ training on Parquet they wrote themselves call."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from flyte_hvd.core.checks import to_list
 from flyte_hvd.data.prepare import prepare_data
 from flyte_hvd.data.store import Store
@@ -17,7 +15,7 @@ def get_simple_meta_from_parquet(
     label_columns: list[str],
     feature_columns: list[str],
     sample_weight_col: str | None = None,
-    dataset_idx: Any = None,
+    dataset_idx: str | int | None = None,
 ) -> tuple[int, int, dict, float]:
     """``(train_rows, val_rows, metadata, avg_row_size)`` of the Parquet in the store's train
     and validation paths, as Horovod returns them; ``metadata`` maps each column to its

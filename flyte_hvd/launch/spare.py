@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from flyte_hvd.launch import messages, rendezvous
+from flyte_hvd.launch import messages, process_group, rendezvous
 from flyte_hvd.launch.job import collector_paused
 from flyte_hvd.launch.output import open_rank_pipes
 
@@ -249,6 +249,7 @@ def rank_environment(assignment: dict[str, Any]) -> dict[str, str]:
         rendezvous.JOB_ENV: str(assignment["job"]),
         rendezvous.RESULT_ENV: str(assignment["result"]),
         "TMPDIR": str(assignment["tmpdir"]),
+        process_group.ADDRESS_ENV: str(assignment.get("address") or ""),
     }
 
 

@@ -510,9 +510,7 @@ class RankSupervisor:
             failures[state.rank] = self._death_text(state, code)
         if not failures:
             failures = {r: "lost its supervisor connection" for r in orphans}
-        first = first_failure(
-            failures, lambda r: self.ranks[r].times.get("failed", float("inf"))
-        )
+        first = first_failure(failures, lambda r: self.ranks[r].times.get("failed", float("inf")))
         raise RanksFailedError(failures, summary=f"rank {first} failed; the run was stopped")
 
     def _raise_stuck(self, rank: int, message: str) -> None:

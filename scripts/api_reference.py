@@ -21,7 +21,7 @@ PACKAGES = {
     "keras": "Horovod's Keras API on Keras 3: `import flyte_hvd.keras as hvd`.",
     "tensorflow": "Horovod's TensorFlow 2 API: `import flyte_hvd.tensorflow as hvd`.",
     "torch": "Horovod's PyTorch API: `import flyte_hvd.torch as hvd`.",
-    "spark": "Ranks inside Spark: `run`, `HorovodRunner`, and Horovod's module paths.",
+    "spark": "Ranks inside Spark: `run`, `HorovodRunner`, `TorchDistributor`, Horovod's paths.",
     "data": "Store, `prepare_data`, the dataset format and the loaders.",
     "estimators": "Spark ML estimators and models for Keras, PyTorch and Lightning.",
     "flyte": "The `HorovodSpark` flytekit task plugin.",

@@ -67,11 +67,12 @@ def _run_examples(obj, globs):
 @pytest.mark.spark
 @pytest.mark.mpi
 def test_launch_examples_run(spark_local2):
-    from flyte_hvd.spark import HorovodRunner
+    from flyte_hvd.spark import HorovodRunner, TorchDistributor
     from flyte_hvd.spark.dispatch import run
 
     _run_examples(run, {})
     _run_examples(HorovodRunner, {})
+    _run_examples(TorchDistributor, {})
 
 
 @pytest.mark.spark

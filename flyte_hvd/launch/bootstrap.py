@@ -19,7 +19,7 @@ import cloudpickle
 from flyte_hvd.core import state
 from flyte_hvd.core.log import get_logger
 from flyte_hvd.launch import job as job_module
-from flyte_hvd.launch import messages, rendezvous, spare, stall
+from flyte_hvd.launch import messages, process_group, rendezvous, spare, stall
 from flyte_hvd.launch.messages import RankOp
 from flyte_hvd.launch.output import adopt_rank_pipes
 
@@ -45,7 +45,12 @@ def main() -> None:
         rendezvous.verify_secret(comm, client.secret)
         client.secret = ""
         state.set_launcher_comm(comm)
-        hosts = comm.allgather(state.host_name())
+        # Rank 0's torch.distributed port, held until the job runs (see process_group).
+        reserved = process_group.reserve_port() if rank == 0 else None
+        gathered = comm.allgather(
+            process_group.rendezvous_value(rank, state.host_name(), env, reserved)
+        )
+        hosts = [value[0] for value in gathered]
         topo = state.Topology.from_hosts(hosts, rank)
         # Where each rank landed is shown only when asked for (FLYTE_HVD_LOG_LEVEL): by
         # default a rank's stderr is the user's program output, forwarded to the driver.
@@ -63,11 +68,14 @@ def main() -> None:
             HOROVOD_CROSS_RANK=str(topo.cross_rank),
             HOROVOD_CROSS_SIZE=str(topo.cross_size),
         )
+        env.update(process_group.rank_env(rank, size, topo, gathered, env))
         client.send(messages.rank_event(RankOp.JOINED))
         with open(job_path, "rb") as f, job_module.collector_paused():
             job = cloudpickle.load(f)  # imports the modules it names (the framework)
         spare.set_channel(client.send)
         probe = stall.Probe(client.send).start()
+        if reserved is not None:
+            reserved.close()  # the job may bind MASTER_PORT from now on
         try:
             result = job.run()
         except SystemExit as exit_:

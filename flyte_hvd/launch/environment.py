@@ -76,11 +76,16 @@ _HOST_ENV = frozenset({
     "NVIDIA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
     "OPENBLAS_NUM_THREADS", "DISPLAY", "TERM_SESSION_ID", "FLYTE_HVD_SPARE",
     "FLYTE_HVD_SPARE_OWNER", "FLYTE_HVD_SPARE_PRELOAD", "FLYTE_HVD_OUTPUT_FDS",
+    "FLYTE_HVD_ADDRESS",
+    # The driver's own torch.distributed group (it runs under torchrun, say): each rank gets
+    # its own values (``process_group``).
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
 })  # fmt: skip
 _HOST_ENV_PREFIXES = (
     "SPARK_", "PYSPARK_", "JAVA_", "JDK_", "HADOOP_", "YARN_", "KUBERNETES_", "XDG_", "SSH_",
     "CONDA_", "JPY_", "PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "FLYTE_HVD_RANK",
-    "FLYTE_HVD_SIZE", "FLYTE_HVD_CONTROL", "FLYTE_HVD_JOB", "FLYTE_HVD_RESULT",
+    "FLYTE_HVD_SIZE", "FLYTE_HVD_CONTROL", "FLYTE_HVD_JOB", "FLYTE_HVD_RESULT", "TORCHELASTIC_",
 )  # fmt: skip
 
 
@@ -90,7 +95,8 @@ def driver_env() -> dict[str, str]:
     on the driver before the call (``HOROVOD_TIMELINE``, ``TF_CPP_MIN_LOG_LEVEL``, a tracking
     URI) reaches every rank. Left out: what describes the driver's own host, interpreter or
     Spark role (``PATH``, ``HOME``, ``PYTHONPATH``, ``JAVA_HOME``, ``SPARK_*``,
-    ``CUDA_VISIBLE_DEVICES``, thread counts, MPI launch variables, ...)."""
+    ``CUDA_VISIBLE_DEVICES``, thread counts, MPI launch variables, the driver's own
+    ``RANK``/``MASTER_ADDR``/... of a torch.distributed group it belongs to, ...)."""
     return {
         k: v
         for k, v in os.environ.items()

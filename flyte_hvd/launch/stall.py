@@ -2,11 +2,12 @@
 
 Horovod's stall inspector, rebuilt for rank processes that a supervisor watches. Each rank
 runs a ``Probe`` thread that looks, a few times a second, at the Python frames of the rank's
-threads: a thread whose frames are inside ``flyte_hvd.core.collectives`` is waiting in that
-collective. So the collectives carry no hook at all and pay nothing on the hot path. The
-probe reports only changes (started waiting more than a second ago, stopped waiting, moved)
-to its supervisor, and a ``StallWatch`` where all ranks' reports meet (the ``flyte-hvd-run``
-supervisor, or the driver of a Spark run) decides:
+threads: a thread whose frames are inside ``flyte_hvd.core.collectives`` (or
+``torch.distributed``'s collectives) is waiting in that collective. So the collectives carry
+no hook at all and pay nothing on the hot path. The probe reports only changes (started
+waiting more than a second ago, stopped waiting, moved) to its supervisor, and a
+``StallWatch`` where all ranks' reports meet (the ``flyte-hvd-run`` supervisor, or the driver
+of a Spark run) decides:
 
 - a rank that ended while others wait in a collective can never join them: the run fails
   within seconds, naming the rank and how it ended;
@@ -49,6 +50,11 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # flyte_
 _CORE = os.path.join(_PACKAGE, "core")
 _COLLECTIVE_FILES = (os.path.join(_CORE, "collectives.py"),)
 _INIT_FILE = os.path.join(_CORE, "state.py")
+# torch.distributed's collectives (``all_reduce``, ``barrier``, ``init_process_group``, ...):
+# their Python frame stays on the stack while gloo or NCCL waits (the GIL released), so a
+# rank waiting in one is seen the same way, found by the file's path (torch is not imported).
+_TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed", "")
+_TORCH_C10D = os.path.join(_TORCH_DISTRIBUTED, "distributed_c10d.py")
 
 
 @dataclass(frozen=True)
@@ -96,22 +102,30 @@ def _collective_of(frame: FrameType | None) -> tuple[FrameType, str] | None:
     found = None
     while frame is not None:
         path = frame.f_code.co_filename
-        if path in _COLLECTIVE_FILES or (path == _INIT_FILE and frame.f_code.co_name == "init"):
+        if _in_collective(path) or (path == _INIT_FILE and frame.f_code.co_name == "init"):
             found = frame
         elif found is not None:
             break
         frame = frame.f_back
     if found is None:
         return None
-    return found, found.f_code.co_name.lstrip("_")
+    name = found.f_code.co_name.lstrip("_")
+    if found.f_code.co_filename.endswith(_TORCH_C10D):
+        name = f"torch.distributed.{name}"
+    return found, name
+
+
+def _in_collective(path: str) -> bool:
+    return path in _COLLECTIVE_FILES or path.endswith(_TORCH_C10D)
 
 
 def _where(frame: FrameType | None) -> str:
-    """``file:line in function`` of the innermost frame outside flyte_hvd."""
+    """``file:line in function`` of the innermost frame outside flyte_hvd and
+    torch.distributed."""
     innermost = frame
     while frame is not None:
         path = frame.f_code.co_filename
-        if not path.startswith(_PACKAGE) and not path.startswith("<frozen"):
+        if not path.startswith((_PACKAGE, "<frozen")) and _TORCH_DISTRIBUTED not in path:
             break
         frame = frame.f_back
     frame = frame or innermost

@@ -189,6 +189,9 @@ class RankSupervisor:
         preload: modules the ranks import first (e.g. ``("tensorflow",)``): after a run that
             ends well, this process keeps a spare rank process per rank with them imported,
             for the next run that starts its ranks the same way (``flyte_hvd.launch.spare``).
+        address: this host's address as the run's other hosts reach it (a Spark task's
+            executor address); rank 0's is ``MASTER_ADDR`` when the ranks span hosts
+            (``flyte_hvd.launch.process_group``).
     """
 
     def __init__(
@@ -206,7 +209,9 @@ class RankSupervisor:
         timeout_hint: str = "`start_timeout` (or HOROVOD_SPARK_START_TIMEOUT)",
         single_host: bool = False,
         preload: tuple[str, ...] = (),
+        address: str | None = None,
     ):
+        self.address = address
         self.timeout_hint = timeout_hint
         self.preload = tuple(preload) if spare.enabled() else ()
         self.single_host = single_host
@@ -291,6 +296,7 @@ class RankSupervisor:
             "job": job_path,
             "result": os.path.join(workdir, f"result.{state.rank}.pkl"),
             "tmpdir": os.path.join(workdir, "tmp"),
+            "address": self.address or "",
         }
         if self.preload:
             key = spare.key_of(env, self.preload, state.command)
@@ -506,7 +512,7 @@ class RankSupervisor:
             failures[state.rank] = self._death_text(state, code)
         if not failures:
             failures = {r: "lost its supervisor connection" for r in orphans}
-        first = min(failures, key=lambda r: self.ranks[r].times.get("failed", float("inf")))
+        first = first_failure(failures, lambda r: self.ranks[r].times.get("failed", float("inf")))
         raise RanksFailedError(failures, summary=f"rank {first} failed; the run was stopped")
 
     def _raise_stuck(self, rank: int, message: str) -> None:
@@ -566,6 +572,27 @@ class RankSupervisor:
             )
         with open(path, "rb") as f:
             return cloudpickle.load(f)
+
+
+# How ``_death_text`` says a signal killed a rank.
+_SIGNALLED_TEXT = re.compile(r"^rank \d+ died: .*\(signal (\d+)\)")
+
+
+def first_failure(failures: dict[int, str], order: Callable[[int], float] = float) -> int:
+    """The rank a failed run's error names first: one that a signal killed, else the first
+    by ``order`` (the time its failure was seen; by default the rank itself).
+
+    A signal that ended a rank is never a peer's doing (the launcher's own kills are not
+    failures), while a peer's error often is its consequence: gloo raises "Connection closed
+    by peer" in every rank that was talking to the one the kernel killed, as soon as it dies
+    and before its launcher has seen it go. SIGABRT is the exception: NCCL's watchdog and
+    other libraries abort a process when a peer fails."""
+
+    def killed(rank: int) -> bool:
+        match = _SIGNALLED_TEXT.match(failures[rank])
+        return match is not None and int(match.group(1)) != signal.SIGABRT
+
+    return min(failures, key=lambda r: (not killed(r), order(r)))
 
 
 def _kill(pid: int, sig: int) -> None:

@@ -1,5 +1,5 @@
 """Run Horovod-style ranks inside Spark: ``run``, ``HorovodRunner``, ``get_available_devices``,
-on a classic SparkSession or a Spark Connect one.
+and pyspark's ``TorchDistributor``, on a classic SparkSession or a Spark Connect one.
 
 pyspark is imported only when a function needs it.
 """
@@ -10,8 +10,16 @@ from typing import TYPE_CHECKING, Any
 from flyte_hvd.spark.dispatch import launch, run
 from flyte_hvd.spark.horovod_runner import HorovodRunner
 from flyte_hvd.spark.runner import RunReport, get_available_devices
+from flyte_hvd.spark.torch_distributor import TorchDistributor
 
-__all__ = ["HorovodRunner", "RunReport", "get_available_devices", "launch", "run"]
+__all__ = [
+    "HorovodRunner",
+    "RunReport",
+    "TorchDistributor",
+    "get_available_devices",
+    "launch",
+    "run",
+]
 
 # Horovod's `horovod.spark` also offers the Store and the estimators: the same names are
 # importable here, loaded on first use from the layers that define them (flyte_hvd.data,

@@ -28,6 +28,7 @@ from flyte_hvd.core.log import get_logger
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch.environment import driver_env, local_driver_env
 from flyte_hvd.launch.job import FunctionJob
+from flyte_hvd.launch.supervisor import first_failure
 
 if TYPE_CHECKING:
     from pyspark import SparkContext, TaskContext
@@ -158,7 +159,7 @@ def stage_failure(
     any rank sent one (or the stall watch stopped the run), else what Spark said."""
     failures = dict([server.stuck]) if server.stuck else server.latest_failures()
     if failures:
-        first = min(failures)
+        first = first_failure(failures)
         return RanksFailedError(
             failures,
             summary=f"rank {first} failed; the Spark barrier stage was stopped",
@@ -400,6 +401,9 @@ def barrier_task(
         link = DriverLink(driver_address, secret, rank)
         link.event("task_started")
         rank_env = _task_rank_env(env, ctx)
+        # "host:port" of the task's executor as the driver reaches it: rank 0's host part is
+        # MASTER_ADDR when the ranks span hosts (``launch.process_group``).
+        address = ctx.getTaskInfos()[rank].address.rpartition(":")[0]
         supervisor = RankSupervisor(
             job,
             ranks=[rank],
@@ -412,6 +416,7 @@ def barrier_task(
             watch=ForwardWatch(link.forward),
             single_host=single_host,  # a local[N] master: nothing listens beyond loopback
             preload=preload,
+            address=address,
         )
         # Spark stops a cancelled Python task only by killing its worker, seconds later; the
         # driver closing the link stops the ranks at once.

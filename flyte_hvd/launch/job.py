@@ -8,7 +8,7 @@ import runpy
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from flyte_hvd.core.types import UserValue
 
@@ -84,5 +84,8 @@ class ProgramJob:
         return None
 
 
-# What a supervisor runs on each rank.
-Job = FunctionJob | ProgramJob
+class Job(Protocol):
+    """What a supervisor runs on each rank (``FunctionJob``, ``ProgramJob``, or a launcher's
+    own wrapper around them): it travels pickled and is run once."""
+
+    def run(self) -> UserValue: ...

@@ -187,6 +187,8 @@ class RankSupervisor:
         preload: modules the ranks import first (e.g. ``("tensorflow",)``): after a run that
             ends well, this process keeps a spare rank process per rank with them imported,
             for the next run that starts its ranks the same way (``flyte_hvd.launch.spare``).
+        read_result: what ``run`` returns for a rank, from the rank and the file holding its
+            pickled return value (by default the value, unpickled); the file is removed after.
     """
 
     def __init__(
@@ -204,7 +206,9 @@ class RankSupervisor:
         timeout_hint: str = "`start_timeout` (or HOROVOD_SPARK_START_TIMEOUT)",
         single_host: bool = False,
         preload: tuple[str, ...] = (),
+        read_result: Callable[[int, str], Any] | None = None,
     ):
+        self.read_result = read_result
         self.timeout_hint = timeout_hint
         self.preload = tuple(preload) if spare.enabled() else ()
         self.single_host = single_host
@@ -562,6 +566,8 @@ class RankSupervisor:
             raise RanksFailedError(
                 {rank: "exited with status 0 but reported no result (did it call os._exit?)"}
             )
+        if self.read_result is not None:
+            return self.read_result(rank, path)
         with open(path, "rb") as f:
             return cloudpickle.load(f)
 

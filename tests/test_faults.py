@@ -428,6 +428,19 @@ def _early_return():
     hvd.allreduce(np.ones(3))
 
 
+def _exits_early():
+    import sys
+
+    import numpy as np
+
+    import flyte_hvd.core as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        sys.exit(0)
+    return np.ones(3)  # rank 0 returns; no collective waits for rank 1
+
+
 def _hangs_before_collective():
     import time
 
@@ -514,13 +527,19 @@ def test_spark_faults(spark_local2):
     mark = uuid.uuid4().hex
     spark_local2.sparkContext.parallelize([0], 1).count()  # the session is warm
 
-    error, _, took = _spark_case(spark_local2, _early_return, mark)
-    report("spark.run", "rank returns early", took)
-    assert "rank 1 ended (returned normally) while ranks [0] wait for it in `allreduce`" in (
-        str(error)
-    )
-    assert took < 40
-    _assert_spark_clean(spark_local2, mark)
+    # `fn` that calls sys.exit(0) never returns its result: an error, whether or not its
+    # peers wait for it in a collective (a program's exit 0, under flyte-hvd-run, is not).
+    for fn, case in ((_early_return, "while rank 0 waits"), (_exits_early, "nobody waits")):
+        error, _, took = _spark_case(spark_local2, fn, mark)
+        report("spark.run", f"rank calls sys.exit(0) in fn, {case}", took)
+        assert error.ranks == [1]
+        line = fn.__code__.co_firstlineno + 9
+        assert (
+            f"rank 1 called sys.exit(0) at test_faults.py:{line} inside the function it runs, "
+            f"so the function never returned its result" in str(error)
+        )
+        assert took < 40
+        _assert_spark_clean(spark_local2, mark)
 
     error, err, took = _spark_case(spark_local2, _hangs_before_collective, mark, FAST_STALL)
     report("spark.run", "rank hangs before a collective (stall 1s/3s)", took)

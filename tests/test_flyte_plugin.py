@@ -418,3 +418,46 @@ def test_a_task_runs_on_a_spark_connect_endpoint(spark_connect_url, no_leftover_
 def test_connect_url_must_be_a_spark_connect_url():
     with pytest.raises(ValueError, match=r"`connect_url` must be a Spark Connect URL"):
         HorovodSpark(num_proc=2, connect_url="http://spark:15002")
+
+
+LOCAL_UI_SCRIPT = """
+import json, os, socket, sys, urllib.parse
+from pyspark.sql import SparkSession
+from flyte_hvd.flyte import HorovodSpark
+from flyte_hvd.spark.barrier_task import start_local_session
+
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+    probe.connect(("192.0.2.123", 9))  # UDP: picks the host's outward address, sends nothing
+    outward = probe.getsockname()[0]
+start_local_session("ui-on-loopback", HorovodSpark(num_proc=1))
+spark = SparkSession.getActiveSession()
+port = urllib.parse.urlparse(spark.sparkContext.uiWebUrl).port
+answers = {}
+for host in ("127.0.0.1", outward):
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+        answers[host] = "open"
+    except OSError as error:
+        answers[host] = type(error).__name__
+print("RESULT " + json.dumps({"outward": outward, "answers": answers}), flush=True)
+os._exit(0)  # the JVM goes with its gateway's process; no need to wait for a clean stop
+"""
+
+
+@pytest.mark.spark
+def test_a_local_session_keeps_sparks_ui_on_loopback(tmp_path):
+    """Spark's UI and its REST API (every job, its tags and description) listen on
+    ``SPARK_LOCAL_IP``, else on every interface."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "SPARK_LOCAL_IP"}
+    done = subprocess.run(
+        [sys.executable, "-c", LOCAL_UI_SCRIPT],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=180,
+    )  # fmt: skip
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    found = json.loads(lines[0][len("RESULT ") :])
+    if found["outward"].startswith("127."):
+        pytest.skip("this host has no address beyond loopback")
+    assert found["answers"] == {"127.0.0.1": "open", found["outward"]: "ConnectionRefusedError"}

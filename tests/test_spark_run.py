@@ -228,6 +228,115 @@ def test_a_failed_run_raises_once_its_ranks_are_gone(spark):
     assert set(rank_processes()) - before == set()
 
 
+def _driver_old_gen(spark):
+    """The driver JVM's old generation, where G1 puts any array too large for a young region
+    (a task result of a few MB is one)."""
+    beans = spark.sparkContext._jvm.java.lang.management.ManagementFactory
+    return next(p for p in beans.getMemoryPoolMXBeans() if "Old Gen" in p.getName())
+
+
+def _rank_bytes(size):
+    import flyte_hvd.core as hvd
+
+    hvd.init()
+    return bytes([hvd.rank() + 1]) * size
+
+
+def test_a_large_result_never_passes_through_the_driver_jvm(spark_local2, no_leftover_ranks):
+    size = 48 << 20
+    old_gen = _driver_old_gen(spark_local2)
+    before = old_gen.getUsage().getUsed()
+    old_gen.resetPeakUsage()
+    started = time.monotonic()
+    first, second = run(_rank_bytes, args=(size,), num_proc=2, verbose=0)
+    took = time.monotonic() - started
+    growth = old_gen.getPeakUsage().getUsed() - before
+    print(f"\n2 x {size >> 20} MiB results in {took:.1f}s; driver JVM old gen peak "
+          f"+{growth >> 20} MiB")  # fmt: skip
+    assert first == b"\1" * size and second == b"\2" * size
+    # Through the stage, each result was in the driver's heap several times over (+592 MiB
+    # for 2 x 64 MiB; 2 x 400 MiB killed the JVM of a 1 GiB driver).
+    assert growth < size // 2
+    assert spark_local2.sparkContext.parallelize(range(10), 2).sum() == 45
+
+
+def test_a_result_above_the_limit_fails_naming_rank_and_size_and_the_session_survives(
+    spark_local2, no_leftover_ranks
+):
+    def fn():
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        return b"x" * ((8 << 20) if hvd.rank() == 1 else 10)
+
+    started = time.monotonic()
+    with pytest.raises(RanksFailedError) as info:
+        run(fn, num_proc=2, verbose=0, stderr=io.StringIO(), max_result_bytes=4 << 20)
+    took = time.monotonic() - started
+    print(f"\nresult above the limit: error after {took:.1f}s")
+    assert info.value.ranks == [1]
+    assert (
+        "rank 1's return value is 8.0 MiB pickled, above the limit of 4.0 MiB "
+        "(FLYTE_HVD_MAX_RESULT_BYTES). Write large results to a file or the Store and return "
+        "the path instead" in str(info.value)
+    )
+    assert "Traceback" not in str(info.value)
+    assert took < 30
+    assert spark_local2.sparkContext.parallelize(range(10), 2).sum() == 45
+    assert run(_rank_bytes, args=(3,), num_proc=2, verbose=0) == [b"\1" * 3, b"\2" * 3]
+
+
+def test_an_unpicklable_result_names_the_rank_and_its_type(spark_local2, no_leftover_ranks):
+    def fn():
+        import threading
+
+        import flyte_hvd.core as hvd
+
+        hvd.init()
+        return threading.Lock() if hvd.rank() == 1 else 0
+
+    with pytest.raises(RanksFailedError) as info:
+        run(fn, num_proc=2, verbose=0, stderr=io.StringIO())
+    assert info.value.ranks == [1]
+    assert (
+        "rank 1's return value (type lock) cannot be pickled: TypeError: cannot pickle "
+        "'_thread.lock' object. Return something picklable (or write it to a file and return "
+        "the path)." in str(info.value)
+    )
+    assert "cloudpickle.py" not in str(info.value)
+
+
+def test_the_link_is_on_loopback_and_no_secret_is_in_job_tags_or_logs(
+    spark_local2, monkeypatch, caplog
+):
+    from flyte_hvd.spark import pipeline, runner
+
+    sc = spark_local2.sparkContext
+    assert sc.getConf().get("spark.driver.host") not in (None, "127.0.0.1", "localhost")
+    assert runner.ClassicBackend(sc).link_host() == "127.0.0.1"
+    secrets_, tags, hosts = [], [], []
+    new_secret, run_stage = pipeline.new_secret, runner.ClassicBackend.run_stage
+
+    def recording_secret():
+        secrets_.append(new_secret())
+        return secrets_[-1]
+
+    def recording_stage(self, task, num_proc, retried, tag):
+        tags.append(tag)
+        hosts.append(self.link_host())
+        return run_stage(self, task, num_proc, retried, tag)
+
+    monkeypatch.setattr(pipeline, "new_secret", recording_secret)
+    monkeypatch.setattr(runner.ClassicBackend, "run_stage", recording_stage)
+    with caplog.at_level(logging.DEBUG, logger="flyte_hvd"):
+        assert run(_rank_bytes, args=(1,), num_proc=2) == [b"\1", b"\2"]
+    [secret], [tag] = secrets_, tags
+    assert tag.startswith("flyte-hvd-") and hosts == ["127.0.0.1"]
+    run_id = tag[len("flyte-hvd-") :]
+    assert not any(run_id[i : i + 4] in secret for i in range(len(run_id) - 3)), (tag, secret)
+    assert not any(secret[i : i + 8] in caplog.text for i in range(len(secret) - 7))
+
+
 def test_horovod_runner_returns_rank_zero_value(spark, no_leftover_ranks):
     def main(word="x"):
         import flyte_hvd.core as hvd

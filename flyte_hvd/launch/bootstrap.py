@@ -41,6 +41,7 @@ def main() -> None:
     job_path, result_path = env.pop(rendezvous.JOB_ENV), env.pop(rendezvous.RESULT_ENV)
     client = rendezvous.ControlClient(env.pop(rendezvous.CONTROL_ENV), rank)
     try:
+        limit = job_module.result_limit(env)
         comm = rendezvous.join(client, rank, size)
         rendezvous.verify_secret(comm, client.secret)
         client.secret = ""
@@ -81,16 +82,15 @@ def main() -> None:
         except SystemExit as exit_:
             if exit_.code not in (None, 0):
                 raise
+            if isinstance(job, job_module.FunctionJob):  # a program's exit 0 is its success
+                raise job_module.ResultError(_exited_early(rank, exit_)) from None
             result = None
         finally:
             probe.stop()
         state.shutdown()
-        tmp = f"{result_path}.tmp"
-        with open(tmp, "wb") as f:
-            cloudpickle.dump(result, f)
-        os.replace(tmp, result_path)
+        job_module.write_result(result, result_path, rank, limit)
     except BaseException as error:
-        text = _user_traceback(error)
+        text = str(error) if isinstance(error, job_module.ResultError) else _user_traceback(error)
         # The traceback goes to the supervisor only: it is in the run's error and output file.
         client.send(messages.rank_failed(text))
         sys.stdout.flush()
@@ -98,6 +98,18 @@ def main() -> None:
         os._exit(1)
     sys.stdout.flush()
     client.finish()
+
+
+def _exited_early(rank: int, exit_: SystemExit) -> str:
+    """What a rank that called ``sys.exit(0)`` inside the launched function is told."""
+    frames = traceback.extract_tb(exit_.__traceback__)
+    where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+    return (
+        f"rank {rank} called sys.exit({exit_.code if exit_.code is not None else ''}){where} "
+        f"inside the function it runs, so the function never returned its result. The "
+        f"launcher gives back each rank's return value: return from the function instead of "
+        f"exiting."
+    )
 
 
 def _user_traceback(error: BaseException) -> str:

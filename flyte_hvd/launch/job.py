@@ -4,13 +4,26 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import runpy
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import cloudpickle
+
 from flyte_hvd.core.types import UserValue
+
+# The largest pickled return value a rank may hand back, in bytes (Spark runs set it for their
+# ranks; elsewhere it applies when set).
+MAX_RESULT_ENV = "FLYTE_HVD_MAX_RESULT_BYTES"
+DEFAULT_MAX_RESULT_BYTES = 2 << 30
+
+
+class ResultError(Exception):
+    """A rank's return value cannot go back to the launcher; the message says why and what to
+    do, and is the rank's whole report (no traceback: the user's code did nothing wrong)."""
 
 
 @contextlib.contextmanager
@@ -89,3 +102,70 @@ class Job(Protocol):
     own wrapper around them): it travels pickled and is run once."""
 
     def run(self) -> UserValue: ...
+
+
+def write_result(result: Any, path: str, rank: int, limit: int | None) -> None:
+    """Pickles ``result`` into ``path`` (atomically). Raises ``ResultError`` when it cannot be
+    pickled, or when its pickle is larger than ``limit`` bytes: then nothing is written past
+    the limit, and the pickle is only counted to name its size."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            counted = _CountingFile(f, limit)
+            try:
+                cloudpickle.dump(result, counted)
+            except Exception as error:
+                raise ResultError(
+                    f"rank {rank}'s return value (type {type(result).__qualname__}) cannot be "
+                    f"pickled: {type(error).__name__}: {error}. Return something picklable "
+                    f"(or write it to a file and return the path)."
+                ) from None
+        if limit is not None and counted.size > limit:
+            raise ResultError(
+                f"rank {rank}'s return value is {_size(counted.size)} pickled, above the "
+                f"limit of {_size(limit)} ({MAX_RESULT_ENV}). Write large results to a file "
+                f"or the Store and return the path instead, or raise {MAX_RESULT_ENV}."
+            )
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+class _CountingFile:
+    """A file that counts what is written, and writes nothing once ``limit`` is passed."""
+
+    def __init__(self, f: Any, limit: int | None):
+        self._f, self._limit, self.size = f, limit, 0
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        self.size += n
+        if self._limit is None or self.size <= self._limit:
+            self._f.write(data)
+        return n
+
+
+def result_limit(env: dict[str, str] | os._Environ[str]) -> int | None:
+    """The limit ``MAX_RESULT_ENV`` sets in ``env`` (None when unset); raises ``ValueError``
+    for anything but a positive whole number of bytes."""
+    raw = env.get(MAX_RESULT_ENV)
+    if raw is None or raw == "":
+        return None
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = 0
+    if limit < 1:
+        raise ValueError(
+            f"{MAX_RESULT_ENV} must be a positive whole number of bytes (e.g. "
+            f"{DEFAULT_MAX_RESULT_BYTES} for 2 GiB); found {raw!r}."
+        )
+    return limit
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} bytes"

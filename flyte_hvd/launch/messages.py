@@ -4,10 +4,11 @@ Two channels carry JSON lines:
 - a rank's **control socket** (rank -> its supervisor, an ``AF_UNIX`` socket in the
   supervisor's private folder): ``RankOp`` messages, each ``{"op": ..., ...}``; the supervisor
   answers ``hello`` with the run's secret and ``allgather`` with every rank's value;
-- a Spark task's **driver link** (task -> driver, TCP): a first line proving the run's secret,
-  then ``LinkKind`` messages, each ``{"kind": ..., "rank": ..., ...}``; the driver answers a
-  ``gather`` round with every task's value (or why it was aborted) and a ``failed`` report
-  with its verdict.
+- a Spark task's **driver link** (task -> driver, TCP): the driver's first line is a fresh
+  challenge, the task's first line answers it with a proof of the run's secret, then come
+  ``LinkKind`` messages, each ``{"kind": ..., "rank": ..., ...}``; the driver answers a
+  ``gather`` round with every task's value (or why it was aborted), a ``failed`` report
+  with its verdict and a ``result`` with the id it keeps the result under.
 
 Each builder below returns one message; the fields it names are the message's whole content.
 """
@@ -42,6 +43,7 @@ class LinkKind(StrEnum):
     PROBE = "probe"  # a rank's probe report, forwarded for the driver's stall watch
     ENDED = "ended"  # how: the rank ended (for the stall watch)
     FAILED = "failed"  # traceback: the rank failed; the reply is the driver's verdict
+    RESULT = "result"  # size: the rank's pickled result follows as ``size`` raw bytes
 
 
 # -- the control socket ------------------------------------------------------------------------
@@ -79,8 +81,14 @@ def values_reply(values: list[str]) -> Message:
 # -- the driver link ---------------------------------------------------------------------------
 
 
-def link_proof(proof: str) -> Message:
-    return {"proof": proof}
+def link_challenge(nonce: str) -> Message:
+    """The driver's first line on a new connection: a nonce used for this connection only."""
+    return {"nonce": nonce}
+
+
+def link_hello(role: str, rank: int, proof: str) -> Message:
+    """The task's first line: who it is and its proof, an HMAC of the nonce, role and rank."""
+    return {"role": role, "rank": rank, "proof": proof}
 
 
 def gather(rank: int, round_: int, value: str) -> Message:
@@ -104,6 +112,10 @@ def link_failed(rank: int, traceback: str) -> Message:
     return {"kind": LinkKind.FAILED, "rank": rank, "traceback": traceback}
 
 
+def result(rank: int, size: int) -> Message:
+    return {"kind": LinkKind.RESULT, "rank": rank, "size": size}
+
+
 def round_reply(round_: int, values: list[str] | None = None,
                 aborted: str | None = None) -> Message:  # fmt: skip
     """The driver's answer to a ``gather`` round: every task's value, or why it was aborted."""
@@ -115,3 +127,8 @@ def round_reply(round_: int, values: list[str] | None = None,
 def verdict_reply(final: bool) -> Message:
     """The driver's answer to ``failed``: whether the run ends here (else Spark retries)."""
     return {"final": final}
+
+
+def stored_reply(result_id: str) -> Message:
+    """The driver's answer to ``result``: the id it keeps the result under."""
+    return {"stored": result_id}

@@ -192,6 +192,8 @@ class RankSupervisor:
         address: this host's address as the run's other hosts reach it (a Spark task's
             executor address); rank 0's is ``MASTER_ADDR`` when the ranks span hosts
             (``flyte_hvd.launch.process_group``).
+        read_result: what ``run`` returns for a rank, from the rank and the file holding its
+            pickled return value (by default the value, unpickled); the file is removed after.
     """
 
     def __init__(
@@ -210,8 +212,10 @@ class RankSupervisor:
         single_host: bool = False,
         preload: tuple[str, ...] = (),
         address: str | None = None,
+        read_result: Callable[[int, str], UserValue] | None = None,
     ):
         self.address = address
+        self.read_result = read_result
         self.timeout_hint = timeout_hint
         self.preload = tuple(preload) if spare.enabled() else ()
         self.single_host = single_host
@@ -570,6 +574,8 @@ class RankSupervisor:
             raise RanksFailedError(
                 {rank: "exited with status 0 but reported no result (did it call os._exit?)"}
             )
+        if self.read_result is not None:
+            return self.read_result(rank, path)
         with open(path, "rb") as f:
             return cloudpickle.load(f)
 

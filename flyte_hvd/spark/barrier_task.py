@@ -351,23 +351,28 @@ def start_local_session(app_name: str, config: BarrierTaskConfig) -> None:
         builder = builder.config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
     for key, value in conf.items():
         builder = builder.config(key, value)
-    with _pyspark_python(sys.executable):
+    with _local_jvm_environment(sys.executable):
         builder.getOrCreate()
 
 
 @contextmanager
-def _pyspark_python(executable: str) -> Iterator[None]:
-    """The SparkContext reads ``PYSPARK_PYTHON`` once, when it starts: its Python workers (and
-    so the ranks) must be this interpreter, which has flyte_hvd, mpi4py and the user's code."""
-    before = os.environ.get("PYSPARK_PYTHON")
-    os.environ["PYSPARK_PYTHON"] = executable
+def _local_jvm_environment(python: str) -> Iterator[None]:
+    """The environment a local session's JVM and SparkContext start with. The SparkContext
+    reads ``PYSPARK_PYTHON`` once, when it starts: its Python workers (and so the ranks) must
+    be this interpreter, which has flyte_hvd, mpi4py and the user's code. The JVM binds
+    Spark's UI (and its REST API, which lists every job) to ``SPARK_LOCAL_IP``, else to every
+    interface: a local session keeps it on loopback, unless the variable is set already."""
+    before = {name: os.environ.get(name) for name in ("PYSPARK_PYTHON", "SPARK_LOCAL_IP")}
+    os.environ["PYSPARK_PYTHON"] = python
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("PYSPARK_PYTHON", None)
-        else:
-            os.environ["PYSPARK_PYTHON"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 # -- the ranks -------------------------------------------------------------------------------

@@ -115,6 +115,7 @@ def run(
     nics: set[str] | list[str] | None = None,
     prefix_output_with_timestamp: bool = False,
     executable: str | None = None,
+    max_result_bytes: int | None = None,
 ) -> list[UserValue]:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` ranks of the active SparkSession (classic
     or Spark Connect): one Spark barrier stage, one task per rank, one rank process per task.
@@ -142,13 +143,18 @@ def run(
         nics: network interfaces the ranks' MPI traffic uses (``{'eth0'}``).
         prefix_output_with_timestamp: prefix every rank line with the time it arrived.
         executable: accepted and without effect: ranks run the Python of Spark's workers.
+        max_result_bytes: the largest pickled return value a rank may give back; above it
+            the run fails, naming the rank and the size. Defaults to
+            ``FLYTE_HVD_MAX_RESULT_BYTES``, then 2 GiB. A result above 1 MiB goes to the
+            driver over the task's link into a temporary file, never through a JVM's heap.
 
     Returns:
         Each rank's return value, in rank order.
 
     Raises:
-        RanksFailedError: a rank raised or died; the message names it and carries its
-            traceback.
+        RanksFailedError: a rank raised or died, called ``sys.exit`` inside ``fn``, or
+            returned a value that cannot be pickled or is above ``max_result_bytes``; the
+            message names it and says why.
 
     Example:
         >>> from flyte_hvd.spark import run
@@ -162,7 +168,7 @@ def run(
     env = horovod_run_args(env, use_mpi, use_gloo, extra_mpi_args, nics, executable)
     return launch(
         fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
-        prefix_output_with_timestamp,
+        prefix_output_with_timestamp, max_result_bytes=max_result_bytes,
     ).results  # fmt: skip
 
 
@@ -216,6 +222,7 @@ def launch(
     verbose: int = 1,
     prefix_output_with_timestamp: bool = False,
     preload: tuple[str, ...] = (),
+    max_result_bytes: int | None = None,
 ) -> runner.RunReport:
     """``run``, returning the full ``RunReport`` (used by benchmarks and the estimators):
     each rank's result and start-up timeline. ``preload`` names modules that spare rank
@@ -225,6 +232,7 @@ def launch(
     spec = pipeline.LaunchSpec.of(
         fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
         prefix_output_with_timestamp, preload, default_num_proc=backend.default_parallelism,
+        max_result_bytes=max_result_bytes,
     )  # fmt: skip
     return pipeline.launch(spec, backend)
 

@@ -1,16 +1,22 @@
-"""The channel between Spark tasks and the driver: the rendezvous, rank output, timings and
-failures.
+"""The channel between Spark tasks and the driver: the rendezvous, rank output, timings,
+failures and large results.
 
 Executors' stdout ends up in executor logs, where Horovod's users never find their
-tracebacks. Each barrier task opens one TCP connection to a server on the driver, proves it
-knows the run's secret, and sends JSON lines: output lines (printed on the driver with a
-``[rank]`` prefix), start-up events, and the failing rank's traceback, which the driver puts
-in the exception it raises.
+tracebacks. Each barrier task opens one TCP connection to a server on the driver, answers the
+server's challenge with a proof that it knows the run's secret, and sends JSON lines: output
+lines (printed on the driver with a ``[rank]`` prefix), start-up events, the failing rank's
+traceback, which the driver puts in the exception it raises, and a large return value, which
+the driver keeps in a file so that it never passes through a JVM's heap.
 
 The ranks' rendezvous rounds (MPI port names) go over the same link: the server answers a
 round as soon as every task has sent its value. Spark's ``BarrierTaskContext.allGather``
 would do the same, but its task side polls the barrier's RPC once a second, so every call
 costs a second however fast the tasks arrive.
+
+The server listens where the tasks reach it (loopback for a local master), and until a
+connection has proved the secret it gets one short line within a few seconds: the proof is
+an HMAC of a nonce the server made for that connection alone, so an observed handshake
+cannot be replayed, and a stranger can neither fill the driver's memory nor keep its threads.
 """
 
 from __future__ import annotations
@@ -20,13 +26,18 @@ import contextlib
 import hashlib
 import hmac
 import json
+import os
 import queue
+import secrets
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from typing import IO
 
+from flyte_hvd.core.log import get_logger
 from flyte_hvd.launch import messages
 from flyte_hvd.launch.messages import LinkKind
 from flyte_hvd.launch.output import (
@@ -39,13 +50,32 @@ from flyte_hvd.launch.output import (
 )
 from flyte_hvd.launch.stall import StallWatch
 
+logger = get_logger(__name__)
 
-def _proof(secret: str) -> str:
-    return hmac.new(secret.encode(), b"flyte-hvd driver link", hashlib.sha256).hexdigest()
+# A connection that has not proved the run's secret yet may send one line of at most this many
+# bytes, within this many seconds; then the server hangs up.
+HELLO_MAX_BYTES = 4096
+HELLO_TIMEOUT_S = 5.0
+# The role a Spark task's connection proves (a proof for one role is worthless for another).
+TASK_ROLE = "task"
+
+
+def max_connections(size: int) -> int:
+    """Connections a run's server keeps at once: a link per task, room for a retried stage
+    attempt's tasks while the failed attempt's hang up, and a few for strangers, which
+    are hung up on within ``HELLO_TIMEOUT_S``."""
+    return 4 * size + 16
+
+
+def _proof(secret: str, nonce: str, role: str, rank: int) -> str:
+    message = f"flyte-hvd driver link:{nonce}:{role}:{rank}".encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
 
 
 class DriverServer:
-    """Runs on the driver for the length of one ``run()`` of ``size`` ranks."""
+    """Runs on the driver for the length of one ``run()`` of ``size`` ranks. A result above
+    ``max_result_bytes`` is refused (the ranks check the same limit first, with a better
+    message)."""
 
     def __init__(
         self,
@@ -58,9 +88,12 @@ class DriverServer:
         on_failure: Callable[[int, int, str], bool] | None = None,
         watch: StallWatch | None = None,
         on_stuck: Callable[[], None] | None = None,
+        max_result_bytes: int = 1 << 31,
     ):
-        self._secret_proof = _proof(secret)
+        self._secret = secret
         self._size = size  # tasks in a rendezvous round
+        self._max_connections = max_connections(size)
+        self._max_result_bytes = max_result_bytes
         # round -> rank -> (value, the task's connection)
         self._gathers: dict[int, dict[int, tuple[str, socket.socket]]] = {}
         # Bumped by every failure and lost task: a task whose link is older belongs to a stage
@@ -81,10 +114,11 @@ class DriverServer:
         self.output_log = self.output.log
         self.events: dict[int, dict[str, float]] = {}
         self.failures: dict[int, tuple[int, str]] = {}  # rank -> (stage attempt, traceback)
+        self._results: dict[str, str] = {}  # id -> the file holding a rank's pickled result
+        self._results_dir: str | None = None
         self._sock = socket.create_server((host, 0))
         self.address = (host, self._sock.getsockname()[1])
-        self._threads: list[threading.Thread] = []
-        self._conns: list[socket.socket] = []
+        self._conns: dict[socket.socket, threading.Thread] = {}  # open connections
         threading.Thread(target=self._accept, name="flyte-hvd-driver-link", daemon=True).start()
         if watch is not None:
             threading.Thread(target=self._watch, name="flyte-hvd-stall", daemon=True).start()
@@ -102,42 +136,130 @@ class DriverServer:
     def _accept(self) -> None:
         while True:
             try:
-                conn, _ = self._sock.accept()
+                conn, peer = self._sock.accept()
             except OSError:
                 return
             with self._lock:
                 if self._closed.is_set():  # accepted as the run ended: hang up
                     _hang_up(conn)
                     return
-                self._conns.append(conn)
-                thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+                if len(self._conns) >= self._max_connections:
+                    logger.debug("driver link: hung up on %s: %d connections open already",
+                                 peer, len(self._conns))  # fmt: skip
+                    _hang_up(conn)
+                    continue
+                thread = threading.Thread(target=self._serve, args=(conn, peer), daemon=True)
+                self._conns[conn] = thread
                 thread.start()
-                self._threads.append(thread)
 
-    def _serve(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("rb") as stream:
-            first = stream.readline()
-            try:
-                hello = json.loads(first)
-            except ValueError:
-                return
-            if not hmac.compare_digest(str(hello.get("proof", "")), self._secret_proof):
-                return
+    def _serve(self, conn: socket.socket, peer: object) -> None:
+        try:
+            with conn:
+                if self._authenticate(conn, peer):
+                    with conn.makefile("rb") as stream:
+                        self._serve_task(conn, stream)
+        finally:
             with self._lock:
-                born = self._generation
-            try:
-                for line in stream:
-                    final = self._handle(json.loads(line), conn, born)
-                    if final is not None:  # the failing task waits for the verdict
-                        with self._lock:
-                            _reply(conn, messages.verdict_reply(final))
-            except OSError:
-                pass  # the task's process went away (killed with its Spark task)
-            finally:
-                with self._lock:
-                    # A task of this attempt is gone: a pending round can never complete.
-                    if born == self._generation and self._gathers:
-                        self._abort_gathers("a task's link to the driver closed")
+                self._conns.pop(conn, None)
+
+    def _authenticate(self, conn: socket.socket, peer: object) -> bool:
+        """Challenges a new connection; whether it proved the run's secret in time."""
+        nonce = secrets.token_hex(16)
+        try:
+            conn.sendall(_line(messages.link_challenge(nonce)))
+            line = _read_hello(conn, time.monotonic() + HELLO_TIMEOUT_S)
+            conn.settimeout(None)
+        except OSError:
+            line = None
+        hello = _parse(line) if line is not None else None
+        if hello is None:
+            logger.debug("driver link: hung up on %s: no hello line of at most %d bytes "
+                         "within %gs", peer, HELLO_MAX_BYTES, HELLO_TIMEOUT_S)  # fmt: skip
+            return False
+        role, rank = hello.get("role"), hello.get("rank")
+        if (
+            role != TASK_ROLE
+            or not isinstance(rank, int)
+            or not hmac.compare_digest(
+                str(hello.get("proof", "")), _proof(self._secret, nonce, role, rank)
+            )
+        ):
+            logger.debug("driver link: hung up on %s: it did not prove the run's secret", peer)
+            return False
+        return True
+
+    def _serve_task(self, conn: socket.socket, stream: IO[bytes]) -> None:
+        with self._lock:
+            born = self._generation
+        try:
+            for line in stream:
+                message = _parse(line)
+                if message is None:
+                    continue
+                try:
+                    if message.get("kind") == LinkKind.RESULT:
+                        if not self._receive_result(message, conn, stream):
+                            return  # the bytes that follow cannot be skipped
+                        continue
+                    final = self._handle(message, conn, born)
+                except (KeyError, TypeError, ValueError) as error:
+                    logger.debug("driver link: dropped a %r message with bad fields (%s: %s)",
+                                 message.get("kind"), type(error).__name__, error)  # fmt: skip
+                    continue
+                if final is not None:  # the failing task waits for the verdict
+                    with self._lock:
+                        _reply(conn, messages.verdict_reply(final))
+        except OSError:
+            pass  # the task's process went away (killed with its Spark task)
+        finally:
+            with self._lock:
+                # A task of this attempt is gone: a pending round can never complete.
+                if born == self._generation and self._gathers:
+                    self._abort_gathers("a task's link to the driver closed")
+
+    def _receive_result(self, message: messages.Message, conn: socket.socket,
+                        stream: IO[bytes]) -> bool:  # fmt: skip
+        """Copies a rank's pickled result from the link into a file of the driver's and tells
+        the task the id it is kept under; False when the link cannot go on."""
+        rank, size = int(message["rank"]), message["size"]
+        if not isinstance(size, int) or not 0 <= size <= self._max_result_bytes:
+            logger.warning(
+                "driver link: refused rank %d's result of %r bytes (the limit is %d bytes)",
+                rank, size, self._max_result_bytes,
+            )  # fmt: skip
+            return False
+        with self._lock:
+            if self._results_dir is None:
+                self._results_dir = tempfile.mkdtemp(prefix="flyte-hvd-results-")
+            fd, path = tempfile.mkstemp(prefix=f"rank{rank}-", dir=self._results_dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                left = size
+                while left:
+                    chunk = stream.read(min(left, 1 << 20))
+                    if not chunk:
+                        raise OSError(f"the link closed in the middle of rank {rank}'s result")
+                    f.write(chunk)
+                    left -= len(chunk)
+        except BaseException:
+            os.remove(path)
+            raise
+        result_id = secrets.token_hex(8)
+        with self._lock:
+            self._results[result_id] = path
+            _reply(conn, messages.stored_reply(result_id))
+        return True
+
+    def result_path(self, result_id: str) -> str:
+        """The file holding the result a task sent under ``result_id`` (removed by
+        ``close``)."""
+        with self._lock:
+            if result_id not in self._results:
+                raise RuntimeError(
+                    f"a task reported that the driver kept its rank's result as "
+                    f"{result_id!r}, but it holds no such result"
+                )
+            return self._results[result_id]
 
     def _handle(self, message: messages.Message, conn: socket.socket, born: int) -> bool | None:
         """Takes one message; for a failure, returns whether the run ends here."""
@@ -209,7 +331,7 @@ class DriverServer:
         ``run()`` raises, no rank process is left."""
         with self._lock:  # from here on the accepting thread takes no connection
             self._closed.set()
-            conns, threads = list(self._conns), list(self._threads)
+            conns, threads = list(self._conns), list(self._conns.values())
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread; close does not
         self._sock.close()
@@ -225,6 +347,8 @@ class DriverServer:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
         self.output.close(keep=False)  # a no-op once the run's error kept the file
+        if self._results_dir is not None:
+            shutil.rmtree(self._results_dir, ignore_errors=True)
 
     def output_file(self) -> str | None:
         """Shows what is left of the ranks' output and keeps the full-output file: its path."""
@@ -237,17 +361,57 @@ def _hang_up(conn: socket.socket) -> None:
     conn.close()
 
 
+def _line(message: messages.Message) -> bytes:
+    return json.dumps(message).encode() + b"\n"
+
+
 def _reply(conn: socket.socket, message: messages.Message) -> None:
     """Sends one line to a task (under the server's lock: replies to one task may come from
     several connections' threads); a task that went away is not the sender's problem."""
     with contextlib.suppress(OSError):
-        conn.sendall(json.dumps(message).encode() + b"\n")
+        conn.sendall(_line(message))
+
+
+def _parse(line: bytes) -> messages.Message | None:
+    """One JSON object, or None (said at DEBUG) for anything else."""
+    try:
+        message = json.loads(line)
+    except ValueError:
+        message = None
+    if not isinstance(message, dict):
+        logger.debug("driver link: dropped a line that is not a JSON object (%d bytes)", len(line))
+        return None
+    return message
+
+
+def _read_hello(conn: socket.socket, deadline: float) -> bytes | None:
+    """The first line of an unauthenticated connection, without its newline; None when it is
+    longer than ``HELLO_MAX_BYTES`` or not complete by ``deadline``. Only the line's own bytes
+    are taken from the socket (it peeks first): what follows it belongs to the stream that
+    serves the connection next."""
+    line = bytearray()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        conn.settimeout(left)
+        ahead = conn.recv(HELLO_MAX_BYTES + 1 - len(line), socket.MSG_PEEK)
+        if not ahead:
+            return None
+        end = ahead.find(b"\n")
+        line += conn.recv(len(ahead) if end < 0 else end + 1)
+        if line.endswith(b"\n"):
+            return bytes(line[:-1])
+        if len(line) > HELLO_MAX_BYTES:
+            return None
 
 
 # How long the driver waits, at the end of a failed run, for its tasks to stop their ranks.
 CLOSE_WAIT_S = 5.0
 # How long a failing task waits for the driver's verdict (retry or end) before failing itself.
 VERDICT_TIMEOUT_S = 10.0
+# How long a task waits for the driver to confirm a result it sent (all its bytes were sent).
+RESULT_ACK_TIMEOUT_S = 60.0
 # How often a task waiting for a rendezvous round checks whether it was aborted.
 _GATHER_POLL_S = 0.1
 
@@ -259,10 +423,23 @@ class DriverLink:
     def __init__(self, address: tuple[str, int], secret: str, rank: int):
         self.rank = rank
         self._lock = threading.Lock()
-        self._sock: socket.socket | None = socket.create_connection(address, timeout=30)
-        self._sock.settimeout(None)
+        sock = socket.create_connection(address, timeout=30)
+        stream = sock.makefile("rb")
+        try:
+            challenge = json.loads(stream.readline(HELLO_MAX_BYTES))
+            nonce = str(challenge["nonce"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            stream.close()
+            sock.close()
+            raise ConnectionError(
+                f"the Spark driver at {address[0]}:{address[1]} did not open the link "
+                f"({type(error).__name__}: {error}); its run may be over"
+            ) from None
+        sock.settimeout(None)
+        self._sock: socket.socket | None = sock
         self._verdicts: queue.Queue[messages.Message] = queue.Queue()
         self._rounds: queue.Queue[messages.Message] = queue.Queue()
+        self._stored: queue.Queue[messages.Message] = queue.Queue()
         self._lost = threading.Event()  # the driver closed the link
         self._closing = False
         # Rank output waits here, never blocking the ranks, while one thread sends it.
@@ -273,17 +450,22 @@ class DriverLink:
         # Called once if the driver closes the link first: its run is over (it raised, or the
         # driver is gone), so whatever this task still runs is for nobody.
         self.on_lost: Callable[[], None] | None = None
-        self._send(messages.link_proof(_proof(secret)))
+        self._send(messages.link_hello(TASK_ROLE, rank, _proof(secret, nonce, TASK_ROLE, rank)))
         threading.Thread(
-            target=self._read, args=(self._sock,), name="flyte-hvd-link-reader", daemon=True
+            target=self._read, args=(stream,), name="flyte-hvd-link-reader", daemon=True
         ).start()
 
-    def _read(self, sock: socket.socket) -> None:
-        """The driver's replies: rendezvous rounds and the failure verdict."""
-        with contextlib.suppress(OSError, ValueError), sock.makefile("rb") as stream:
+    def _read(self, stream: IO[bytes]) -> None:
+        """The driver's replies: rendezvous rounds, the failure verdict, stored results."""
+        with contextlib.suppress(OSError, ValueError), stream:
             for line in stream:
                 reply = json.loads(line)
-                (self._verdicts if "final" in reply else self._rounds).put(reply)
+                if "final" in reply:
+                    self._verdicts.put(reply)
+                elif "stored" in reply:
+                    self._stored.put(reply)
+                else:
+                    self._rounds.put(reply)
         self._lost.set()
         if not self._closing and self.on_lost is not None:
             self.on_lost()
@@ -368,6 +550,36 @@ class DriverLink:
             return bool(self._verdicts.get(timeout=VERDICT_TIMEOUT_S)["final"])
         except queue.Empty:  # the driver is unreachable, or too slow to answer
             return False
+
+    def send_result(self, path: str) -> str:
+        """Sends this rank's pickled result, the file at ``path``, to the driver, which keeps
+        it in a file of its own; returns the id it is kept under. Raises when the link cannot
+        carry it."""
+        size = os.path.getsize(path)
+        with self._lock:
+            if self._sock is None:
+                raise ConnectionError("the link to the Spark driver is closed")
+            try:
+                self._sock.sendall(_line(messages.result(self.rank, size)))
+                with open(path, "rb") as f:
+                    self._sock.sendfile(f)
+            except OSError as error:
+                self._sock = None
+                raise ConnectionError(
+                    f"rank {self.rank}'s result ({size} bytes) could not be sent to the Spark "
+                    f"driver: {error}"
+                ) from None
+        deadline = time.monotonic() + RESULT_ACK_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                return str(self._stored.get(timeout=_GATHER_POLL_S)["stored"])
+            except queue.Empty:
+                if not self._connected():
+                    break
+        raise ConnectionError(
+            f"the Spark driver did not confirm that it received rank {self.rank}'s result "
+            f"({size} bytes)"
+        )
 
     def close(self) -> None:
         self._closing = True

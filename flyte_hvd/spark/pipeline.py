@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
-
-import cloudpickle
 
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.log import get_logger, verbosity_level
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch import stall
+from flyte_hvd.launch.job import DEFAULT_MAX_RESULT_BYTES, MAX_RESULT_ENV, result_limit
 from flyte_hvd.launch.supervisor import check_start_timeout, new_secret, start_timeout_from_env
 from flyte_hvd.spark import runner
 
@@ -73,6 +73,7 @@ class LaunchSpec:
     verbose: int = 1
     prefix_output_with_timestamp: bool = False
     preload: tuple[str, ...] = field(default=())
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
 
     @classmethod
     def of(cls, fn: Callable[..., UserValue], args: tuple = (),
@@ -81,9 +82,11 @@ class LaunchSpec:
            env: dict[str, str] | None = None, stdout: IO[str] | None = None,
            stderr: IO[str] | None = None, verbose: int = 1,
            prefix_output_with_timestamp: bool = False, preload: tuple[str, ...] = (),
-           default_num_proc: Callable[[], int] | None = None) -> LaunchSpec:  # fmt: skip
+           default_num_proc: Callable[[], int] | None = None,
+           max_result_bytes: int | None = None) -> LaunchSpec:  # fmt: skip
         """Checks every argument (``num_proc`` defaults to ``default_num_proc()``, the
-        timeout to ``HOROVOD_SPARK_START_TIMEOUT``, then 600 s)."""
+        timeout to ``HOROVOD_SPARK_START_TIMEOUT``, then 600 s, ``max_result_bytes`` to
+        ``FLYTE_HVD_MAX_RESULT_BYTES``, then 2 GiB)."""
         if num_proc is None and default_num_proc is not None:
             num_proc = default_num_proc()
         timeout = (
@@ -101,7 +104,19 @@ class LaunchSpec:
             verbose=verbose,
             prefix_output_with_timestamp=prefix_output_with_timestamp,
             preload=tuple(preload),
+            max_result_bytes=_check_max_result_bytes(max_result_bytes),
         )
+
+
+def _check_max_result_bytes(value: Any) -> int:
+    if value is None:
+        return result_limit(os.environ) or DEFAULT_MAX_RESULT_BYTES
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"`max_result_bytes` must be a positive int (bytes); found {value!r}. Leave it "
+            f"out for {MAX_RESULT_ENV}, then 2 GiB."
+        )
+    return value
 
 
 def launch(spec: LaunchSpec, backend: StageBackend) -> runner.RunReport:
@@ -110,20 +125,22 @@ def launch(spec: LaunchSpec, backend: StageBackend) -> runner.RunReport:
 
     num_proc = spec.num_proc
     rank_env = runner.ranks_env(backend.master, num_proc, spec.env)
+    rank_env[MAX_RESULT_ENV] = str(spec.max_result_bytes)  # each rank checks its own result
     stall_config = stall.StallConfig.from_env({**os.environ, **rank_env})
     submitted_at = time.time()
     deadline = time.monotonic() + spec.start_timeout
     backend.wait_for_slots(num_proc, deadline, spec.start_timeout)
     secret = new_secret()
     max_attempts = backend.stage_attempts()
-    tag = f"flyte-hvd-{secret[:12]}"
+    # Names the stage's jobs in Spark's UI and logs, which many can read: nothing of the secret.
+    tag = f"flyte-hvd-{uuid.uuid4().hex[:12]}"
 
     server = DriverServer(
         backend.link_host(), secret, num_proc, spec.stdout, spec.stderr,
         spec.prefix_output_with_timestamp,
         on_failure=runner.on_rank_failure(max_attempts, lambda: backend.cancel(tag)),
         watch=stall.StallWatch(num_proc, stall_config),
-        on_stuck=lambda: backend.cancel(tag),
+        on_stuck=lambda: backend.cancel(tag), max_result_bytes=spec.max_result_bytes,
     )  # fmt: skip
     level = verbosity_level(spec.verbose)
     logger.log(level, "running %d ranks in a Spark barrier stage%s", num_proc, backend.label)
@@ -139,8 +156,8 @@ def launch(spec: LaunchSpec, backend: StageBackend) -> runner.RunReport:
     else:  # a failed run's last attempt ends its tasks with RUN_FAILED instead of failing
         if any(payload == runner.RUN_FAILED for _, payload in collected):
             raise runner.stage_failure(server, num_proc)
+        results = [runner.load_result(server, payload) for _, payload in collected]
     finally:
         server.close()
-    results = [cloudpickle.loads(payload) for _, payload in collected]
     logger.log(level, "%d ranks finished", num_proc)
     return runner.RunReport(results=results, submitted_at=submitted_at, events=dict(server.events))

@@ -344,6 +344,12 @@ class ClassicBackend:
         return stage_attempts(self.sc)
 
     def link_host(self) -> str:
+        """Loopback when every task runs on this host (``local``, ``local[N]``,
+        ``local-cluster``), whatever ``spark.driver.host`` says: there it is the host's
+        external address, and nothing beyond the host needs the link. Else the driver's
+        address, where executors reach the driver."""
+        if is_local(self.master) or self.master.startswith("local-cluster["):
+            return "127.0.0.1"
         return self.sc.getConf().get("spark.driver.host") or "127.0.0.1"
 
     def run_stage(self, task: BarrierTask, num_proc: int, retried: bool,
@@ -375,6 +381,12 @@ def _first_line(error: BaseException) -> str:
 
 # What a barrier task yields instead of its rank's result when the driver has ended the run.
 RUN_FAILED = b"flyte-hvd: the run failed"
+# A pickled result above this many bytes goes to the driver over the task's link, into a file,
+# and the task yields this prefix and the id the driver keeps it under instead: a result that
+# travels with the stage passes whole through the JVMs' heaps (a few hundred MB per rank
+# killed a local driver JVM, and the user's SparkSession with it).
+INLINE_RESULT_BYTES = 1 << 20
+RESULT_ON_LINK = b"flyte-hvd: result kept by the driver as "
 
 
 def barrier_task(
@@ -417,6 +429,7 @@ def barrier_task(
             single_host=single_host,  # a local[N] master: nothing listens beyond loopback
             preload=preload,
             address=address,
+            read_result=lambda _, path: _task_result(link, path),
         )
         # Spark stops a cancelled Python task only by killing its worker, seconds later; the
         # driver closing the link stops the ranks at once.
@@ -441,9 +454,31 @@ def barrier_task(
             for name, at in supervisor.timings().get(rank, {}).items():
                 link.event(name, at)
             link.close()
-        yield rank, cloudpickle.dumps(results[rank])
+        yield rank, results[rank]
 
     return task
+
+
+def _task_result(link: Any, path: str) -> bytes:
+    """What a barrier task yields for its rank's pickled result, the file at ``path``: the
+    pickle itself when small, else the id under which the driver keeps it, sent over
+    ``link``."""
+    if os.path.getsize(path) <= INLINE_RESULT_BYTES:
+        with open(path, "rb") as f:
+            return f.read()
+    return RESULT_ON_LINK + link.send_result(path).encode()
+
+
+def load_result(server: Any, payload: bytes) -> Any:
+    """On the driver: a rank's result from what its task yielded (see ``_task_result``)."""
+    if not payload.startswith(RESULT_ON_LINK):
+        return cloudpickle.loads(payload)
+    path = server.result_path(payload[len(RESULT_ON_LINK) :].decode())
+    try:
+        with open(path, "rb") as f:
+            return cloudpickle.load(f)
+    finally:
+        os.remove(path)
 
 
 def _worker_import_path(extra: str | None) -> str:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from flyte_hvd.launch import messages, process_group, rendezvous
-from flyte_hvd.launch.job import collector_paused
+from flyte_hvd.launch.job import MAX_RESULT_ENV, collector_paused
 from flyte_hvd.launch.output import open_rank_pipes
 
 SPARE_ENV = "FLYTE_HVD_SPARE"  # in a spare: the socket it waits on for its rank
@@ -252,6 +252,7 @@ def rank_environment(assignment: messages.Message) -> dict[str, str]:
         rendezvous.RESULT_ENV: str(assignment["result"]),
         "TMPDIR": str(assignment["tmpdir"]),
         process_group.ADDRESS_ENV: str(assignment.get("address") or ""),
+        MAX_RESULT_ENV: str(assignment.get("result_limit") or ""),
     }
 
 

@@ -31,7 +31,7 @@ import cloudpickle
 from flyte_hvd.core.errors import RanksFailedError, RendezvousTimeoutError
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch import messages, rendezvous, spare, stall
-from flyte_hvd.launch.job import Job
+from flyte_hvd.launch.job import MAX_RESULT_ENV, Job
 from flyte_hvd.launch.messages import RankOp
 from flyte_hvd.launch.output import (
     ByteSink,
@@ -290,6 +290,9 @@ class RankSupervisor:
 
     def _spawn(self, state: _Rank, control: str, job_path: str, workdir: str) -> None:
         env, state.command = rank_start(self.env, self.single_host)
+        # The result limit is the run's, not the process's: it travels with the rank's
+        # assignment, so a spare started before the run can take the rank.
+        result_limit = env.pop(MAX_RESULT_ENV, "")
         state.spare_env = dict(env)
         # The rank's own entries. Its temporary files live in the supervisor's folder, which
         # is removed on every path (see `_private_dir`).
@@ -301,6 +304,7 @@ class RankSupervisor:
             "result": os.path.join(workdir, f"result.{state.rank}.pkl"),
             "tmpdir": os.path.join(workdir, "tmp"),
             "address": self.address or "",
+            "result_limit": result_limit,
         }
         if self.preload:
             key = spare.key_of(env, self.preload, state.command)

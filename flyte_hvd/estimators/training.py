@@ -9,6 +9,7 @@ A run in the store::
     runs/<run_id>/state.json        epochs completed, metric history, epoch seconds, and the
                                     checkpoint's monitored value (``best``) when it has one
     runs/<run_id>/logs/             TensorBoard (or other) logs
+    runs/<run_id>/lease.json        while a fit runs: which fit (``flyte_hvd.estimators.runs``)
 
 Every file is replaced atomically, and ``state.json`` last, so it never names an epoch whose
 model is not saved.

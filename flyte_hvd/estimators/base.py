@@ -231,7 +231,8 @@ class HorovodEstimator(Estimator):
 
         store = self.getStore()
         with leased_run(store, self.getRunId(), self._framework) as run_id:
-            check_resumable(store.to_remote(run_id), self.getEpochs(), self._extension)
+            check_resumable(store.to_remote(run_id), self.getEpochs(), self._extension,
+                            self._epoch_in_model)  # fmt: skip
             yield run_id
 
     # -- fit ---------------------------------------------------------------------------------
@@ -333,6 +334,7 @@ class HorovodEstimator(Estimator):
     # The framework's Horovod params that change nothing here (beyond ``INERT_PARAMS``).
     _inert_params: ClassVar[dict[str, str]] = {}
     _extension = ""  # of the run's model files: ".keras", ".pt", ".ckpt"
+    _epoch_in_model = False  # resumes at the epoch its model file records (Lightning)
     # What the ranks import before they train: spare rank processes import it ahead of the
     # next fit (``flyte_hvd.launch.spare``), which then starts in a fraction of the time.
     _preload: tuple[str, ...] = ()

@@ -220,11 +220,16 @@ def _file_problem(store: RemoteStore, path: str) -> str | None:
     return None if problem is None else f"is damaged: {problem}"
 
 
-def check_resumable(store: RemoteStore, epochs: int, extension: str) -> None:
+def check_resumable(store: RemoteStore, epochs: int, extension: str,
+                    epoch_in_model: bool = False) -> None:  # fmt: skip
     """Before any rank starts: the run's ``state.json`` is valid, it has epochs left to
     train, and the model it resumes from is intact. A damaged or missing last model is
     replaced by the run's checkpoint when that is intact (one warning); otherwise, and for a
-    damaged best model, the error names the file, what is wrong and what to do."""
+    damaged best model, the error names the file, what is wrong and what to do.
+
+    ``epoch_in_model``: the framework resumes at the epoch its model file records
+    (Lightning), so a checkpoint that holds the best of earlier epochs cannot stand in for
+    the last model."""
     state = read_run_state(store)
     if state is None:
         return
@@ -243,6 +248,8 @@ def check_resumable(store: RemoteStore, epochs: int, extension: str) -> None:
     last, checkpoint = run_file(store, f"last{extension}"), checkpoint_path(store, extension)
     saved = _file_problem(store, checkpoint) if checkpoint != last else "is the last model"
     problem = _file_problem(store, last)
+    if problem is not None and saved is None and epoch_in_model and "best" in state:
+        saved = "holds the best model of an earlier epoch, where the framework would resume"
     if problem is not None:
         if saved is not None:
             raise ValueError(

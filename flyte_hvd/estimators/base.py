@@ -190,15 +190,10 @@ class HorovodEstimator(Estimator):
                     f"`feature_cols`, `label_cols`, `sample_weight_col` and `validation`."
                 )
         features = self._feature_cols(columns) if columns is not None else self.getFeatureCols()
-        _check_roles(
-            {
-                "feature_cols": list(features or []),
-                "label_cols": list(labels),
-                "sample_weight_col": [self.getSampleWeightCol()]
-                if self.getSampleWeightCol()
-                else [],
-            }
-        )
+        weight = self.getSampleWeightCol()
+        roles = {"feature_cols": list(features or []), "label_cols": list(labels),
+                 "sample_weight_col": [weight] if weight else []}  # fmt: skip
+        _check_roles(roles)
         self.getStore().check_writable()
 
     def _feature_cols(self, columns: list[str]) -> list[str]:

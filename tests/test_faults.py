@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ import uuid
 
 import cloudpickle
 import pytest
-from conftest import REPO, rank_processes
+from conftest import REPO, idle_spares, rank_processes
 
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.launch import stall
@@ -678,13 +679,15 @@ def test_keras_estimator_faults(spark_local2, tmp_path):
     from flyte_hvd.data.prepare import prepare_data
     from flyte_hvd.data.store import Store
     from flyte_hvd.estimators.keras import KerasEstimator
+    from flyte_hvd.estimators.runs import RunLease
 
     store = Store.create(str(tmp_path / "store"))
     spark_local2.sparkContext.parallelize([0], 1).count()
+    keras_module = "flyte_hvd.estimators.keras"
 
-    def estimator(inputs=3, **overrides):
+    def estimator(inputs=3, outputs=1, **overrides):
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(1)])
+        model = keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(outputs)])
         params = dict(
             num_proc=2, store=store, model=model, optimizer=keras.optimizers.SGD(0.01),
             loss="mse", feature_cols=["features"], label_cols=["label"], batch_size=8,
@@ -693,13 +696,17 @@ def test_keras_estimator_faults(spark_local2, tmp_path):
         params.update(overrides)
         return KerasEstimator(**params)
 
-    def refused(case, est, df, match):
+    def refused(case, est, df, match, error=ValueError, unprepared=False):
+        listing, spares = set(os.listdir(store.prefix_path)), idle_spares(keras_module)
         started = time.monotonic()
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(error, match=match):
             est.fit(df)
         took = time.monotonic() - started
         report("KerasEstimator.fit", case, took)
         assert rank_processes() == []  # no rank was started, none is left
+        if unprepared:  # refused before prepare_data wrote anything or spares started
+            assert set(os.listdir(store.prefix_path)) == listing
+            assert idle_spares(keras_module) <= spares
         return took
 
     bad = _vector_df(spark_local2, bad=[(3, 1, float("nan")), (9, 2, float("inf"))])
@@ -724,6 +731,34 @@ def test_keras_estimator_faults(spark_local2, tmp_path):
         r"takes 5 value\(s\) per row .* feature column `features` holds 3",
     )
     assert took < 60
+    took = refused(
+        "model output width does not fit the label",
+        estimator(outputs=2),
+        good,
+        r"the model's output 0 gives 2 value\(s\) per row \(shape \(2,\)\) but label column "
+        r"`label` holds 1 \(shape \(\)\), and the loss 'mse' compares them value by value",
+    )
+    assert took < 60
+    for case, overrides, match in [
+        ("negative learning rate", {"optimizer": keras.optimizers.SGD(-0.01)},
+         r"`optimizer` \(SGD\) has learning rate -0.01; it must be a finite number >= 0"),
+        ("NaN learning rate", {"optimizer": keras.optimizers.Adam(float("nan"))},
+         r"`optimizer` \(Adam\) has learning rate nan"),
+        ("label column among the features", {"feature_cols": ["features", "label"]},
+         r"column `label` is listed in both `feature_cols` and `label_cols`"),
+        ("sample weight column is the label", {"sample_weight_col": "label"},
+         r"column `label` is listed in both `label_cols` and `sample_weight_col`"),
+    ]:  # fmt: skip
+        assert refused(case, estimator(**overrides), good, match, unprepared=True) < 10
+    took = refused(
+        "num_proc above the task slots",
+        estimator(num_proc=3),
+        good,
+        r"`num_proc`=3 but the cluster has 2 free task slot\(s\) \(master local\[2\]",
+        error=RuntimeError,
+        unprepared=True,
+    )
+    assert took < 10
 
     estimator(run_id="finished").fit(good)
     took = refused(
@@ -736,15 +771,52 @@ def test_keras_estimator_faults(spark_local2, tmp_path):
     further = estimator(run_id="finished", epochs=2).fit(good)  # as the message says
     assert len(further.getHistory()["loss"]) == 2
 
-    store.delete(store.get_run_path("finished") + "/last.keras")
+    # A damaged last model: the run resumes from its intact checkpoint (one warning).
+    last = store.get_run_path("finished") + "/last.keras"
+    with open(last, "r+b") as f:
+        f.truncate(os.path.getsize(last) // 2)
+    resumed = estimator(run_id="finished", epochs=3).fit(good)
+    assert len(resumed.getHistory()["loss"]) == 3
+    assert json.loads(store.read(store.get_state_path("finished")))["epoch"] == 3
+
+    store.delete(last)
+    open(store.get_checkpoint_path("finished", ".keras"), "wb").close()
     took = refused(
-        "resume whose last model was deleted",
-        estimator(run_id="finished", epochs=3),
+        "resume whose last model and checkpoint are lost",
+        estimator(run_id="finished", epochs=4),
         good,
-        r"run `finished` cannot resume: its state.json says 2 epoch\(s\) are done, but its "
-        r"last model `.*/runs/finished/last.keras` is missing",
+        r"run `finished` cannot resume: its state.json says 3 epoch\(s\) are done, but its "
+        r"last model `.*/runs/finished/last.keras` is missing, and its checkpoint "
+        r"`.*/runs/finished/checkpoint.keras` is damaged: it is not a complete model archive",
+        unprepared=True,
     )
-    assert took < 60
+    assert took < 10
+    state = json.loads(store.read(store.get_state_path("finished")))
+    store.write_text(store.get_state_path("finished"), json.dumps({**state, "epoch": "3"}))
+    took = refused(
+        "resume whose state.json has a wrong type",
+        estimator(run_id="finished", epochs=4),
+        good,
+        r"run `finished` cannot resume: its record `.*/runs/finished/state.json` is damaged: "
+        r"`epoch` must be an int >= 0 \(epochs completed\); found '3'",
+        unprepared=True,
+    )
+    assert took < 10
+
+    lease = RunLease(store, "busy")  # another fit of this run, in progress
+    lease.acquire()
+    try:
+        took = refused(
+            "a second fit of a run in progress",
+            estimator(run_id="busy"),
+            good,
+            rf"run `busy` is in use by another fit: its lease `.*/runs/busy/lease.json` is held "
+            rf"by {lease.owner} \(renewed \d+s ago\)\. Wait for that fit to end",
+            unprepared=True,
+        )
+    finally:
+        lease.release()
+    assert took < 10
 
 
 # -- HorovodSpark tasks ----------------------------------------------------------------------

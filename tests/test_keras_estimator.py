@@ -330,6 +330,59 @@ def test_fit_from_a_worker_thread(spark_local2, store):
     assert len(results) == 1 and isinstance(results[0], KerasModel), results
 
 
+def plain_mse(y_true, y_pred):
+    """A loss that is a plain function, named in no `custom_objects`."""
+    return keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+
+def test_two_fits_at_once_on_one_store_train_their_own_runs(spark_local2, store):
+    """Two threads fit at the same moment with default run ids, different models and labels:
+    each gets a run of its own and its own model and history. One loss is a plain function,
+    which reaches the ranks (and the returned model) without `custom_objects`."""
+    from pyspark.sql import functions as F
+
+    df = _regression_df(spark_local2, rows=64).withColumn("negated", -F.col("label"))
+    keras.utils.set_random_seed(0)
+    narrow = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    estimators = {
+        "wide": _estimator(store, loss=plain_mse, batch_size=16),
+        "narrow": _estimator(store, model=narrow, label_cols=["negated"], batch_size=16),
+    }
+    start = threading.Barrier(2)
+    results = {}
+
+    def fit(name):
+        start.wait()
+        try:
+            results[name] = estimators[name].fit(df)
+        except Exception as error:
+            results[name] = error
+
+    threads = [threading.Thread(target=fit, args=(name,)) for name in estimators]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    wide, narrow_model = results["wide"], results["narrow"]
+    assert isinstance(wide, KerasModel) and isinstance(narrow_model, KerasModel), results
+    assert wide.getRunId() != narrow_model.getRunId()
+    assert wide.getRunId().startswith("keras_") and narrow_model.getRunId().startswith("keras_")
+    assert wide.getModel().layers[0].units == 16 and narrow_model.getModel().layers[0].units == 8
+    assert wide.getModel().loss is plain_mse
+    assert narrow_model.getLabelColumns() == ["negated"]
+    for model in (wide, narrow_model):
+        state = json.loads(store.read(store.get_state_path(model.getRunId())))
+        assert state["epoch"] == 1 and state["history"] == model.getHistory()
+        assert not store.exists(store.get_run_path(model.getRunId()) + "/lease.json")
+    # Each model learned its own label: predictions correlate with it, with opposite signs.
+    rows = df.select("features", "label").collect()
+    x = np.array([r.features.toArray() for r in rows], dtype="float32")
+    truth = np.array([r.label for r in rows])
+    guess = wide.getModel().predict(x, verbose=0)[:, 0]
+    negated = narrow_model.getModel().predict(x, verbose=0)[:, 0]
+    assert np.corrcoef(truth, guess)[0, 1] > 0 > np.corrcoef(truth, negated)[0, 1]
+
+
 # -- bad input: each fails before any rank starts --------------------------------------------
 
 

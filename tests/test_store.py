@@ -641,3 +641,192 @@ def test_remote_view_has_horovods_attributes(any_store):
         assert remote.sync(folder) == [store.join(store.get_run_path("r1"), "checkpoint")]
         assert remote.sync(folder) == []  # the same function each time: only changes go
     assert store.get_checkpoints("r1") == [store.join(store.get_run_path("r1"), "checkpoint")]
+
+
+# -- a run's lease, id and resume checks (flyte_hvd.estimators.runs) -------------------------
+
+
+@pytest.fixture(params=["local", "s3"])
+def lease_store(request, tmp_path, s3_server):
+    """A LocalStore, and an S3Store on moto (exclusive create by a conditional PUT)."""
+    if request.param == "local":
+        return Store.create(str(tmp_path / "store"))
+    prefix = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:8]}"
+    return Store.create(prefix, storage_options=s3_server.storage_options())
+
+
+def test_create_exclusive_has_one_winner_among_racing_writers(lease_store):
+    import concurrent.futures
+
+    path = lease_store.join(lease_store.get_run_path("race"), "lease.json")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(lambda i: lease_store.create_exclusive(path, str(i).encode()),
+                            range(8)))  # fmt: skip
+    assert won.count(True) == 1
+    assert lease_store.read(path) == str(won.index(True)).encode()
+    assert lease_store.create_exclusive(path, b"again") is False
+
+
+def test_a_live_lease_refuses_a_second_fit_and_release_removes_it(lease_store):
+    from flyte_hvd.estimators.runs import RunLease, leased_run
+
+    with leased_run(lease_store, "shared", "keras") as run_id:
+        assert run_id == "shared"
+        lease = RunLease(lease_store, "shared")
+        assert lease_store.exists(lease.path)
+        with pytest.raises(ValueError) as refused:
+            lease.acquire()
+        message = str(refused.value)
+        assert f"run `shared` is in use by another fit: its lease `{lease.path}` is held by " \
+               f"{lease.owner} (renewed " in message  # fmt: skip
+        assert "Wait for that fit to end, or give another `run_id`" in message
+    assert not lease_store.exists(lease.path)
+    with leased_run(lease_store, "shared", "keras"):  # free again
+        pass
+
+
+def _write_lease(store: Store, run_id: str, **fields) -> str:
+    import json
+    import time
+
+    from flyte_hvd.estimators.runs import LEASE_FILENAME
+
+    now = time.time()
+    record = {"owner": "other-host:4242", "host": "other-host", "pid": 4242, "pid_space": None,
+              "token": "theirs", "started": now - 100, "renewed": now, "expires": now + 60,
+              **fields}  # fmt: skip
+    path = store.join(store.get_run_path(run_id), LEASE_FILENAME)
+    store.write_text(path, json.dumps(record))
+    return path
+
+
+def test_a_stale_lease_is_taken_over_with_a_log_line(lease_store, caplog):
+    import json
+    import time
+
+    from flyte_hvd.estimators.runs import RunLease, _pid_space
+
+    caplog.set_level(logging.WARNING, logger="flyte_hvd")
+    path = _write_lease(lease_store, "expired", expires=time.time() - 30)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    _write_lease(lease_store, "dead", owner=f"here:{dead.stdout.strip()}",
+                 pid=int(dead.stdout), pid_space=_pid_space())  # fmt: skip
+    _write_lease(lease_store, "live-elsewhere")
+    for run_id in ("expired", "dead"):
+        lease = RunLease(lease_store, run_id)
+        lease.acquire()
+        assert json.loads(lease_store.read(lease.path))["token"] == lease.token
+        lease.release()
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("run `expired`: taking over the lease of other-host:4242, "
+                               "which expired 3") for line in lines), lines  # fmt: skip
+    assert f"run `dead`: taking over the lease of here:{int(dead.stdout)}, which is no longer " \
+           f"running (process {int(dead.stdout)} is gone)" in lines  # fmt: skip
+    # A lease of a process on another host is trusted until it expires.
+    with pytest.raises(ValueError, match=r"run `live-elsewhere` is in use by another fit.*"
+                                         r"held by other-host:4242"):  # fmt: skip
+        RunLease(lease_store, "live-elsewhere").acquire()
+    assert lease_store.exists(path) is False  # the expired one was replaced, then released
+
+
+def test_default_run_ids_are_unique_sortable_and_never_an_existing_run(tmp_path, monkeypatch):
+    import re
+
+    from flyte_hvd.estimators import runs
+
+    store = Store.create(str(tmp_path / "store"))
+    ids = []
+    for _ in range(20):
+        with runs.leased_run(store, None, "keras") as run_id:
+            ids.append(run_id)
+    assert len(set(ids)) == 20
+    assert all(re.fullmatch(r"keras_\d{8}_\d{6}_[0-9a-f]{8}", i) for i in ids), ids
+    # An id whose folder exists already (another fit's run) is skipped, never resumed.
+    taken = iter(["keras_taken", "keras_taken", "keras_new"])
+    store.write_text(store.get_state_path("keras_taken"), '{"epoch": 1}')
+    monkeypatch.setattr(runs, "new_run_id", lambda framework: next(taken))
+    with runs.leased_run(store, None, "keras") as run_id:
+        assert run_id == "keras_new"
+
+
+def _zip_bytes() -> bytes:
+    import io
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("config.json", "{}" * 100)
+    return buffer.getvalue()
+
+
+def _run_record(store: Store, run_id: str, state: str, last: bytes, checkpoint: bytes,
+                extension: str = ".keras"):  # fmt: skip
+    store.write_text(store.get_state_path(run_id), state)
+    store.write_bytes(store.join(store.get_run_path(run_id), f"last{extension}"), last)
+    store.write_bytes(store.get_checkpoint_path(run_id, extension), checkpoint)
+    return store.to_remote(run_id)
+
+
+def test_resume_falls_back_to_an_intact_checkpoint(lease_store, caplog):
+    from flyte_hvd.estimators.runs import check_resumable
+
+    caplog.set_level(logging.WARNING, logger="flyte_hvd")
+    good = _zip_bytes()
+    remote = _run_record(lease_store, "r", '{"epoch": 1}', good[: len(good) // 2], good)
+    check_resumable(remote, 3, ".keras")
+    last = lease_store.join(lease_store.get_run_path("r"), "last.keras")
+    assert lease_store.read(last) == good  # the checkpoint now stands in for the last model
+    assert [r.getMessage() for r in caplog.records] == [
+        f"run `r`: its last model `{last}` is damaged: it is not a complete model archive "
+        f"(BadZipFile: File is not a zip file); resuming from its checkpoint "
+        f"`{lease_store.get_checkpoint_path('r', '.keras')}`"
+    ]
+    check_resumable(remote, 3, ".keras")  # now intact: nothing to say
+    assert len(caplog.records) == 1
+
+
+@pytest.mark.parametrize(
+    ("state", "last", "checkpoint", "match"),
+    [
+        ('{"epoch": 1', "good", "good", r"its record `.*/runs/r/state.json` is damaged: it is "
+                                        r"not JSON \(Expecting"),
+        ('{"epoch": "1"}', "good", "good", r"`epoch` must be an int >= 0 \(epochs completed\); "
+                                          r"found '1'"),
+        ('{"epoch": 1, "history": {"loss": ["x"]}}', "good", "good",
+         r"`history` must be an object of metric name -> list of numbers"),
+        ('{"epochs": 3}', "good", "good", r"`epoch` is missing"),
+        ('{"epoch": 1}', "", "", r"its last model `.*/runs/r/last.keras` is damaged: it is not a "
+                                 r"complete model archive .* and its checkpoint "
+                                 r"`.*/runs/r/checkpoint.keras` is damaged.* Restore either file, "
+                                 r"or delete the run's folder `.*/runs/r` to train it from the "
+                                 r"start, or give a new `run_id`"),
+        ('{"epoch": 1, "best": 0.5}', "good", "half",
+         r"its checkpoint `.*/runs/r/checkpoint.keras`, the best model of its earlier epochs, "
+         r"is damaged"),
+        ('{"epoch": 3}', "good", "good", r"run `r` already finished: it trained 3 epoch\(s\)"),
+    ],
+)  # fmt: skip
+def test_a_damaged_run_record_is_refused_naming_the_file(lease_store, state, last, checkpoint,
+                                                         match):  # fmt: skip
+    from flyte_hvd.estimators.runs import check_resumable
+
+    good = _zip_bytes()
+    content = {"good": good, "half": good[:-10], "": b""}
+    remote = _run_record(lease_store, "r", state, content[last], content[checkpoint])
+    with pytest.raises(ValueError, match=match):
+        check_resumable(remote, 3, ".keras")
+
+
+def test_a_best_checkpoint_does_not_stand_in_where_the_model_holds_the_epoch(tmp_path):
+    """Lightning resumes at the epoch its file records: the best of an earlier epoch would
+    retrain epochs that state.json already counts."""
+    from flyte_hvd.estimators.runs import check_resumable
+
+    store = Store.create(str(tmp_path / "store"))
+    good = _zip_bytes()
+    remote = _run_record(store, "r", '{"epoch": 2, "best": 0.1}', b"", good, ".ckpt")
+    with pytest.raises(ValueError, match=r"its checkpoint `.*/runs/r/checkpoint.ckpt` holds the "
+                                         r"best model of an earlier epoch"):  # fmt: skip
+        check_resumable(remote, 3, ".ckpt", epoch_in_model=True)
+    check_resumable(remote, 3, ".ckpt")  # a framework that resumes at state.json's epoch

@@ -245,6 +245,14 @@ def _bad(store, case):
     if case == "not_a_module":
         return _torch_estimator(store, model="model", optimizer=torch.optim.SGD(
             model.parameters(), lr=0.1))  # fmt: skip
+    if case in ("negative_lr", "nan_lr"):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer.param_groups[0]["lr"] = -0.1 if case == "negative_lr" else float("nan")
+        return _torch_estimator(store, model=model, optimizer=optimizer)
+    if case == "label_width":
+        return _torch_estimator(store, label_cols=["target"])
+    if case == "label_in_features":
+        return _torch_estimator(store, feature_cols=["features", "label"])
     if case == "two_labels":
         return _torch_estimator(store, label_cols=["label", "is_val"])
     if case == "lightning_optimizer":
@@ -272,6 +280,12 @@ def _bad(store, case):
         ("no_loss", r"`loss` \(or `loss_constructors`\) is required"),
         ("not_a_module", "must be a torch.nn.Module"),
         ("two_labels", r"returns 1 output\(s\) but `label_cols` names 2"),
+        ("negative_lr", r"`optimizer` \(SGD\) has learning rate -0.1; it must be a finite "
+                        r"number >= 0"),
+        ("nan_lr", r"`optimizer` \(SGD\) has learning rate nan"),
+        ("label_width", r"the model's output for label `target` gives 1 value\(s\) per row "
+                        r"\(shape \[1\]\) but the column holds 3"),
+        ("label_in_features", r"column `label` is listed in both `feature_cols` and `label_cols`"),
         ("lightning_optimizer", "leave `optimizer` and `loss` unset"),
         ("lightning_trainer_args", r"`max_epochs`: set `epochs`"),
         ("lightning_not_a_module", "must be a LightningModule"),
@@ -284,7 +298,9 @@ def test_bad_input_fails_before_ranks_start(spark_local2, store, case, match, mo
         raise AssertionError("a rank was started")
 
     monkeypatch.setattr(estimator_module, "launch", no_ranks)
-    df = _regression_df(spark_local2, rows=20)
+    from pyspark.sql import functions as sf
+
+    df = _regression_df(spark_local2, rows=20).withColumn("target", sf.col("features"))
     with pytest.raises(ValueError, match=match):
         _bad(store, case).fit(df)
 

@@ -429,6 +429,16 @@ class Store:
                 f.write(data)
             self.upload_file(local, path)
 
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Write ``path`` only where no file is: True when this call created it, False when
+        one was there. Two writers racing for one path: exactly one gets True on local
+        filesystems and S3 (a conditional PUT); on other filesystems, which offer no such
+        write, the check and the write are two steps."""
+        if self.exists(path):
+            return False
+        self.write_bytes(path, data)
+        return True
+
     def upload_file(self, local_path: str, remote_path: str) -> None:
         """Atomically replace ``remote_path`` with the finished local file ``local_path``."""
         target = self.fs_path(remote_path)
@@ -712,6 +722,24 @@ class LocalStore(Store):
             _quietly(os.remove, tmp)
             raise
 
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        # A complete temporary file, hard-linked to the target: link() refuses an existing
+        # target, so exactly one writer wins, and readers never see a partial file.
+        target = self.normalize(path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = _tmp_name(target)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, target)
+        except FileExistsError:
+            return False
+        finally:
+            _quietly(os.remove, tmp)
+        return True
+
     def upload_file(self, local_path: str, remote_path: str) -> None:
         target = self.normalize(remote_path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -830,6 +858,13 @@ class S3Store(Store):
 
     def _makedirs(self, path: str) -> None:
         pass  # S3 has no directories; a missing bucket shows up on the first write
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        try:  # one PUT with If-None-Match: * (S3 answers 412 when the key exists)
+            self.fs.pipe_file(self.fs_path(path), data, mode="create")
+        except FileExistsError:
+            return False
+        return True
 
     def _explain(self, error: Exception) -> str:
         if isinstance(error, FileNotFoundError):

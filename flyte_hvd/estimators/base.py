@@ -6,11 +6,12 @@ model and predict."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import inspect
 import io
-import time
+import math
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from flyte_hvd.estimators.params import (
 )
 from flyte_hvd.spark.dispatch import (
     active_session,
+    check_slots,
     default_parallelism,
     estimated_bytes,
     horovod_run_args,
@@ -87,6 +89,10 @@ class SparkBackend:
         if self._num_proc is None:
             return default_parallelism(active_session())
         return self._num_proc
+
+    def check_slots(self) -> None:
+        """The cluster has a task slot per rank (``flyte_hvd.spark.dispatch.check_slots``)."""
+        check_slots(self.num_processes(), self._kwargs.get("start_timeout"))
 
     def start_spares(self) -> None:
         """Rank processes import the framework while ``prepare_data`` runs (classic
@@ -183,6 +189,11 @@ class HorovodEstimator(Estimator):
                     f"column(s) {missing} are not in the DataFrame; it has {columns}. Check "
                     f"`feature_cols`, `label_cols`, `sample_weight_col` and `validation`."
                 )
+        features = self._feature_cols(columns) if columns is not None else self.getFeatureCols()
+        weight = self.getSampleWeightCol()
+        roles = {"feature_cols": list(features or []), "label_cols": list(labels),
+                 "sample_weight_col": [weight] if weight else []}  # fmt: skip
+        _check_roles(roles)
         self.getStore().check_writable()
 
     def _feature_cols(self, columns: list[str]) -> list[str]:
@@ -201,8 +212,23 @@ class HorovodEstimator(Estimator):
             backend._preload = self._preload  # a user's backend gets spares too
         return backend
 
-    def _run_id(self) -> str:
-        return self.getRunId() or f"{self._framework}_{time.strftime('%Y%m%d_%H%M%S')}"
+    def _check_slots(self, backend: Any) -> None:
+        """The cluster can hold the ranks: checked before the data is prepared and spare rank
+        processes start (a backend of the user's is left to its own checks)."""
+        if isinstance(backend, SparkBackend):
+            backend.check_slots()
+
+    @contextlib.contextmanager
+    def _run(self) -> Iterator[str]:
+        """The run this fit trains (``flyte_hvd.estimators.runs``): leased for the block, and
+        checked for resuming, before any data is prepared."""
+        from flyte_hvd.estimators.runs import check_resumable, leased_run
+
+        store = self.getStore()
+        with leased_run(store, self.getRunId(), self._framework) as run_id:
+            check_resumable(store.to_remote(run_id), self.getEpochs(), self._extension,
+                            self._epoch_in_model)  # fmt: skip
+            yield run_id
 
     # -- fit ---------------------------------------------------------------------------------
 
@@ -212,21 +238,27 @@ class HorovodEstimator(Estimator):
         self._check_params(df.columns)
         self._check_model(self._feature_cols(df.columns), self.getLabelCols())
         backend = self._backend()
-        with prepare_data(
-            backend.num_processes(),
-            self.getStore(),
-            df,
-            label_columns=self.getLabelCols(),
-            feature_columns=self._feature_cols(df.columns),
-            validation=self.getValidation(),
-            sample_weight_col=self.getSampleWeightCol(),
-            partitions_per_process=self.getPartitionsPerProcess(),
-            compress_sparse=bool(self.getCompressSparseCols()),
-            verbose=self.getVerbose(),
-            # Good data: the ranks' framework imports run while Spark writes it.
-            on_checked=backend.start_spares if isinstance(backend, SparkBackend) else None,
-        ) as dataset_idx:
-            return self._fit_on_prepared(backend, dataset_idx, self._feature_cols(df.columns))
+        self._check_slots(backend)
+        with (
+            self._run() as run_id,
+            prepare_data(
+                backend.num_processes(),
+                self.getStore(),
+                df,
+                label_columns=self.getLabelCols(),
+                feature_columns=self._feature_cols(df.columns),
+                validation=self.getValidation(),
+                sample_weight_col=self.getSampleWeightCol(),
+                partitions_per_process=self.getPartitionsPerProcess(),
+                compress_sparse=bool(self.getCompressSparseCols()),
+                verbose=self.getVerbose(),
+                # Good data: the ranks' framework imports run while Spark writes it.
+                on_checked=backend.start_spares if isinstance(backend, SparkBackend) else None,
+            ) as dataset_idx,
+        ):
+            return self._fit_on_prepared(
+                backend, dataset_idx, self._feature_cols(df.columns), run_id
+            )
 
     def fit_on_parquet(self, params: dict | None = None, dataset_idx: str | None = None) -> Model:
         """Train on data already in the store's train/val paths (written by ``prepare_data``
@@ -239,20 +271,20 @@ class HorovodEstimator(Estimator):
         if not features:
             raise ValueError("`fit_on_parquet` needs `feature_cols`: there is no DataFrame.")
         self._check_model(list(features), self.getLabelCols())
-        return self._fit_on_prepared(self._backend(), dataset_idx, list(features))
+        backend = self._backend()
+        self._check_slots(backend)
+        with self._run() as run_id:
+            return self._fit_on_prepared(backend, dataset_idx, list(features), run_id)
 
-    def _fit_on_prepared(self, backend: Any, dataset_idx: Any, features: list[str]) -> Model:
+    def _fit_on_prepared(self, backend: Any, dataset_idx: Any, features: list[str],
+                         run_id: str) -> Model:  # fmt: skip
         from flyte_hvd.data.prepare import get_dataset_metadata
 
         store = self.getStore()
         metadata = get_dataset_metadata(store, dataset_idx)  # (train, validation or None)
         model_params = self._check_data(features, metadata)
-        run_id = self._run_id()
-        _check_resumable(
-            store.to_remote(run_id, dataset_idx), run_id, self.getEpochs(), self._extension
-        )
-        spec = self._training_spec(store.to_remote(run_id, dataset_idx), features, metadata,
-                                   backend.num_processes())  # fmt: skip
+        remote_store = store.to_remote(run_id, dataset_idx)
+        spec = self._training_spec(remote_store, features, metadata, backend.num_processes())
         results = backend.run(self._remote_trainer(), args=(spec,))
         result = results[0]
         if not store.saving_runs:  # the trained model is in `result`; the run folder can go
@@ -297,6 +329,7 @@ class HorovodEstimator(Estimator):
     # The framework's Horovod params that change nothing here (beyond ``INERT_PARAMS``).
     _inert_params: ClassVar[dict[str, str]] = {}
     _extension = ""  # of the run's model files: ".keras", ".pt", ".ckpt"
+    _epoch_in_model = False  # resumes at the epoch its model file records (Lightning)
     # What the ranks import before they train: spare rank processes import it ahead of the
     # next fit (``flyte_hvd.launch.spare``), which then starts in a fraction of the time.
     _preload: tuple[str, ...] = ()
@@ -610,32 +643,37 @@ def _warn_inert(estimator: str, inert: dict[str, str], given: dict[str, Any]) ->
             )
 
 
+def check_learning_rate(rate: Any, where: str) -> None:
+    """A plain learning rate must be a finite number >= 0: a negative one trains without an
+    error, climbing the loss (gradient ascent), and NaN or infinity fill the weights with NaN."""
+    number = isinstance(rate, int | float) and not isinstance(rate, bool)
+    if not number or not math.isfinite(rate) or rate < 0:
+        shown = f"{rate:.6g}" if isinstance(rate, float) else repr(rate)  # float32's digits
+        raise ValueError(
+            f"{where} has learning rate {shown}; it must be a finite number >= 0 (a negative "
+            f"rate climbs the loss). Build the optimizer with the rate for one rank, e.g. 0.01: "
+            f"the ranks scale it by their number."
+        )
+
+
+def _check_roles(roles: dict[str, list[str]]) -> None:
+    """Each column has one role: the loader reads a column once (a column named twice fails
+    there with pyarrow's "Field ... exists 2 times"), and a model fed its own label learns
+    nothing."""
+    seen: dict[str, str] = {}
+    for role, names in roles.items():
+        for name in names:
+            if name in seen:
+                where = f"twice in `{role}`" if seen[name] == role else (
+                    f"in both `{seen[name]}` and `{role}`")  # fmt: skip
+                raise ValueError(
+                    f"column `{name}` is listed {where}: each column is read once, as a "
+                    f"feature, a label or the sample weight. Remove it from "
+                    f"`{role}`{'' if seen[name] == role else f' or `{seen[name]}`'}."
+                )
+            seen[name] = role
+
+
 def _fresh(defaults: dict[str, Any]) -> dict[str, Any]:
     """Defaults with their own copies of mutable values (lists, dicts)."""
     return {k: (type(v)(v) if isinstance(v, list | dict) else v) for k, v in defaults.items()}
-
-
-def _check_resumable(remote_store: RemoteStore, run_id: str, epochs: int, extension: str) -> None:
-    """Before any rank starts: a run that already trained all its epochs would silently return
-    its old model, and one whose last model is gone cannot resume."""
-    from flyte_hvd.estimators.training import read_run_state, run_file
-
-    state = read_run_state(remote_store)
-    if state is None:
-        return
-    last = run_file(remote_store, f"last{extension}")
-    if not remote_store.exists(last):
-        raise ValueError(
-            f"run `{run_id}` cannot resume: its state.json says {state.get('epoch', 0)} "
-            f"epoch(s) are done, but its last model `{last}` is missing. Restore that file, "
-            f"or delete the run's folder `{remote_store.run_path}` to train it from the start, "
-            f"or give a new `run_id`."
-        )
-    done = state.get("epoch", 0)
-    if done >= epochs:
-        raise ValueError(
-            f"run `{run_id}` already finished: it trained {done} epoch(s) and `epochs`={epochs}. "
-            f"Its model is in the store under runs/{run_id}/. To train it further, fit again "
-            f"with `epochs` > {done} and the same `run_id`; to train from the start, give a "
-            f"new `run_id`."
-        )

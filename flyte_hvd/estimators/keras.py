@@ -9,6 +9,7 @@ epoch, with the learning rate scaled once (Horovod scaled a resumed rate again).
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import tempfile
@@ -22,7 +23,13 @@ import numpy as np
 from flyte_hvd.data.loader import TransformedLoader
 from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import prediction, training
-from flyte_hvd.estimators.base import HorovodEstimator, HorovodModel, Metadata, passed_params
+from flyte_hvd.estimators.base import (
+    HorovodEstimator,
+    HorovodModel,
+    Metadata,
+    check_learning_rate,
+    passed_params,
+)
 from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, with_params
 from flyte_hvd.estimators.training import TrainingSpec
 
@@ -145,12 +152,28 @@ class KerasEstimator(HorovodEstimator):
                 "the model is not compiled and `optimizer`/`loss` are not both given: pass "
                 "optimizer=keras.optimizers.Adam(...) and loss='mse' (or compile the model)."
             )
-        _check_identifiers(self.getLoss(), self.getMetrics(), self.getCustomObjects())
+        optimizer = self.getOptimizer() or model.optimizer
+        if isinstance(optimizer, keras.optimizers.Optimizer):
+            rate = _learning_rate(optimizer)
+            if rate is not None:
+                check_learning_rate(rate, f"`optimizer` ({type(optimizer).__name__})")
+        _check_identifiers(self.getLoss(), self.getMetrics(), self._custom_objects())
+
+    def _custom_objects(self) -> dict[str, Any]:
+        """``custom_objects`` plus the plain functions used as loss or metric: Keras saves a
+        function by its name only, so the ranks (and ``KerasModel``) load the model with
+        these by name, as Keras users expect a compiled function loss to just work."""
+        model = self.getModel()
+        compile_config = getattr(getattr(model, "_compile_config", None), "config", None)
+        found = _plain_functions(
+            self.getLoss(), self.getMetrics(), getattr(model, "loss", None), compile_config
+        )
+        return {**found, **(self.getCustomObjects() or {})}
 
     def _compiled_model(self) -> Any:
         model = self.getModel()
         if self.getOptimizer() is not None or self.getLoss() is not None:
-            with keras.saving.custom_object_scope(self.getCustomObjects() or {}):
+            with keras.saving.custom_object_scope(self._custom_objects()):
                 clone = keras.models.clone_model(model)
             clone.set_weights(model.get_weights())
             clone.compile(
@@ -177,7 +200,25 @@ class KerasEstimator(HorovodEstimator):
                     f"(shape {column.shape or '()'}): give the model an input of that width, or "
                     f"select the feature columns it was built for."
                 )
-        return {"custom_objects": dict(self.getCustomObjects() or {})}
+        losses = self.getLoss() or self.getModel().loss
+        for i, (tensor, label) in enumerate(zip(self.getModel().outputs, self.getLabelCols(),
+                                                strict=True)):  # fmt: skip
+            column = columns.get(label)
+            dims = tuple(tensor.shape[1:])
+            if column is None or None in dims:
+                continue
+            have = math.prod(column.shape) if column.shape else 1
+            want = math.prod(dims)
+            loss = _output_loss(losses, i, getattr(tensor, "name", ""), self.getModel())
+            if want != have and not (have == 1 and _may_take_class_indices(loss)):
+                raise ValueError(
+                    f"the model's output {i} gives {want} value(s) per row (shape "
+                    f"{dims}) but label column `{label}` holds {have} (shape "
+                    f"{column.shape or '()'}), and the loss {_loss_name(loss)!r} compares them "
+                    f"value by value: give the model an output of width {have}, or use a "
+                    f"sparse loss (e.g. 'sparse_categorical_crossentropy') for class indices."
+                )
+        return {"custom_objects": self._custom_objects()}
 
     def _training_spec(
         self, remote_store: RemoteStore, features: list[str], metadata: Metadata, num_proc: int
@@ -190,7 +231,7 @@ class KerasEstimator(HorovodEstimator):
         return KerasTrainingSpec(
             **self._spec_fields(remote_store, features, metadata),
             model_bytes=model_to_bytes(model),
-            custom_objects=dict(self.getCustomObjects() or {}),
+            custom_objects=self._custom_objects(),
             learning_rate=_learning_rate(model.optimizer),
             callbacks=list(self.getCallbacks() or []),
             checkpoint_callback=self.getCheckpointCallback(),
@@ -336,6 +377,63 @@ def _check_identifiers(loss: Any, metrics: Any, custom_objects: Any) -> None:
                         f"knows (e.g. 'mae', 'accuracy'), a function, or name it in "
                         f"`custom_objects`."
                     ) from None
+
+
+def _plain_functions(*values: Any) -> dict[str, Any]:
+    """The Python functions among ``values`` (nested in lists and dicts) that Keras cannot
+    find by name on its own (neither Keras' nor registered), by name."""
+    found: dict[str, Any] = {}
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, list | tuple):
+            for item in value:
+                walk(item)
+            return
+        if not inspect.isfunction(value) or value.__module__.startswith("keras"):
+            return
+        if keras.saving.get_registered_object(keras.saving.get_registered_name(value)) is value:
+            return
+        other = found.setdefault(value.__name__, value)
+        if other is not value:
+            raise ValueError(
+                f"two different functions named `{value.__name__}` are used as loss or metric; "
+                f"Keras saves a function by its name: rename one, or map names to them in "
+                f"`custom_objects`."
+            )
+
+    for value in values:
+        walk(value)
+    return found
+
+
+def _output_loss(losses: Any, index: int, name: str, model: Any) -> Any:
+    """The loss of output ``index`` (named ``name``) of a one-loss, list or dict ``loss``."""
+    if isinstance(losses, dict):
+        names = list(getattr(model, "output_names", None) or [])
+        key = names[index] if index < len(names) else name
+        return losses.get(key, losses.get(name))
+    if isinstance(losses, list | tuple):
+        return losses[index] if index < len(losses) else None
+    return losses
+
+
+def _loss_name(loss: Any) -> str:
+    if isinstance(loss, str):
+        return loss
+    return str(getattr(loss, "name", None) or getattr(loss, "__name__", type(loss).__name__))
+
+
+def _may_take_class_indices(loss: Any) -> bool:
+    """Whether ``loss`` may take a label of one value per row for a wider output: Keras'
+    sparse losses (class indices), and any loss of the user's, whose rule we cannot know."""
+    if loss is None:
+        return True
+    builtin = isinstance(loss, str) or getattr(
+        loss if inspect.isfunction(loss) else type(loss), "__module__", ""
+    ).startswith("keras")
+    return not builtin or "sparse" in _loss_name(loss).lower()
 
 
 def _pin_gpu(tf: Any, local_rank: int) -> None:

@@ -196,6 +196,7 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
     _framework = "lightning"
     _preload = ("flyte_hvd.estimators.lightning", "torch", "lightning.pytorch", "flyte_hvd.torch")
     _extension = _EXTENSION
+    _epoch_in_model = True
     _model_class = TorchModel
 
     def _check_model(self, features: list[str], labels: list[str]) -> None:

@@ -24,7 +24,12 @@ import numpy as np
 from flyte_hvd.core.checks import require_int
 from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import training
-from flyte_hvd.estimators.base import HorovodEstimator, Metadata, passed_params
+from flyte_hvd.estimators.base import (
+    HorovodEstimator,
+    Metadata,
+    check_learning_rate,
+    passed_params,
+)
 from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, with_params
 from flyte_hvd.estimators.torch_model import (
     INPUT_SHAPES_PARAM,
@@ -170,6 +175,8 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
                 "`optimizer` holds parameters that are not the model's: build it on "
                 "`model.parameters()` of the model passed as `model`."
             )
+        for group in optimizer.param_groups:
+            check_learning_rate(group.get("lr"), f"`optimizer` ({type(optimizer).__name__})")
         if not self.getLoss() and not self.getLossConstructors():
             raise ValueError(
                 "`loss` (or `loss_constructors`) is required: e.g. "

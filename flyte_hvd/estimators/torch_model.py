@@ -112,6 +112,16 @@ class ShapedInputs:
     def _check_data(self, features: list[str], metadata: Any) -> dict[str, Any]:
         shapes = resolve_input_shapes(self.getInputShapes(), features, metadata[0])
         outputs = probe_outputs(self.getModel(), shapes, list(self.getLabelCols()))
+        for output, label in zip(outputs, self.getLabelCols(), strict=True):
+            have = metadata[0].column(label).size
+            # One value per row may be a class index (cross entropy); wider labels are
+            # compared value by value.
+            if have > 1 and math.prod(output) != have:
+                raise ValueError(
+                    f"the model's output for label `{label}` gives {math.prod(output)} value(s) "
+                    f"per row (shape {output}) but the column holds {have}: give the model an "
+                    f"output of width {have}."
+                )
         return {
             "input_shapes": shapes,
             "output_shapes": outputs,

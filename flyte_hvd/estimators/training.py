@@ -9,6 +9,7 @@ A run in the store::
     runs/<run_id>/state.json        epochs completed, metric history, epoch seconds, and the
                                     checkpoint's monitored value (``best``) when it has one
     runs/<run_id>/logs/             TensorBoard (or other) logs
+    runs/<run_id>/lease.json        while a fit runs: which fit (``flyte_hvd.estimators.runs``)
 
 Every file is replaced atomically, and ``state.json`` last, so it never names an epoch whose
 model is not saved.
@@ -20,10 +21,11 @@ import json
 import os
 import tempfile
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from flyte_hvd.core.log import get_logger
 from flyte_hvd.launch import spare
@@ -76,10 +78,79 @@ def checkpoint_path(store: RemoteStore, extension: str) -> str:
 
 
 def read_run_state(store: RemoteStore) -> dict | None:
-    """The run's ``state.json``, or None for a new run."""
-    if not store.exists(store.state_path):
+    """The run's ``state.json``, or None for a new run.
+
+    Raises:
+        ValueError: the file is not JSON, or a field has the wrong type (naming the file,
+            the field and what to do), rather than a resume that fails somewhere later.
+    """
+    path = store.state_path
+    if not store.exists(path):
         return None
-    return json.loads(store.read(store.state_path))
+    problem: str | None
+    try:
+        state = json.loads(store.read(path))
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+        problem = f"it is not JSON ({error})"
+    else:
+        problem = state_problem(state)
+    if problem is not None:
+        raise ValueError(
+            f"run `{store.run_id}` cannot resume: its record `{path}` is damaged: {problem}. "
+            f"Restore that file, or delete the run's folder `{store.run_path}` to train it "
+            f"from the start, or give a new `run_id`."
+        )
+    return state
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# state.json's fields: name -> (required, check, what the check wants).
+_STATE_FIELDS: dict[str, tuple[bool, Callable[[Any], bool], str]] = {
+    "epoch": (True, _count, "an int >= 0 (epochs completed)"),
+    "epochs": (False, _count, "an int >= 0"),
+    "history": (False, lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and isinstance(x, list) and all(map(_number, x))
+        for k, x in v.items()), "an object of metric name -> list of numbers"),
+    "epoch_seconds": (False, lambda v: isinstance(v, list) and all(map(_number, v)),
+                      "a list of numbers"),
+    "first_step_at": (False, lambda v: v is None or _number(v), "a number or null"),
+    "best": (False, _number, "a number"),
+}  # fmt: skip
+
+
+def state_problem(state: Any) -> str | None:
+    """What is wrong with a parsed ``state.json`` (None: nothing)."""
+    if not isinstance(state, dict):
+        return f"expected a JSON object, found {type(state).__name__}"
+    for name, (required, check, wanted) in _STATE_FIELDS.items():
+        if name not in state:
+            if required:
+                return f"`{name}` is missing (expected {wanted})"
+        elif not check(state[name]):
+            return f"`{name}` must be {wanted}; found {state[name]!r}"
+    return None
+
+
+def archive_problem(file: IO[bytes]) -> str | None:
+    """What makes a saved model unreadable (None: nothing): every model file the estimators
+    write is a zip archive (Keras' ``.keras``; ``torch.save``'s format, so ``.pt`` and
+    Lightning's ``.ckpt``), so an empty or truncated file, or a member whose checksum fails,
+    is found without the framework."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            if not archive.namelist():
+                return "it is an empty archive"
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as error:
+        return f"it is not a complete model archive ({type(error).__name__}: {error})"
+    return None if damaged is None else f"its member `{damaged}` fails its checksum"
 
 
 def merge_history(state: dict | None, new: dict[str, list[float]]) -> dict[str, list[float]]:

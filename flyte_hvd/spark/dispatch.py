@@ -9,6 +9,7 @@ errors, retries and cancellation.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
@@ -235,6 +236,21 @@ def launch(
         max_result_bytes=max_result_bytes,
     )  # fmt: skip
     return pipeline.launch(spec, backend)
+
+
+def check_slots(num_proc: int | None, start_timeout: float | None = None) -> None:
+    """What a launch checks first, for callers with work to do before it (the estimators,
+    before they prepare data and start spare ranks): the active session's cluster has
+    ``num_proc`` free task slots, waiting up to the start timeout only while executors it
+    asked for still register.
+
+    Raises:
+        RuntimeError: the cluster cannot hold the ranks (what to change is in the message).
+    """
+    backend = backend_of(active_session())
+    count = runner.check_num_proc(backend.default_parallelism() if num_proc is None else num_proc)
+    timeout = pipeline.start_timeout_of(start_timeout)
+    backend.wait_for_slots(count, time.monotonic() + timeout, timeout)
 
 
 def start_spares(

@@ -60,6 +60,13 @@ class StageBackend(Protocol):
     def cancel(self, tag: str) -> None: ...
 
 
+def start_timeout_of(start_timeout: float | None) -> float:
+    """``start_timeout`` checked, or ``HOROVOD_SPARK_START_TIMEOUT``, then 600 s."""
+    if start_timeout is None:
+        return start_timeout_from_env(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT)
+    return check_start_timeout(start_timeout)
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """A run of ``fn`` on ranks, checked: every field is valid once the spec exists."""
@@ -89,11 +96,7 @@ class LaunchSpec:
         ``FLYTE_HVD_MAX_RESULT_BYTES``, then 2 GiB)."""
         if num_proc is None and default_num_proc is not None:
             num_proc = default_num_proc()
-        timeout = (
-            start_timeout_from_env(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT)
-            if start_timeout is None
-            else check_start_timeout(start_timeout)
-        )
+        timeout = start_timeout_of(start_timeout)
         return cls(
             job=runner.pickle_job(fn, args, kwargs),
             num_proc=runner.check_num_proc(num_proc),

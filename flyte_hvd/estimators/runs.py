@@ -1,0 +1,272 @@
+"""A fit's run in the store, on the driver, before any rank starts: the run's id, the lease
+that keeps two fits out of one run, and the check of what a resumed run starts from.
+
+A default ``run_id`` is the time to the second and a random suffix
+(``keras_20261125_120650_3f9a1c0e``): sortable and readable, and unique across threads,
+processes and hosts sharing a Store, so a fit never resumes a run it did not start unless it
+was given that ``run_id``. While a fit runs, ``runs/<run_id>/lease.json`` names it (host,
+process, when it expires); the driver renews it every ``LEASE_SECONDS / 3`` and removes it at
+the end. A second fit of the run is refused while the lease lives; a lease whose owner died
+(expired, or its process is gone from this host) is taken over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from flyte_hvd.core.log import get_logger
+from flyte_hvd.estimators.training import (
+    archive_problem,
+    checkpoint_path,
+    read_run_state,
+    run_file,
+)
+
+if TYPE_CHECKING:
+    from flyte_hvd.data.store import RemoteStore, Store
+
+logger = get_logger(__name__)
+
+LEASE_FILENAME = "lease.json"
+# A lease not renewed for this long is stale: its fit's driver is gone (or cut off).
+LEASE_SECONDS = 60.0
+
+
+def new_run_id(framework: str) -> str:
+    """``<framework>_<YYYYmmdd_HHMMSS>_<8 hex digits>``."""
+    return f"{framework}_{time.strftime('%Y%m%d_%H%M%S')}_{secrets.token_hex(4)}"
+
+
+# -- the lease -------------------------------------------------------------------------------
+
+
+def _pid_space() -> str | None:
+    """This machine's process-id space (boot id and pid namespace): a lease's pid can be
+    checked only where it is the same. None where the system does not say (not Linux)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+class RunLease:
+    """The lease of one run, held by this process from ``acquire`` to ``release``."""
+
+    def __init__(self, store: Store, run_id: str):
+        self.store, self.run_id = store, run_id
+        self.path = store.join(store.get_run_path(run_id), LEASE_FILENAME)
+        self.token = secrets.token_hex(8)
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        self.started = time.time()
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def _record(self) -> bytes:
+        now = time.time()
+        return json.dumps({
+            "owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
+            "pid_space": _pid_space(), "token": self.token, "started": self.started,
+            "renewed": now, "expires": now + LEASE_SECONDS,
+        }).encode()  # fmt: skip
+
+    def _read(self) -> dict | None:
+        """The lease in the store (None: none; ``{}``: unreadable)."""
+        try:
+            record = json.loads(self.store.read(self.path))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    def try_acquire(self) -> bool:
+        """Take the lease if no live fit holds it (taking over a stale one, with a warning);
+        False when another fit holds it."""
+        for _ in range(3):  # a stale lease removed, then another fit may win the create
+            if self.store.create_exclusive(self.path, self._record()):
+                self._start_renewing()
+                return True
+            held = self._read()
+            if held is None:
+                continue  # released meanwhile
+            why = _stale(held)
+            if why is None:
+                return False
+            logger.warning(
+                "run `%s`: taking over the lease of %s, which %s",
+                self.run_id, held.get("owner", "an unknown owner"), why,
+            )  # fmt: skip
+            self.store.delete(self.path)
+        return False
+
+    def acquire(self) -> None:
+        """``try_acquire``, or a ValueError that names the run, its owner and what to do."""
+        if self.try_acquire():
+            return
+        held = self._read() or {}
+        renewed = time.time() - float(held.get("renewed", time.time()))
+        raise ValueError(
+            f"run `{self.run_id}` is in use by another fit: its lease `{self.path}` is held by "
+            f"{held.get('owner', 'an unknown owner')} (renewed {renewed:.0f}s ago). Wait for "
+            f"that fit to end, or give another `run_id`. A lease whose fit died is taken over "
+            f"once its process is gone from this host or {LEASE_SECONDS:g}s after its last "
+            f"renewal."
+        )
+
+    def _start_renewing(self) -> None:
+        self._renewer = threading.Thread(
+            target=self._renew, name=f"flyte-hvd-lease-{self.run_id}", daemon=True
+        )
+        self._renewer.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(LEASE_SECONDS / 3):
+            try:
+                held = self._read()
+                if not held or held.get("token") != self.token:
+                    logger.warning(
+                        "run `%s`: another fit (%s) took over this fit's lease `%s`; this fit "
+                        "no longer renews it", self.run_id,
+                        (held or {}).get("owner", "unknown"), self.path,
+                    )  # fmt: skip
+                    return
+                self.store.write_bytes(self.path, self._record())
+            except Exception as error:  # a store hiccup: the next renewal tries again
+                logger.warning("run `%s`: cannot renew its lease `%s`: %s",
+                               self.run_id, self.path, error)  # fmt: skip
+
+    def release(self) -> None:
+        """Stop renewing and remove the lease, if it is still this fit's."""
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        with contextlib.suppress(Exception):  # the fit's own error matters more
+            held = self._read()
+            if held and held.get("token") == self.token:
+                self.store.delete(self.path)
+
+
+def _stale(lease: dict) -> str | None:
+    """Why ``lease`` no longer protects a live fit (None: it does)."""
+    expires = lease.get("expires")
+    if not isinstance(expires, int | float):
+        return "is unreadable"
+    now = time.time()
+    if now > expires:
+        return f"expired {now - expires:.0f}s ago"
+    pid = lease.get("pid")
+    space = _pid_space()
+    same_machine = space is not None and lease.get("pid_space") == space
+    if same_machine and isinstance(pid, int) and not _process_alive(pid):
+        return f"is no longer running (process {pid} is gone)"
+    return None
+
+
+@contextlib.contextmanager
+def leased_run(store: Store, run_id: str | None, framework: str) -> Iterator[str]:
+    """The run a fit trains, leased for the block: ``run_id`` when given (refused while
+    another fit holds it), else a new id whose folder does not exist yet."""
+    if run_id is not None:
+        store.to_remote(run_id)  # checks the name
+        lease = RunLease(store, run_id)
+        lease.acquire()
+    else:
+        while True:
+            candidate = new_run_id(framework)
+            if store.exists(store.get_run_path(candidate)):
+                continue
+            lease = RunLease(store, candidate)
+            if lease.try_acquire():
+                break
+    try:
+        yield lease.run_id
+    finally:
+        lease.release()
+
+
+# -- what a resumed run starts from ----------------------------------------------------------
+
+
+def _file_problem(store: RemoteStore, path: str) -> str | None:
+    """What is wrong with a model file of the run, as a phrase (None: nothing)."""
+    try:
+        with store.fs.open(store.fs_path(path), "rb") as f:
+            problem = archive_problem(f)
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as error:
+        return f"cannot be read ({type(error).__name__}: {error})"
+    return None if problem is None else f"is damaged: {problem}"
+
+
+def check_resumable(store: RemoteStore, epochs: int, extension: str,
+                    epoch_in_model: bool = False) -> None:  # fmt: skip
+    """Before any rank starts: the run's ``state.json`` is valid, it has epochs left to
+    train, and the model it resumes from is intact. A damaged or missing last model is
+    replaced by the run's checkpoint when that is intact (one warning); otherwise, and for a
+    damaged best model, the error names the file, what is wrong and what to do.
+
+    ``epoch_in_model``: the framework resumes at the epoch its model file records
+    (Lightning), so a checkpoint that holds the best of earlier epochs cannot stand in for
+    the last model."""
+    state = read_run_state(store)
+    if state is None:
+        return
+    run_id, done = store.run_id, state["epoch"]
+    if done >= epochs:
+        raise ValueError(
+            f"run `{run_id}` already finished: it trained {done} epoch(s) and `epochs`={epochs}. "
+            f"Its model is in the store under runs/{run_id}/. To train it further, fit again "
+            f"with `epochs` > {done} and the same `run_id`; to train from the start, give a "
+            f"new `run_id`."
+        )
+    todo = (
+        f"Restore it, or delete the run's folder `{store.run_path}` to train it from the "
+        f"start, or give a new `run_id`."
+    )
+    last, checkpoint = run_file(store, f"last{extension}"), checkpoint_path(store, extension)
+    saved = _file_problem(store, checkpoint) if checkpoint != last else "is the last model"
+    problem = _file_problem(store, last)
+    if problem is not None and saved is None and epoch_in_model and "best" in state:
+        saved = "holds the best model of an earlier epoch, where the framework would resume"
+    if problem is not None:
+        if saved is not None:
+            raise ValueError(
+                f"run `{run_id}` cannot resume: its state.json says {done} epoch(s) are done, "
+                f"but its last model `{last}` {problem}, and its checkpoint `{checkpoint}` "
+                f"{saved}. {todo.replace('it,', 'either file,', 1)}"
+            )
+        logger.warning(
+            "run `%s`: its last model `%s` %s; resuming from its checkpoint `%s`",
+            run_id, last, problem, checkpoint,
+        )  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="flyte-hvd-resume-") as folder:
+            local = os.path.join(folder, "model")
+            store.download_file(checkpoint, local)
+            store.upload_file(local, last)
+    elif state.get("best") is not None and saved is not None:
+        raise ValueError(
+            f"run `{run_id}` cannot resume: its checkpoint `{checkpoint}`, the best model of "
+            f"its earlier epochs, {saved}. {todo}"
+        )

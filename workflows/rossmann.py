@@ -15,7 +15,6 @@ run's checkpoint under ``work_dir``.
 from __future__ import annotations
 
 import datetime
-import html
 import os
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from typing import NamedTuple
 
 import fsspec
 from dataclasses_json import dataclass_json
-from flytekit import CronSchedule, Deck, LaunchPlan, current_context, dynamic, task, workflow
+from flytekit import CronSchedule, LaunchPlan, current_context, dynamic, task, workflow
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 from flytekit.types.structured import StructuredDataset
@@ -256,7 +255,6 @@ def train(
 
     local_model = os.path.join(current_context().working_directory, "rossmann.keras")
     fitted.getModel().save(local_model)
-    Deck("Training curves", training_curves_html(history, best))
     return TrainResult(
         model=FlyteFile(local_model),
         history=history,
@@ -444,50 +442,3 @@ rossmann_weekly_retrain = LaunchPlan.get_or_create(
     schedule=CronSchedule(schedule="0 3 * * 1"),  # Mondays 03:00 UTC
     default_inputs={"warm_start": LATEST},
 )
-
-
-def training_curves_html(history: dict[str, list[float]], best: int) -> str:
-    """Loss and RMSPE per epoch, training and validation, as inline SVG charts."""
-    charts = []
-    for metric, title in (("loss", "loss (MAE of log sales)"), ("exp_rmspe", "RMSPE")):
-        series = {
-            name: history[key]
-            for name, key in (("train", metric), ("validation", f"val_{metric}"))
-            if key in history
-        }
-        charts.append(_line_chart(title, series, best))
-    return "<div style='display:flex;gap:24px'>" + "".join(charts) + "</div>"
-
-
-def _line_chart(title: str, series: dict[str, list[float]], best: int) -> str:
-    width, height, pad = 420, 260, 40
-    values = [v for vs in series.values() for v in vs]
-    if not values:
-        return f"<p>{html.escape(title)}: no values</p>"
-    low, high = min(values), max(values)
-    span = (high - low) or 1.0
-    epochs = max(len(vs) for vs in series.values())
-
-    def xy(i: int, v: float) -> str:
-        x = pad + (width - 2 * pad) * (i / max(epochs - 1, 1))
-        y = height - pad - (height - 2 * pad) * ((v - low) / span)
-        return f"{x:.1f},{y:.1f}"
-
-    colors = {"train": "#1f77b4", "validation": "#d62728"}
-    parts = [
-        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}'>",
-        f"<text x='{width / 2}' y='18' text-anchor='middle'>{html.escape(title)}</text>",
-        f"<text x='4' y='{pad}'>{high:.4g}</text><text x='4' y='{height - pad}'>{low:.4g}</text>",
-        f"<text x='{width / 2}' y='{height - 8}' text-anchor='middle'>epoch 1..{epochs} "
-        f"(best {best + 1})</text>",
-    ]
-    for k, (name, vs) in enumerate(series.items()):
-        color = colors.get(name, "#333")
-        points = " ".join(xy(i, v) for i, v in enumerate(vs))
-        parts.append(f"<polyline fill='none' stroke='{color}' stroke-width='2' points='{points}'/>")
-        parts.append(
-            f"<text x='{width - pad}' y='{34 + 14 * k}' fill='{color}' "
-            f"text-anchor='end'>{name}</text>"
-        )
-    parts.append("</svg>")
-    return "".join(parts)

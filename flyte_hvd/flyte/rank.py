@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import reprlib
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +30,9 @@ import cloudpickle
 from flytekit import FlyteContextManager
 from flytekit.core.context_manager import ExecutionParameters, ExecutionState, FlyteContext
 from flytekit.models.literals import LiteralMap
+
+from flyte_hvd.estimators import tracking
+from flyte_hvd.launch import progress
 
 
 @dataclass(frozen=True)
@@ -63,18 +67,29 @@ class RankSpec:
         )
 
 
-def run_rank(payload: bytes) -> bytes | None:
-    """What every rank runs: init, the body, and on rank 0 its outputs as literals. (The
-    rank imports what the body needs through the import path the launcher gives it.)"""
+def run_rank(payload: bytes, mlflow_run: tracking.MlflowRun | None = None) -> dict[str, Any]:
+    """What every rank runs: init, the body, and on rank 0 its outputs as literals. Every rank
+    returns its host; rank 0 also the epochs it recorded (``flyte_hvd.launch.progress``), for
+    the task's Deck. With MLflow tracking the run is rank 0's active run while the body runs.
+    (The rank imports what the body needs through the import path the launcher gives it.)"""
     import flyte_hvd.core as hvd
 
     fn, kwargs, spec = cloudpickle.loads(payload)
     hvd.init()
-    with _rank_context(spec) as ctx:
-        value = fn(**kwargs)
-        if hvd.rank() != 0:
-            return None
-        return _to_literal_map(ctx, value, spec).to_flyte_idl().SerializeToString()
+    progress.reset()
+    mine: dict[str, Any] = {"rank": hvd.rank(), "host": socket.gethostname()}
+    mlflow = tracking.enter_rank(mlflow_run, hvd.rank()) if mlflow_run else None
+    failed = True
+    try:
+        with _rank_context(spec) as ctx:
+            value = fn(**kwargs)
+            if hvd.rank() == 0:
+                outputs = _to_literal_map(ctx, value, spec).to_flyte_idl().SerializeToString()
+                mine.update(outputs=outputs, epochs=progress.epochs())
+        failed = False
+    finally:
+        tracking.leave_rank(mlflow, failed)
+    return mine
 
 
 @contextmanager

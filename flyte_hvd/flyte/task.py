@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from flytekit.models.literals import LiteralMap
 from flytekitplugins.spark.task import PysparkFunctionTask
 
 from flyte_hvd.core.checks import require_int
+from flyte_hvd.estimators import report, tracking
+from flyte_hvd.estimators.tracking import MlflowConfig
 from flyte_hvd.flyte.rank import RankSpec, literal_map_from_bytes, run_rank
 from flyte_hvd.launch.supervisor import check_start_timeout
 
@@ -82,6 +85,13 @@ class HorovodSpark:
     ``SPARK_CONNECT_AUTHENTICATE_TOKEN`` environment variable rather than in the URL, which is
     part of the task's serialized config.
 
+    With ``mlflow`` the task is an MLflow run: the driver opens it before any rank starts
+    (an unreachable server or a refused experiment fails the task there) with the task's
+    scalar inputs as params; on rank 0 it is MLflow's active run (``MLFLOW_RUN_ID``) while the
+    body runs, and the epochs ``flyte_hvd.keras.callbacks.MetricAverageCallback`` records are
+    logged to it. Every task shows a "Training" Deck: ranks, hosts, the MLflow run, and the
+    recorded epochs as a table and curves.
+
     Attributes:
         num_proc: number of ranks (Spark barrier tasks).
         spark_conf: Spark settings; override the derived ones.
@@ -92,6 +102,8 @@ class HorovodSpark:
         gpus_per_rank: GPUs per rank; 0 requests none.
         connect_url: a Spark Connect endpoint (``sc://...``) to run on instead of a session
             of the task's own.
+        mlflow: True (MLflow's ``MLFLOW_TRACKING_URI`` and ``MLFLOW_EXPERIMENT_NAME``) or an
+            ``MlflowConfig``: track the task as an MLflow run.
     """
 
     num_proc: int
@@ -105,9 +117,11 @@ class HorovodSpark:
     cores_per_rank: int = 1
     gpus_per_rank: int = 0
     connect_url: str | None = None
+    mlflow: bool | MlflowConfig | None = None
 
     def __post_init__(self) -> None:
         require_int("num_proc", self.num_proc, minimum=1)
+        tracking.resolve_config(self.mlflow)
         require_int("cores_per_rank", self.cores_per_rank, minimum=1)
         require_int("gpus_per_rank", self.gpus_per_rank, minimum=0)
         if self.start_timeout is not None:  # None: the launcher's default
@@ -251,6 +265,9 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
             raise ValueError(
                 f"`task_config` must be a HorovodSpark; found {type(task_config).__name__}."
             )
+        if kwargs.get("enable_deck") is None and kwargs.get("disable_deck") is None:
+            kwargs["enable_deck"] = True  # the run's report; `enable_deck=False` turns it off
+            kwargs.pop("disable_deck", None)
         super().__init__(task_config=task_config, task_function=task_function, **kwargs)
 
     def get_custom(self, settings: SerializationSettings) -> dict[str, Any]:
@@ -279,18 +296,58 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
         from flyte_hvd.spark import run
 
         ctx = FlyteContextManager.current_context()
+        config = self.task_config
+        started = time.monotonic()
+        mlflow_run = None
+        failed = True
         try:
             payload = _pickle_body(self, kwargs, RankSpec.of(self, ctx))
+            mlflow_config = tracking.resolve_config(config.mlflow)
+            if mlflow_config is not None:
+                params = {**kwargs, "num_proc": config.num_proc, "task": self.name}
+                mlflow_run = tracking.start_run(
+                    mlflow_config, self.name.split(".")[-1], tracking.loggable_params(params)
+                )
             results = run(
                 run_rank,
-                args=(payload,),
-                num_proc=self.task_config.num_proc,
-                start_timeout=self.task_config.start_timeout,
+                args=(payload, mlflow_run),
+                num_proc=config.num_proc,
+                start_timeout=config.start_timeout,
             )
+            failed = False
         finally:
-            if self.task_config.connect_url is not None:
+            tracking.end_run(mlflow_run, failed)
+            if config.connect_url is not None:
                 _deactivate(self.sess)
-        return literal_map_from_bytes(results[0])
+        self._report(results, mlflow_run, time.monotonic() - started)
+        return literal_map_from_bytes(results[0].get("outputs"))
+
+    def _report(self, results: list[dict[str, Any]], mlflow_run: tracking.MlflowRun | None,
+                seconds: float) -> None:  # fmt: skip
+        """The task's "Training" Deck: ranks, hosts, MLflow run and rank 0's epochs. A local
+        run writes the Deck file here: flytekit writes it only for tasks that return Python
+        values, and this one returns rank 0's literals."""
+        epochs = results[0].get("epochs") or []
+        history: dict[str, list[float]] = {}
+        for epoch in epochs:
+            for name, value in epoch.metrics.items():
+                history.setdefault(name, []).append(value)
+        facts = {
+            "task": self.name,
+            "ranks": len(results),
+            "hosts": sorted({r["host"] for r in results}),
+            "seconds": f"{seconds:.1f}",
+            "MLflow run id": mlflow_run.run_id if mlflow_run else None,
+            "MLflow tracking URI": mlflow_run.tracking_uri if mlflow_run else None,
+        }
+        html = report.run_report_html(facts, history, [e.seconds for e in epochs])
+        if not report.add_deck(html) or not self.enable_deck:
+            return
+        ctx = FlyteContextManager.current_context()
+        if ctx.execution_state and ctx.execution_state.is_local_execution():
+            from flytekit.deck.deck import _output_deck
+
+            _output_deck(self.name.split(".")[-1], ctx.user_space_params)
 
 
 def _pickle_body(task: HorovodSparkFunctionTask, kwargs: dict[str, Any], spec: RankSpec) -> bytes:

@@ -3,6 +3,7 @@ SparkSession) and serialize to the SparkJob the Spark operator reads."""
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -275,6 +276,7 @@ def test_unpicklable_inputs_are_refused_before_any_rank_starts():
         ({"num_proc": 2, "spark_conf": {1: "a"}}, r"`spark_conf` keys must be str; found 1"),
         ({"num_proc": 2, "hadoop_conf": {"a": None}}, r"`hadoop_conf\['a'\]` must be a str"),
         ({"num_proc": 2, "executor_pod": {"spec": {}}}, r"`executor_pod` must be a flytekit"),
+        ({"num_proc": 2, "mlflow": "http://mlflow:5000"}, r"`mlflow` must be True .*MlflowConfig"),
         (
             {"num_proc": 2, "spark_conf": {"spark.dynamicAllocation.enabled": "true"}},
             r"spark.dynamicAllocation.enabled='true'.*needs 'false'.*Remove the override",
@@ -461,3 +463,63 @@ def test_a_local_session_keeps_sparks_ui_on_loopback(tmp_path):
     if found["outward"].startswith("127."):
         pytest.skip("this host has no address beyond loopback")
     assert found["answers"] == {"127.0.0.1": "open", found["outward"]: "ConnectionRefusedError"}
+
+
+@task(task_config=HorovodSpark(num_proc=2, mlflow=True))
+def tracked(x: int) -> str:
+    import mlflow
+
+    import flyte_hvd.core as hvd
+    from flyte_hvd.launch import progress
+
+    if hvd.rank() == 0:  # as MetricAverageCallback does on rank 0 after each epoch
+        for epoch in (1, 2):
+            progress.record_epoch(epoch, 2, {"loss": x / epoch}, 0.25)
+        mlflow.log_param("logged_by", "the body")
+    return os.environ.get("MLFLOW_RUN_ID", "")
+
+
+@pytest.mark.mpi
+@pytest.mark.spark
+def test_a_task_is_an_mlflow_run_and_shows_its_epochs_in_a_deck(
+    spark_local2, tmp_path, monkeypatch, capfd, no_leftover_ranks
+):
+    mlflow = pytest.importorskip("mlflow")
+    from flytekit import FlyteContextManager
+    from flytekit.core.data_persistence import FileAccessProvider
+
+    uri = f"file://{tmp_path}/mlruns"
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3's file store opt-in
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "tasks")
+    access = FileAccessProvider(
+        local_sandbox_dir=str(tmp_path / "flyte"), raw_output_prefix=str(tmp_path / "raw")
+    )
+    with FlyteContextManager.with_context(
+        FlyteContextManager.current_context().with_file_access(access)
+    ):
+        run_id = tracked(x=3)
+
+    assert run_id  # rank 0's body ran inside the run, and returned its id
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "tasks"
+    assert run.data.params["x"] == "3" and run.data.params["num_proc"] == "2"
+    assert run.data.params["logged_by"] == "the body"
+    losses = {m.step: m.value for m in client.get_metric_history(run_id, "loss")}
+    assert losses == {0: 3.0, 1: 1.5}
+
+    out = capfd.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if "flyte-hvd: epoch " in line]
+    assert [line.split("flyte-hvd: ")[1] for line in lines] == [
+        "epoch 1/2 · loss 3 · 0.2 s/epoch · ~0 s left",
+        "epoch 2/2 · loss 1.5 · 0.2 s/epoch",
+    ]
+
+    decks = list((tmp_path / "flyte").rglob("deck.html"))
+    assert len(decks) == 1, decks
+    page = decks[0].read_text(encoding="utf-8")
+    assert run_id in page and "<td>2</td>" in page  # the run's facts: its id, 2 ranks
+    rows = re.findall(r"<tr><td>(\d)</td><td>([^<]*)</td><td>([^<]*)</td></tr>", page)
+    assert rows == [("1", "3", "0.2"), ("2", "1.5", "0.2")]

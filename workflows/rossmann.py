@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import fsspec
 from dataclasses_json import dataclass_json
-from flytekit import CronSchedule, Deck, LaunchPlan, current_context, dynamic, task, workflow
+from flytekit import CronSchedule, LaunchPlan, current_context, dynamic, task, workflow
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 from flytekit.types.structured import StructuredDataset
@@ -255,7 +255,6 @@ def train(
 
     local_model = os.path.join(current_context().working_directory, "rossmann.keras")
     fitted.getModel().save(local_model)
-    Deck("Training curves", training_curves_html(history, best))
     return TrainResult(
         model=FlyteFile(local_model),
         history=history,
@@ -443,10 +442,3 @@ rossmann_weekly_retrain = LaunchPlan.get_or_create(
     schedule=CronSchedule(schedule="0 3 * * 1"),  # Mondays 03:00 UTC
     default_inputs={"warm_start": LATEST},
 )
-
-
-def training_curves_html(history: dict[str, list[float]], best: int) -> str:
-    """Loss and RMSPE per epoch, training and validation, as inline SVG charts."""
-    from flyte_hvd.estimators.history import history_charts
-
-    return history_charts(history, best, {"loss": "loss (MAE of log sales)", "exp_rmspe": "RMSPE"})

@@ -24,6 +24,7 @@ from pyspark.ml.util import MLReadable, MLWritable
 
 from flyte_hvd.core.checks import require_int
 from flyte_hvd.data.loader import AUTO_CACHE_MAX_BYTES, BaseDataLoader
+from flyte_hvd.estimators import report, tracking
 from flyte_hvd.estimators.params import (
     ESTIMATOR_PARAMS,
     INERT_PARAMS,
@@ -172,6 +173,7 @@ class HorovodEstimator(Estimator):
                 f"`data_loader` must be a BaseDataLoader subclass (the class: the estimator "
                 f"builds one per rank), e.g. a subclass of ArrowDataLoader; found {loader!r}."
             )
+        tracking.resolve_config(self.getMlflow())
         if self.getStore() is None:
             raise ValueError("`store` is required: e.g. store=Store.create('/tmp/flyte-hvd').")
         labels = self.getLabelCols()
@@ -205,11 +207,12 @@ class HorovodEstimator(Estimator):
 
     def _backend(self) -> Any:
         backend = self.getBackend()
+        # Spare ranks import MLflow too when rank 0 will log to it (seconds of imports).
+        preload = (*self._preload, "mlflow") if self.getMlflow() else self._preload
         if backend is None:
-            return SparkBackend(self.getNumProc(), verbose=self.getVerbose(),
-                                preload=self._preload)  # fmt: skip
+            return SparkBackend(self.getNumProc(), verbose=self.getVerbose(), preload=preload)
         if isinstance(backend, SparkBackend) and not backend._preload:
-            backend._preload = self._preload  # a user's backend gets spares too
+            backend._preload = preload  # a user's backend gets spares too
         return backend
 
     def _check_slots(self, backend: Any) -> None:
@@ -241,6 +244,7 @@ class HorovodEstimator(Estimator):
         self._check_slots(backend)
         with (
             self._run() as run_id,
+            self._mlflow_run(backend, run_id) as mlflow_run,
             prepare_data(
                 backend.num_processes(),
                 self.getStore(),
@@ -256,9 +260,8 @@ class HorovodEstimator(Estimator):
                 on_checked=backend.start_spares if isinstance(backend, SparkBackend) else None,
             ) as dataset_idx,
         ):
-            return self._fit_on_prepared(
-                backend, dataset_idx, self._feature_cols(df.columns), run_id
-            )
+            return self._fit_on_prepared(backend, dataset_idx, self._feature_cols(df.columns),
+                                         run_id, mlflow_run)  # fmt: skip
 
     def fit_on_parquet(self, params: dict | None = None, dataset_idx: str | None = None) -> Model:
         """Train on data already in the store's train/val paths (written by ``prepare_data``
@@ -273,11 +276,32 @@ class HorovodEstimator(Estimator):
         self._check_model(list(features), self.getLabelCols())
         backend = self._backend()
         self._check_slots(backend)
-        with self._run() as run_id:
-            return self._fit_on_prepared(backend, dataset_idx, list(features), run_id)
+        with self._run() as run_id, self._mlflow_run(backend, run_id) as mlflow_run:
+            return self._fit_on_prepared(backend, dataset_idx, list(features), run_id,
+                                         mlflow_run)  # fmt: skip
 
-    def _fit_on_prepared(self, backend: Any, dataset_idx: Any, features: list[str],
-                         run_id: str) -> Model:  # fmt: skip
+    @contextlib.contextmanager
+    def _mlflow_run(self, backend: Any, run_id: str) -> Iterator[tracking.MlflowRun | None]:
+        """With ``mlflow``: the MLflow run, opened before the data is prepared or any rank
+        starts, with the estimator's params; marked FAILED if the fit fails."""
+        config = tracking.resolve_config(self.getMlflow())
+        if config is None:
+            yield None
+            return
+        skip = {"mlflow", "backend", *INERT_PARAMS, *self._inert_params}
+        params = {k: self.getOrDefault(k) for k in self._param_defaults if k not in skip}
+        params.update(num_proc=backend.num_processes(), run_id=run_id, framework=self._framework,
+                      store=getattr(self.getStore(), "prefix_path", None))  # fmt: skip
+        run = tracking.start_run(config, run_id, tracking.loggable_params(params))
+        failed = True
+        try:
+            yield run
+            failed = False
+        finally:
+            tracking.end_run(run, failed)
+
+    def _fit_on_prepared(self, backend: Any, dataset_idx: Any, features: list[str], run_id: str,
+                         mlflow_run: tracking.MlflowRun | None = None) -> Model:  # fmt: skip
         from flyte_hvd.data.prepare import get_dataset_metadata
 
         store = self.getStore()
@@ -285,19 +309,43 @@ class HorovodEstimator(Estimator):
         model_params = self._check_data(features, metadata)
         remote_store = store.to_remote(run_id, dataset_idx)
         spec = self._training_spec(remote_store, features, metadata, backend.num_processes())
+        spec.mlflow_run = mlflow_run
         results = backend.run(self._remote_trainer(), args=(spec,))
         result = results[0]
+        self._add_report(results, remote_store, run_id, mlflow_run)
         if not store.saving_runs:  # the trained model is in `result`; the run folder can go
             store.delete(store.get_run_path(run_id))
         return self._model_class(
             model_bytes=result["model"],
             history=result["history"],
             run_id=run_id,
+            mlflow_run_id=mlflow_run.run_id if mlflow_run else None,
             feature_columns=features,
             label_columns=list(self.getLabelCols()),
             metadata=metadata,
             **model_params,
         )
+
+    def _add_report(self, results: list[Any], remote_store: RemoteStore, run_id: str,
+                    mlflow_run: tracking.MlflowRun | None) -> None:  # fmt: skip
+        """Inside a Flyte task, the fit's report as a Deck: its facts, epochs and curves."""
+        from flyte_hvd.estimators.training import read_run_state
+
+        if not report.in_flyte_task():
+            return
+        state = read_run_state(remote_store) or {}
+        hosts = {r["host"] for r in results if isinstance(r, dict) and "host" in r}
+        facts = {
+            "estimator": type(self).__name__,
+            "ranks": len(results),
+            "hosts": sorted(hosts),
+            "store run path": remote_store.run_path,
+            "run id": run_id,
+            "MLflow run id": mlflow_run.run_id if mlflow_run else None,
+            "MLflow tracking URI": mlflow_run.tracking_uri if mlflow_run else None,
+        }
+        history = results[0]["history"]
+        report.add_deck(report.run_report_html(facts, history, state.get("epoch_seconds", [])))
 
     def _spec_fields(
         self,

@@ -10,7 +10,6 @@ estimator, on a local disk or S3, and adds nothing to the ranks' work.
 from __future__ import annotations
 
 import contextvars
-import html
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from flyte_hvd.core.log import get_logger
+from flyte_hvd.estimators import report
 
 logger = get_logger(__name__)
 
@@ -75,72 +75,10 @@ def watch_history(
 
 
 def history_html(history: dict[str, list[float]], best: int | None = None) -> str:
-    """The metrics per epoch as an HTML table, and the loss and every other metric with a
-    validation twin as inline SVG curves (training and validation); ``best`` (0-based)
-    marks an epoch."""
-    epochs = max((len(v) for v in history.values()), default=0)
-    keys = sorted(history)
-    head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
-    rows = []
-    for i in range(epochs):
-        cells = "".join(
-            f"<td>{history[k][i]:.4g}</td>" if i < len(history[k]) else "<td></td>" for k in keys
-        )
-        mark = " style='font-weight:bold'" if i == best else ""
-        rows.append(f"<tr{mark}><td>{i + 1}</td>{cells}</tr>")
-    table = f"<table><tr><th>epoch</th>{head}</tr>{''.join(rows)}</table>"
-    return table + history_charts(history, best)
-
-
-def history_charts(
-    history: dict[str, list[float]], best: int | None = None, titles: dict[str, str] | None = None
-) -> str:
-    """One inline SVG chart per metric (training and validation curves): the metrics
-    ``titles`` names, under those titles, else every metric with its name."""
-    if titles is None:
-        titles = {k: k for k in sorted(history) if not k.startswith("val_")}
-    charts = []
-    for metric, title in titles.items():
-        series = {
-            name: history[key]
-            for name, key in (("train", metric), ("validation", f"val_{metric}"))
-            if key in history
-        }
-        charts.append(line_chart(title, series, best))
-    return "<div style='display:flex;gap:24px;flex-wrap:wrap'>" + "".join(charts) + "</div>"
-
-
-def line_chart(title: str, series: dict[str, list[float]], best: int | None = None) -> str:
-    """Named series of values per epoch as one inline SVG chart."""
-    width, height, pad = 420, 260, 40
-    values = [v for vs in series.values() for v in vs]
-    if not values:
-        return f"<p>{html.escape(title)}: no values</p>"
-    low, high = min(values), max(values)
-    span = (high - low) or 1.0
-    epochs = max(len(vs) for vs in series.values())
-
-    def xy(i: int, v: float) -> str:
-        x = pad + (width - 2 * pad) * (i / max(epochs - 1, 1))
-        y = height - pad - (height - 2 * pad) * ((v - low) / span)
-        return f"{x:.1f},{y:.1f}"
-
-    colors = {"train": "#1f77b4", "validation": "#d62728"}
-    marked = f" (best {best + 1})" if best is not None else ""
-    parts = [
-        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}'>",
-        f"<text x='{width / 2}' y='18' text-anchor='middle'>{html.escape(title)}</text>",
-        f"<text x='4' y='{pad}'>{high:.4g}</text><text x='4' y='{height - pad}'>{low:.4g}</text>",
-        f"<text x='{width / 2}' y='{height - 8}' text-anchor='middle'>epoch 1..{epochs}"
-        f"{marked}</text>",
-    ]
-    for k, (name, vs) in enumerate(series.items()):
-        color = colors.get(name, "#333")
-        points = " ".join(xy(i, v) for i, v in enumerate(vs))
-        parts.append(f"<polyline fill='none' stroke='{color}' stroke-width='2' points='{points}'/>")
-        parts.append(
-            f"<text x='{width - pad}' y='{34 + 14 * k}' fill='{color}' "
-            f"text-anchor='end'>{html.escape(name)}</text>"
-        )
-    parts.append("</svg>")
-    return "".join(parts)
+    """The metrics per epoch as an HTML table and inline SVG curves (training and
+    validation, ``flyte_hvd.estimators.report``); ``best`` (0-based) marks an epoch, by
+    default the one with the lowest validation loss."""
+    if not any(history.values()):
+        return report.epoch_table_html(history)
+    marked = report.best_epoch(history) if best is None else best
+    return report.epoch_table_html(history) + report.training_curves_html(history, marked)

@@ -22,7 +22,7 @@ import numpy as np
 
 from flyte_hvd.data.loader import TransformedLoader
 from flyte_hvd.data.store import Store
-from flyte_hvd.estimators import prediction, training
+from flyte_hvd.estimators import prediction, tracking, training
 from flyte_hvd.estimators.base import (
     HorovodEstimator,
     HorovodModel,
@@ -31,6 +31,7 @@ from flyte_hvd.estimators.base import (
     passed_params,
 )
 from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, with_params
+from flyte_hvd.estimators.tracking import MlflowConfig
 from flyte_hvd.estimators.training import TrainingSpec
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ class KerasEstimator(HorovodEstimator):
         inmemory_cache_all: bool | None = None,
         data_loader: type | None = None,
         use_gpu: bool = True,
+        mlflow: bool | MlflowConfig | None = None,
         backward_passes_per_step: int = 1,
         compress_sparse_cols: bool = False,
         mp_start_method: str | None = None,
@@ -313,11 +315,12 @@ def train_on_rank(spec: KerasTrainingSpec) -> dict:
         train, val = _datasets(spec, run.rank, run.size)
         callbacks = [
             hvd.callbacks.BroadcastGlobalVariablesCallback(0),
-            hvd.callbacks.MetricAverageCallback(),
+            hvd.callbacks.MetricAverageCallback(progress=False),  # the run's record reports
             *spec.callbacks,
         ]
         best_path = os.path.join(run.work, BEST_MODEL_FILENAME)
         checkpoint = spec.checkpoint_callback
+        record = None
         if run.rank == 0:
             if checkpoint is not None:
                 checkpoint.filepath = best_path
@@ -345,6 +348,10 @@ def train_on_rank(spec: KerasTrainingSpec) -> dict:
             model = keras.models.load_model(best_path, custom_objects=spec.custom_objects)
         if spec.learning_rate is not None:
             model.optimizer.learning_rate = spec.learning_rate  # hand back the rate given
+        run.log_model(record, lambda mlflow, registered: mlflow.keras.log_model(
+            model, name="model", registered_model_name=registered,
+            pip_requirements=tracking.pinned("keras", "tensorflow", "tensorflow-cpu", "numpy"),
+        ))  # fmt: skip
         return run.result(lambda: model_to_bytes(model), history.history)
 
 

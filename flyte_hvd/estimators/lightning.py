@@ -26,7 +26,7 @@ import cloudpickle
 import numpy as np
 
 from flyte_hvd.data.store import Store
-from flyte_hvd.estimators import training
+from flyte_hvd.estimators import tracking, training
 from flyte_hvd.estimators.base import HorovodEstimator, Metadata, passed_params
 from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, with_params
 from flyte_hvd.estimators.torch_model import (
@@ -37,6 +37,7 @@ from flyte_hvd.estimators.torch_model import (
     resolve_input_shapes,
     tensorboard_without_tensorflow,
 )
+from flyte_hvd.estimators.tracking import MlflowConfig
 from flyte_hvd.estimators.training import TrainingSpec
 
 if TYPE_CHECKING:
@@ -169,6 +170,7 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
         inmemory_cache_all: bool | None = None,
         data_loader: type | None = None,
         use_gpu: bool = True,
+        mlflow: bool | MlflowConfig | None = None,
         backward_passes_per_step: int = 1,
         compress_sparse_cols: bool = False,
         mp_start_method: str | None = None,
@@ -429,6 +431,10 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
             saved = torch.load(best, map_location="cpu", weights_only=False)
             module.load_state_dict(saved["state_dict"])
         module = module.cpu()
+        run.log_model(record, lambda mlflow, registered: mlflow.pytorch.log_model(
+            module, name="model", registered_model_name=registered,
+            pip_requirements=tracking.pinned("torch", "lightning", "cloudpickle", "numpy"),
+        ))  # fmt: skip
         return run.result(
             lambda: cloudpickle.dumps({"model": module, "optimizer": None}), recorder.history
         )

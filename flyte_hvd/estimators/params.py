@@ -46,6 +46,11 @@ ESTIMATOR_PARAMS: dict[str, tuple[Any, str]] = {
     ),
     "data_loader": (None, "a BaseDataLoader class to read batches (default ArrowDataLoader)"),
     "use_gpu": (True, "pin each rank to its GPU when one is present"),
+    "mlflow": (
+        None,
+        "True (MLflow's MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME) or an MlflowConfig: "
+        "track the fit as an MLflow run (params, metrics per epoch, checkpoint, model)",
+    ),
     # Horovod's parameters for its petastorm readers and process start: accepted, so code
     # written for Horovod runs; each warns once when set, since ours has no such knob.
     "backward_passes_per_step": (1, "backward passes accumulated locally per reduction"),
@@ -78,6 +83,7 @@ INERT_PARAMS: dict[str, str] = {
 MODEL_PARAMS: dict[str, tuple[Any, str]] = {
     "history": (None, "metric name -> value per epoch"),
     "run_id": (None, "the run that produced the model"),
+    "mlflow_run_id": (None, "the MLflow run of the fit, when it was tracked"),
     "feature_columns": (None, "feature columns, in model input order"),
     "label_columns": (None, "label columns, in model output order"),
     "output_cols": (None, "prediction columns (default <label>__output)"),

@@ -23,7 +23,7 @@ import numpy as np
 
 from flyte_hvd.core.checks import require_int
 from flyte_hvd.data.store import Store
-from flyte_hvd.estimators import training
+from flyte_hvd.estimators import tracking, training
 from flyte_hvd.estimators.base import (
     HorovodEstimator,
     Metadata,
@@ -40,6 +40,7 @@ from flyte_hvd.estimators.torch_model import (
     resolve_input_shapes,
     tensorboard_without_tensorflow,
 )
+from flyte_hvd.estimators.tracking import MlflowConfig
 from flyte_hvd.estimators.training import TrainingSpec
 
 if TYPE_CHECKING:
@@ -138,6 +139,7 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
         inmemory_cache_all: bool | None = None,
         data_loader: type | None = None,
         use_gpu: bool = True,
+        mlflow: bool | MlflowConfig | None = None,
         backward_passes_per_step: int = 1,
         compress_sparse_cols: bool = False,
         mp_start_method: str | None = None,
@@ -369,6 +371,10 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
         optimizer.zero_grad(set_to_none=True)
         _scale_lr(optimizer, 1.0 / size)  # hand back the rate given
         model = model.cpu()
+        run.log_model(record, lambda mlflow, registered: mlflow.pytorch.log_model(
+            model, name="model", registered_model_name=registered,
+            pip_requirements=tracking.pinned("torch", "cloudpickle", "numpy"),
+        ))  # fmt: skip
         return run.result(
             lambda: cloudpickle.dumps({"model": model, "optimizer": optimizer}), history
         )

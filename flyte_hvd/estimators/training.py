@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import tempfile
 import time
 import zipfile
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
 from flyte_hvd.core.log import get_logger
-from flyte_hvd.launch import spare
+from flyte_hvd.estimators import tracking
+from flyte_hvd.launch import progress, spare
 
 if TYPE_CHECKING:
     from flyte_hvd.data.dataset import DatasetMetadata
@@ -61,6 +63,7 @@ class TrainingSpec:
     inmemory_cache_all: bool | None = None
     data_loader: Any = None
     use_gpu: bool = True
+    mlflow_run: tracking.MlflowRun | None = None  # opened by the driver; rank 0 logs to it
 
 
 # -- the run in the store ----------------------------------------------------------------------
@@ -171,6 +174,8 @@ class RankRun:
     work: str
     resume_file: str | None = None  # the run's last model, when resuming
     best_file: str | None = None  # rank 0: the run's best model so far, when state has one
+    mlflow_run: tracking.MlflowRun | None = None
+    mlflow: Any = None  # rank 0 of a tracked run: the ``mlflow`` module, its run active
 
     @property
     def initial_epoch(self) -> int:
@@ -184,10 +189,19 @@ class RankRun:
 
     def result(self, model_bytes: Callable[[], bytes], history: dict) -> dict:
         """What the training function returns: rank 0 the model and the run's whole history
-        (earlier attempts included); the other ranks only their rank."""
+        (earlier attempts included); every rank its rank and host."""
+        mine = {"rank": self.rank, "host": socket.gethostname()}
         if self.rank != 0:
-            return {"rank": self.rank}
-        return {"model": model_bytes(), "history": merge_history(self.state, history)}
+            return mine
+        return {**mine, "model": model_bytes(), "history": merge_history(self.state, history)}
+
+    def log_model(self, record: RunRecord | None, log_model: Callable[[Any, str | None], Any]
+                  ) -> None:  # fmt: skip
+        """Rank 0 of a tracked run: log the run's checkpoint and, with ``log_model(mlflow,
+        registered_model_name)``, the model in its framework's flavour."""
+        if self.mlflow is not None and self.mlflow_run is not None:
+            checkpoint = record.checkpoint_file if record is not None else None
+            tracking.log_outcome(self.mlflow, self.mlflow_run, checkpoint, log_model)
 
 
 @contextmanager
@@ -204,8 +218,11 @@ def rank_run(spec: TrainingSpec, hvd: Any, extension: str,
         seed(spec.random_seed + rank)
     store = spec.store
     state = hvd.broadcast_object(read_run_state(store) if rank == 0 else None, root_rank=0)
+    progress.reset()
     with tempfile.TemporaryDirectory(prefix="flyte-hvd-train-") as work:
-        run = RankRun(rank=rank, size=size, state=state, work=work)
+        run = RankRun(rank=rank, size=size, state=state, work=work, mlflow_run=spec.mlflow_run)
+        if spec.mlflow_run is not None:
+            run.mlflow = tracking.enter_rank(spec.mlflow_run, rank)
         if state and (rank == 0 or resume_on_every_rank):
             run.resume_file = os.path.join(work, f"resume{extension}")
             store.download_file(run_file(store, f"last{extension}"), run.resume_file)
@@ -217,7 +234,12 @@ def rank_run(spec: TrainingSpec, hvd: Any, extension: str,
         # the first step instead, its imports competed with training on both cores
         # (benchmarks.estimator: the Keras steady epoch 0.91x -> 1.20x plain on 2 cores).
         spare.rank_is_warm()
-        yield run
+        failed = True
+        try:
+            yield run
+            failed = False
+        finally:
+            tracking.leave_rank(run.mlflow, failed)
 
 
 class RunRecord:
@@ -234,6 +256,8 @@ class RunRecord:
         self.epoch_seconds = list((state or {}).get("epoch_seconds", []))
         self.best: float | None = (state or {}).get("best")
         self.first_step_at: float | None = None
+        self.checkpoint_file: str | None = None  # the local file last published as checkpoint
+        self.attempt_seconds: list[float] = []  # this attempt's epochs, for the time left
         self.started = time.monotonic()
 
     def epoch_begin(self) -> None:
@@ -256,11 +280,13 @@ class RunRecord:
         store = self.store
         best = best_file if best_file and os.path.exists(best_file) else last_file
         store.upload_file(best, self.checkpoint_path)
+        self.checkpoint_file = best
         store.upload_file(last_file, self.last_path)
         if logs_dir and os.path.isdir(logs_dir):
             store.upload_dir(logs_dir, store.logs_path)
         seconds = time.monotonic() - self.started
         self.epoch_seconds.append(seconds)
+        self.attempt_seconds.append(seconds)
         state = {
             "epoch": epoch + 1,
             "epochs": self.epochs,
@@ -271,9 +297,8 @@ class RunRecord:
         if self.best is not None:
             state["best"] = self.best
         store.write_text(store.state_path, json.dumps(state))
-        if self.verbose:
-            metrics = "  ".join(f"{k}={float(v):.4g}" for k, v in sorted(logs.items()))
-            logger.info("epoch %d/%d  %s  (%.1fs)", epoch + 1, self.epochs, metrics, seconds)
+        progress.record_epoch(epoch + 1, self.epochs, logs, seconds, self.attempt_seconds,
+                              self.verbose)  # fmt: skip
 
 
 # -- data --------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from flytekit import FlyteContextManager
 from flytekit.core.context_manager import ExecutionParameters, ExecutionState, FlyteContext
 from flytekit.models.literals import LiteralMap
 
+from flyte_hvd.estimators import tracking
 from flyte_hvd.spark.barrier_task import output_error, split_outputs
 
 
@@ -44,6 +45,8 @@ class RankSpec:
     raw_output_prefix: str
     execution_id: Any
     task_id: Any
+    # With MLflow tracking: the run rank 0 logs into (its active run while the body runs).
+    mlflow_run: tracking.MlflowRun | None = None
 
     @classmethod
     def of(cls, task: Any, ctx: FlyteContext) -> RankSpec:
@@ -64,10 +67,22 @@ class RankSpec:
 
     @contextmanager
     def rank_context(self) -> Iterator[Callable[[Any], bytes]]:
-        """flytekit's task context on the rank; yields the encoder of rank 0's value: its
-        outputs as a serialized ``LiteralMap``."""
-        with _rank_context(self) as ctx:
-            yield lambda value: _to_literal_map(ctx, value, self).to_flyte_idl().SerializeToString()
+        """flytekit's task context on the rank, and the MLflow run when tracked; yields the
+        encoder of rank 0's value: its outputs as a serialized ``LiteralMap``."""
+        import flyte_hvd.core as hvd
+
+        mlflow = tracking.enter_rank(self.mlflow_run, hvd.rank()) if self.mlflow_run else None
+        failed = True
+        try:
+            with _rank_context(self) as ctx:
+                yield (
+                    lambda value: (
+                        _to_literal_map(ctx, value, self).to_flyte_idl().SerializeToString()
+                    )
+                )
+            failed = False
+        finally:
+            tracking.leave_rank(mlflow, failed)
 
 
 @contextmanager

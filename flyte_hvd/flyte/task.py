@@ -12,8 +12,9 @@ outputs, and ``flyte_hvd.spark.barrier_task`` holds what the flytekit and Flyte 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from flytekit import FlyteContextManager, PodTemplate
@@ -23,9 +24,12 @@ from flytekit.extend import TaskPlugins
 from flytekit.models.literals import LiteralMap
 from flytekitplugins.spark.task import PysparkFunctionTask
 
+from flyte_hvd.estimators import report, tracking
+from flyte_hvd.estimators.tracking import MlflowConfig
 from flyte_hvd.flyte.rank import RankSpec, literal_map_from_bytes
 from flyte_hvd.spark.barrier_task import (
     BarrierTaskConfig,
+    BodyResult,
     connect_session,
     launch_body,
     start_local_session,
@@ -40,6 +44,13 @@ class HorovodSpark(BarrierTaskConfig):
     The fields, the Spark settings derived from them and their checks are
     ``flyte_hvd.spark.barrier_task.BarrierTaskConfig``'s; ``driver_pod`` and ``executor_pod``
     are ``flytekit.PodTemplate``s, as in ``flytekitplugins.spark.Spark``.
+
+    With ``mlflow`` the task is an MLflow run: the driver opens it before any rank starts
+    (an unreachable server or a refused experiment fails the task there) with the task's
+    scalar inputs as params; on rank 0 it is MLflow's active run (``MLFLOW_RUN_ID``) while the
+    body runs, and the epochs ``flyte_hvd.keras.callbacks.MetricAverageCallback`` records are
+    logged to it. Every task shows a "Training" Deck: ranks, hosts, the MLflow run, and the
+    recorded epochs as a table and curves.
     """
 
     pod_template_type: ClassVar[type] = PodTemplate
@@ -47,6 +58,13 @@ class HorovodSpark(BarrierTaskConfig):
 
     driver_pod: PodTemplate | None = None
     executor_pod: PodTemplate | None = None
+    # True (MLflow's ``MLFLOW_TRACKING_URI`` and ``MLFLOW_EXPERIMENT_NAME``) or an
+    # ``MlflowConfig``: the task is an MLflow run.
+    mlflow: bool | MlflowConfig | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        tracking.resolve_config(self.mlflow)
 
 
 # -- the task --------------------------------------------------------------------------------
@@ -62,6 +80,9 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
             raise ValueError(
                 f"`task_config` must be a HorovodSpark; found {type(task_config).__name__}."
             )
+        if kwargs.get("enable_deck") is None and kwargs.get("disable_deck") is None:
+            kwargs["enable_deck"] = True  # the run's report; `enable_deck=False` turns it off
+            kwargs.pop("disable_deck", None)
         super().__init__(task_config=task_config, task_function=task_function, **kwargs)
 
     def get_custom(self, settings: SerializationSettings) -> dict[str, Any]:
@@ -93,12 +114,51 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
     def execute(self, **kwargs: Any) -> LiteralMap:
         """Run the body on every rank and return rank 0's outputs as Flyte literals."""
         ctx = FlyteContextManager.current_context()
-        spec = RankSpec.of(self, ctx)
-        connect = self.sess if self.task_config.connect_url is not None else None
-        encoded = launch_body(
-            self.name, self._task_function, kwargs, spec, self.task_config, connect
-        )
-        return literal_map_from_bytes(encoded)
+        config = self.task_config
+        connect = self.sess if config.connect_url is not None else None
+        started = time.monotonic()
+        mlflow_run = None
+        failed = True
+        try:
+            mlflow_config = tracking.resolve_config(config.mlflow)
+            if mlflow_config is not None:
+                params = {**kwargs, "num_proc": config.num_proc, "task": self.name}
+                mlflow_run = tracking.start_run(
+                    mlflow_config, self.name.split(".")[-1], tracking.loggable_params(params)
+                )
+            spec = replace(RankSpec.of(self, ctx), mlflow_run=mlflow_run)
+            result = launch_body(self.name, self._task_function, kwargs, spec, config, connect)
+            failed = False
+        finally:
+            tracking.end_run(mlflow_run, failed)
+        self._report(result, mlflow_run, time.monotonic() - started)
+        return literal_map_from_bytes(result.outputs)
+
+    def _report(self, result: BodyResult, mlflow_run: tracking.MlflowRun | None,
+                seconds: float) -> None:  # fmt: skip
+        """The task's "Training" Deck: ranks, hosts, MLflow run and rank 0's epochs. A local
+        run writes the Deck file here: flytekit writes it only for tasks that return Python
+        values, and this one returns rank 0's literals."""
+        history: dict[str, list[float]] = {}
+        for epoch in result.epochs:
+            for name, value in epoch.metrics.items():
+                history.setdefault(name, []).append(value)
+        facts = {
+            "task": self.name,
+            "ranks": len(result.hosts),
+            "hosts": sorted(set(result.hosts)),
+            "seconds": f"{seconds:.1f}",
+            "MLflow run id": mlflow_run.run_id if mlflow_run else None,
+            "MLflow tracking URI": mlflow_run.tracking_uri if mlflow_run else None,
+        }
+        html = report.run_report_html(facts, history, [e.seconds for e in result.epochs])
+        if not report.add_deck(html) or not self.enable_deck:
+            return
+        ctx = FlyteContextManager.current_context()
+        if ctx.execution_state and ctx.execution_state.is_local_execution():
+            from flytekit.deck.deck import _output_deck
+
+            _output_deck(self.name.split(".")[-1], ctx.user_space_params)
 
 
 # Inject the plugin into flytekit's dynamic plugin loading, as flytekitplugins-spark does.

@@ -108,7 +108,7 @@ class HorovodSparkTask(PysparkFunctionTask):
         connect = data["spark_session"] if self.plugin_config.connect_url is not None else None
         spec = RankSpec.of(self)
         # The launch blocks until the ranks end: off the event loop, in the context of the run.
-        encoded = await asyncio.to_thread(
+        result = await asyncio.to_thread(
             barrier_task.launch_body,
             self.name,
             self.func,
@@ -117,7 +117,7 @@ class HorovodSparkTask(PysparkFunctionTask):
             self.plugin_config,
             connect,
         )
-        value = await outputs_from_bytes(spec, encoded)
+        value = await outputs_from_bytes(spec, result.outputs)
         if connect is None:  # the session flyteplugins-spark stops in a debug run
             await self.post(value)
         return value

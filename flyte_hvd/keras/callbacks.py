@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -9,6 +10,7 @@ import keras
 import numpy as np
 
 from flyte_hvd.core import collectives, state
+from flyte_hvd.launch import progress as run_progress
 from flyte_hvd.tensorflow.functions import broadcast_variables
 
 
@@ -74,19 +76,36 @@ def _refs(variables: keras.Variable | Iterable[keras.Variable] | None) -> set[Ha
 class MetricAverageCallback(keras.callbacks.Callback):
     """Replace each epoch's logs by their average over ranks. Put it before callbacks that
     read the logs (checkpointing, early stopping, LR on plateau) so they see the same values
-    on every rank."""
+    on every rank.
 
-    def __init__(self, device: str = ""):
+    With ``progress`` (the default), rank 0 also records each epoch's averaged metrics: one
+    progress line (``epoch 3/10 · loss 0.41 · 12.1 s/epoch · ~85 s left``, unless ``fit``
+    runs with ``verbose=0``), the rows of a ``HorovodSpark`` task's Deck, and the metrics of
+    its MLflow run."""
+
+    def __init__(self, device: str = "", progress: bool = True):
         super().__init__()
+        self.progress = progress
+        self._started = time.monotonic()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._started = time.monotonic()
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is None or state.size() == 1:
+        if logs is None:
             return
         keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and _is_number(v))
-        values = np.array([float(logs[k]) for k in keys], dtype=np.float64)
-        averaged = collectives.allreduce(values, op=collectives.Average, name="MetricAverage")
-        for key, value in zip(keys, averaged, strict=True):
-            logs[key] = float(value)
+        if state.size() > 1:
+            values = np.array([float(logs[k]) for k in keys], dtype=np.float64)
+            averaged = collectives.allreduce(values, op=collectives.Average, name="MetricAverage")
+            for key, value in zip(keys, averaged, strict=True):
+                logs[key] = float(value)
+        if self.progress and state.rank() == 0:
+            params = self.params or {}
+            run_progress.record_epoch(
+                epoch + 1, params.get("epochs"), {k: float(logs[k]) for k in keys},
+                time.monotonic() - self._started, verbose=params.get("verbose", 1),
+            )  # fmt: skip
 
 
 def _is_number(value: Any) -> bool:  # any logged value: float() decides

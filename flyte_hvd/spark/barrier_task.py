@@ -16,6 +16,7 @@ import inspect
 import os
 import reprlib
 import shutil
+import socket
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -26,6 +27,7 @@ from typing import Any, ClassVar, Protocol
 import cloudpickle
 
 from flyte_hvd.core.checks import require_int
+from flyte_hvd.launch import progress
 from flyte_hvd.launch.supervisor import check_start_timeout
 
 GPU_VENDOR = "nvidia.com"
@@ -266,6 +268,16 @@ def pickle_body(
         ) from error
 
 
+@dataclass(frozen=True)
+class BodyResult:
+    """What a task's launch gives back: rank 0's encoded outputs, every rank's host, and the
+    epochs rank 0 recorded (``flyte_hvd.launch.progress``) for the task's report."""
+
+    outputs: bytes
+    hosts: list[str]
+    epochs: list[progress.Epoch]
+
+
 def launch_body(
     task_name: str,
     fn: Callable[..., Any],
@@ -273,10 +285,9 @@ def launch_body(
     spec: OutputSpec,
     config: BarrierTaskConfig,
     session: Any = None,
-) -> bytes:
-    """Run ``fn(**kwargs)`` on ``config.num_proc`` ranks of the active session; rank 0's
-    encoded outputs. ``session``, a Spark Connect session the task made active, stops being
-    the active one afterwards."""
+) -> BodyResult:
+    """Run ``fn(**kwargs)`` on ``config.num_proc`` ranks of the active session. ``session``,
+    a Spark Connect session the task made active, stops being the active one afterwards."""
     from flyte_hvd.spark.dispatch import run
 
     try:
@@ -287,12 +298,13 @@ def launch_body(
     finally:
         if session is not None:
             deactivate(session)
-    if results[0] is None:
+    first = results[0]
+    if not isinstance(first, dict) or first.get("outputs") is None:
         raise RuntimeError(
             "rank 0 sent back no outputs (found None where its encoded outputs were "
             "expected); the launcher's results are not in rank order. Report this as a bug."
         )
-    return results[0]
+    return BodyResult(first["outputs"], [r["host"] for r in results], first["epochs"])
 
 
 def connect_session(url: str, config: BarrierTaskConfig, code_dir: str | None = None) -> Any:
@@ -378,21 +390,24 @@ def _local_jvm_environment(python: str) -> Iterator[None]:
 # -- the ranks -------------------------------------------------------------------------------
 
 
-def run_rank(payload: bytes) -> bytes | None:
-    """What every rank runs: init, the body (awaited if it is a coroutine function), and on
-    rank 0 its outputs, encoded by the SDK's output spec. (The rank imports what the body
-    needs through the import path the launcher gives it.)"""
+def run_rank(payload: bytes) -> dict[str, Any]:
+    """What every rank runs: init, the body (awaited if it is a coroutine function) inside the
+    SDK's rank context, and its host; rank 0 also its outputs, encoded by the SDK's output
+    spec, and the epochs it recorded. (The rank imports what the body needs through the
+    import path the launcher gives it.)"""
     import flyte_hvd.core as hvd
 
     fn, kwargs, spec = cloudpickle.loads(payload)
     hvd.init()
+    progress.reset()
+    mine: dict[str, Any] = {"host": socket.gethostname()}
     with spec.rank_context() as encode:
         value = fn(**kwargs)
         if inspect.isawaitable(value):
             value = asyncio.run(_result(value))
-        if hvd.rank() != 0:
-            return None
-        return encode(value)
+        if hvd.rank() == 0:
+            mine.update(outputs=encode(value), epochs=progress.epochs())
+    return mine
 
 
 async def _result(awaitable: Any) -> Any:

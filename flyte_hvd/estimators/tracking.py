@@ -1,0 +1,253 @@
+"""MLflow tracking of a distributed run: the driver opens the run before any rank starts (the
+check that the tracking server answers and takes runs in the experiment), rank 0 logs into it.
+
+An estimator fit (``mlflow=True`` or an ``MlflowConfig``) logs its parameters (from the
+driver), each epoch's averaged metrics (step = epoch), the best checkpoint as an artifact and
+the model in its framework's MLflow flavour, optionally registered. A ``HorovodSpark`` task
+makes the run rank 0's active run while its body runs. MLflow is imported only here and only
+when asked for (``pip install 'flyte-hvd[mlflow]'``; ``mlflow-skinny`` is enough).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from flyte_hvd.core.log import get_logger
+from flyte_hvd.launch import progress
+
+logger = get_logger(__name__)
+
+# Seconds the driver waits for the tracking server to accept a connection: MLflow's own
+# client retries a refused or silent server with backoff for minutes.
+CONNECT_TIMEOUT = 5.0
+_PARAM_CHARS = 6000  # MLflow's limit on a param value
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    """Where and how a run is tracked. Fields left None take what MLflow itself would use:
+    ``MLFLOW_TRACKING_URI`` and ``MLFLOW_EXPERIMENT_NAME`` (or ``MLFLOW_EXPERIMENT_ID``).
+
+    Attributes:
+        experiment: experiment name; created when it does not exist.
+        run_name: the run's name (default: the estimator's ``run_id`` or the task's name).
+        tags: tags of the run.
+        registered_model_name: register the trained model under this name.
+        tracking_uri: the tracking server (``http://host:5000``, ``databricks``) or store.
+    """
+
+    experiment: str | None = None
+    run_name: str | None = None
+    tags: Mapping[str, str] | None = None
+    registered_model_name: str | None = None
+    tracking_uri: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("experiment", "run_name", "registered_model_name", "tracking_uri"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(
+                    f"MlflowConfig `{name}` must be a non-empty str or None; found {value!r}."
+                )
+        tags = self.tags
+        if tags is not None:
+            if not isinstance(tags, Mapping) or not all(isinstance(k, str) for k in tags):
+                raise ValueError(f"MlflowConfig `tags` must map str to values; found {tags!r}.")
+            object.__setattr__(self, "tags", {k: str(v) for k, v in tags.items()})
+
+
+def resolve_config(value: Any) -> MlflowConfig | None:
+    """An ``mlflow`` param or task setting as a config: None/False (off), True (MLflow's own
+    settings) or an ``MlflowConfig``."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return MlflowConfig()
+    if isinstance(value, MlflowConfig):
+        return value
+    raise ValueError(
+        f"`mlflow` must be True (MLflow's own MLFLOW_TRACKING_URI and "
+        f"MLFLOW_EXPERIMENT_NAME), an MlflowConfig(experiment=..., tracking_uri=...), or "
+        f"False/None; found {value!r}."
+    )
+
+
+@dataclass(frozen=True)
+class MlflowRun:
+    """An open MLflow run, as plain values the ranks get: rank 0 logs into ``run_id``."""
+
+    tracking_uri: str
+    run_id: str
+    experiment_id: str
+    registered_model_name: str | None
+    env: dict[str, str]  # the driver's MLFLOW_* settings, for the ranks
+
+
+def import_mlflow() -> Any:
+    try:
+        import mlflow
+    except ImportError as error:
+        raise RuntimeError(
+            f"`mlflow` tracking needs MLflow, which is not installed here ({error}); install "
+            f"it with `pip install 'flyte-hvd[mlflow]'` (or mlflow-skinny), or leave `mlflow` "
+            f"unset."
+        ) from error
+    return mlflow
+
+
+def start_run(config: MlflowConfig, default_name: str, params: dict[str, Any]) -> MlflowRun:
+    """Open the run on the driver, before any rank starts, and log ``params``: an error says
+    what is wrong if MLflow is missing, the tracking server does not answer, or it refuses
+    a run in the experiment."""
+    mlflow = import_mlflow()
+    from mlflow import MlflowClient
+    from mlflow.entities import Param
+
+    uri = config.tracking_uri or mlflow.get_tracking_uri()
+    _check_reachable(uri)
+    experiment = config.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        if experiment is not None:
+            found = client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+        else:
+            experiment_id = os.environ.get("MLFLOW_EXPERIMENT_ID", "0")
+        tags = dict(config.tags or {})
+        run = client.create_run(experiment_id, run_name=config.run_name or default_name, tags=tags)
+        run_id = run.info.run_id
+        client.log_batch(run_id, params=[Param(k, _param_text(v)) for k, v in params.items()])
+    except Exception as error:
+        where = f"experiment `{experiment}`" if experiment else f"experiment id {experiment_id!r}"
+        raise RuntimeError(
+            f"MLflow at `{uri}` did not open a run in {where} ({type(error).__name__}: "
+            f"{_first_line(error)}). Check that the account may create runs there (the "
+            f"experiment's permissions), the `experiment` name, and the tracking URI "
+            f"(MLFLOW_TRACKING_URI or MlflowConfig(tracking_uri=...)); no rank was started."
+        ) from error
+    env = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
+    env.update(MLFLOW_TRACKING_URI=uri)
+    logger.info("MLflow run %s in experiment %s at %s", run_id, experiment_id, uri)
+    return MlflowRun(uri, run_id, experiment_id, config.registered_model_name, env)
+
+
+def end_run(run: MlflowRun | None, failed: bool) -> None:
+    """The driver's end of the run: FAILED when the launch failed (rank 0 ends a successful
+    run FINISHED itself). Never raises: the launch's own error matters more."""
+    if run is None or not failed:
+        return
+    try:
+        from mlflow import MlflowClient
+
+        MlflowClient(tracking_uri=run.tracking_uri).set_terminated(run.run_id, "FAILED")
+    except Exception as error:  # the server may be what failed
+        logger.warning("could not mark MLflow run %s FAILED: %s", run.run_id, error)
+
+
+def _check_reachable(uri: str) -> None:
+    """A tracking server that refuses connections fails here in at most ``CONNECT_TIMEOUT``
+    seconds, not after MLflow's minutes of retries."""
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme not in ("http", "https"):
+        return
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname or "", port), timeout=CONNECT_TIMEOUT):
+            pass
+    except OSError as error:
+        raise RuntimeError(
+            f"the MLflow tracking server at `{uri}` is not reachable ({error}); start it, or "
+            f"fix MLFLOW_TRACKING_URI / MlflowConfig(tracking_uri=...). No rank was started."
+        ) from None
+
+
+def _param_text(value: Any) -> str:
+    return str(value)[:_PARAM_CHARS]
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def loggable_params(values: dict[str, Any]) -> dict[str, Any]:
+    """Values that mean something as MLflow params: numbers, strings, booleans and short
+    lists of them as they are; functions, classes and objects by their name."""
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        if value is None or value == [] or value == {}:
+            continue
+        if isinstance(value, bool | int | float | str):
+            out[name] = value
+        elif isinstance(value, list | tuple) and all(
+            isinstance(v, bool | int | float | str) for v in value
+        ):
+            out[name] = list(value)
+        elif isinstance(value, list | tuple):
+            out[name] = [_name_of(v) for v in value]
+        else:
+            out[name] = _name_of(value)
+    return out
+
+
+def _name_of(value: Any) -> str:
+    return getattr(value, "__name__", None) or type(value).__name__
+
+
+# -- on rank 0 ---------------------------------------------------------------------------------
+
+
+def enter_rank(run: MlflowRun, rank: int) -> Any:
+    """Every rank gets the tracking URI (and the driver's MLflow settings) in its environment;
+    rank 0 also gets ``MLFLOW_RUN_ID`` and the run as MLflow's active run, so the user's own
+    ``mlflow.log_*`` calls land there, and returns the ``mlflow`` module (the others None)."""
+    os.environ.update(run.env)
+    if rank != 0:
+        return None
+    os.environ["MLFLOW_RUN_ID"] = run.run_id
+    mlflow = import_mlflow()
+    mlflow.set_tracking_uri(run.tracking_uri)
+    mlflow.start_run(run_id=run.run_id)
+    progress.add_listener(lambda epoch: _log_epoch(mlflow, epoch))
+    return mlflow
+
+
+def pinned(*distributions: str) -> list[str]:
+    """``name==version`` of each installed distribution: a logged model's pip requirements.
+    MLflow would otherwise infer them by loading the model in a new process that imports the
+    framework again (22 s against 0.2 s for a Keras model, measured on 2 loaded cores)."""
+    from importlib import metadata
+
+    found = []
+    for name in distributions:
+        try:
+            found.append(f"{name}=={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def _log_epoch(mlflow: Any, epoch: progress.Epoch) -> None:
+    metrics = dict(epoch.metrics, epoch_seconds=epoch.seconds)
+    mlflow.log_metrics(metrics, step=epoch.number - 1)
+
+
+def log_outcome(mlflow: Any, run: MlflowRun, checkpoint: str | None,
+                log_model: Callable[[Any, str | None], Any] | None) -> None:  # fmt: skip
+    """Rank 0, after training: the best checkpoint as an artifact (``checkpoint/``) and the
+    model in its framework's flavour (``log_model(mlflow, registered_model_name)``)."""
+    if checkpoint and os.path.exists(checkpoint):
+        mlflow.log_artifact(checkpoint, artifact_path="checkpoint")
+    if log_model is not None:
+        log_model(mlflow, run.registered_model_name)
+
+
+def leave_rank(mlflow: Any, failed: bool) -> None:
+    """Rank 0 ends the run: FINISHED, or FAILED when its training raised."""
+    if mlflow is not None:
+        mlflow.end_run("FAILED" if failed else "FINISHED")

@@ -4,13 +4,16 @@ endpoint (moto's server)."""
 from __future__ import annotations
 
 import base64
+import http.server
 import importlib.util
+import json
 import logging
 import os
 import pickle
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 
@@ -405,12 +408,92 @@ def test_gcs_bad_credentials_fail_at_create(gcs_server, tmp_path, monkeypatch, t
     prefix = f"gs://{gcs_server.bucket}/t-{uuid.uuid4().hex[:8]}"
     options = gcs_server.storage_options(token=token.format(tmp=tmp_path))
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=rf"cannot open the store at `{prefix}`: `gcsfs` refused "
-                       rf"these `storage_options` \({cause}") as err:  # fmt: skip
+    with pytest.raises(RuntimeError, match=rf"cannot open the store at `{prefix}`: `gcsfs` could "
+                       rf"not sign in with these `storage_options` \({cause}") as err:  # fmt: skip
         Store.create(prefix, storage_options=options)
     assert time.monotonic() - start < 10
     assert "'token'" in str(err.value) and "GOOGLE_APPLICATION_CREDENTIALS" in str(err.value)
     assert gcs_server.list_keys(_key(prefix)) == []
+
+
+class _GoogleRefuses(http.server.BaseHTTPRequestHandler):
+    """Answers as Google does when it refuses: its OAuth token endpoint (`/token`) rejects the
+    signed key, Cloud Storage refuses every request (403), each with Google's JSON error."""
+
+    def _answer(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path.startswith("/token"):
+            status = 400
+            body = {"error": "invalid_grant", "error_description": "Invalid JWT Signature."}
+        else:
+            status = 403
+            body = {"error": {"code": 403, "message": "caller does not have storage.objects."
+                              "create access to the Google Cloud Storage object."}}  # fmt: skip
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = do_PUT = do_DELETE = _answer
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def google_refuses():
+    """The URL of a local endpoint that refuses as Google does (the emulator checks nothing)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _GoogleRefuses)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+def _service_account_key(path, token_uri: str) -> str:
+    """A well-formed service-account key file (a fresh RSA key) whose tokens come from
+    ``token_uri``."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    pem = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    ).decode()  # fmt: skip
+    path.write_text(json.dumps({
+        "type": "service_account", "project_id": "p", "private_key_id": "1",
+        "private_key": pem, "client_email": "trainer@p.iam.gserviceaccount.com",
+        "client_id": "1", "token_uri": token_uri,
+    }))  # fmt: skip
+    return str(path)
+
+
+def test_gcs_refused_key_fails_at_create_at_once(google_refuses, tmp_path):
+    """gcsfs alone retries a refused token 6 times (33 s measured) before failing."""
+    key = _service_account_key(tmp_path / "key.json", f"{google_refuses}/token")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"cannot open the store at `gs://bucket/x`: `gcsfs` "
+                       r"could not sign in .*RefreshError: \('invalid_grant: Invalid JWT "
+                       r"Signature.*Check the credentials") as err:  # fmt: skip
+        Store.create("gs://bucket/x", storage_options={"token": key,
+                                                       "endpoint_url": google_refuses})  # fmt: skip
+    assert time.monotonic() - start < 5
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in str(err.value)
+
+
+def test_gcs_refused_write_fails_at_create(google_refuses):
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"cannot write to the store at `gs://bucket/x`: "
+                       r"access denied \(OSError: Forbidden: .*\). Check the credentials "
+                       r".*'token'.*the bucket's permissions") as err:  # fmt: skip
+        Store.create("gs://bucket/x", storage_options={"token": "anon",
+                                                       "endpoint_url": google_refuses})  # fmt: skip
+    assert time.monotonic() - start < 5
+    assert "STORAGE_EMULATOR_HOST" in str(err.value)
 
 
 def test_missing_bucket_fails_at_create(object_store):

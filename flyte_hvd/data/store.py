@@ -641,7 +641,7 @@ class Store:
         """
         probe = self.join(self.prefix_path, f".flyte-hvd-write-check-{uuid.uuid4().hex}")
         try:
-            self.fs  # noqa: B018 (opening it reads the credentials: a failure there says so)
+            self._connect()
         except Exception as error:
             raise RuntimeError(
                 f"cannot open the store at `{self.prefix_path}`: {self._explain_open(error)}"
@@ -663,8 +663,13 @@ class Store:
             )
         return f"{_brief(error)}. Check that the path is correct and reachable."
 
+    def _connect(self) -> None:
+        """Open the filesystem (which reads the credentials), so that ``check_writable`` can
+        tell a failure there from one of the first write."""
+        self.fs  # noqa: B018
+
     def _explain_open(self, error: Exception) -> str:
-        """Why the filesystem could not be created (``_explain`` unless a class knows more)."""
+        """Why the filesystem could not be opened (``_explain`` unless a class knows more)."""
         return self._explain(error)
 
     def _makedirs(self, path: str) -> None:
@@ -1155,16 +1160,27 @@ class FilesystemStore(Store):
             f"and that the `{self.protocol}://` filesystem is reachable."
         )
 
+    def _connect(self) -> None:
+        fs = self.fs
+        # gcsfs retries a request whose access token cannot be had 6 times (about 30 s) before
+        # it gives up; asking for the token first fails at once with the token server's answer
+        # (a revoked key, a bad signature...). Anonymous access has none to ask for.
+        refresh = getattr(getattr(fs, "credentials", None), "maybe_refresh", None)
+        if self.protocol in ("gs", "gcs") and callable(refresh):
+            refresh()
+
     def _explain_open(self, error: Exception) -> str:
         cloud = _CLOUD_HELP.get(self.protocol)
+        cause = error.__cause__
+        brief = _brief(error) + (f"; {_brief(cause)}" if cause is not None else "")
         hint = (
             f"the credentials ({cloud.credentials}) and the endpoint ({cloud.endpoint})"
             if cloud is not None
             else "the `storage_options` (credentials, endpoint)"
         )
         return (
-            f"`{self._fs_class().__module__.split('.')[0]}` refused these `storage_options` "
-            f"({_brief(error)}). Check {hint}."
+            f"`{self._fs_class().__module__.split('.')[0]}` could not sign in with these "
+            f"`storage_options` ({brief}). Check {hint}."
         )
 
 
@@ -1405,13 +1421,12 @@ def _is_missing_bucket(error: BaseException) -> bool:
 def _is_access_denied(error: BaseException) -> bool:
     """A request was refused for its credentials: an HTTP 401/403 (Azure's errors carry
     ``status_code``, gcsfs's ``HttpError`` ``code``; gcsfs raises a plain OSError
-    'Forbidden' for a 403), or an error of a credentials library."""
+    'Forbidden' for a 403)."""
     status = getattr(error, "status_code", None) or getattr(error, "code", None)
     return (
         isinstance(error, PermissionError)
         or status in (401, 403)
         or str(error).startswith("Forbidden")
-        or type(error).__module__.startswith("google.auth")
     )
 
 

@@ -554,12 +554,17 @@ def memory_prefix():
         memory.rm(prefix, recursive=True)
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "memory", *_SERVERS])
 def any_store(request, tmp_path, memory_prefix):
-    """The same checks on a LocalStore and on a FilesystemStore over fsspec's memory://."""
+    """The same checks on a LocalStore, a FilesystemStore over fsspec's memory://, and a
+    Store on each object store's test endpoint (s3, gs, abfs)."""
     if request.param == "local":
         return LocalStore(str(tmp_path / "store"))
-    return FilesystemStore(memory_prefix)
+    if request.param == "memory":
+        return FilesystemStore(memory_prefix)
+    server = request.getfixturevalue(_SERVERS[request.param])
+    prefix = f"{server.protocol}://{server.bucket}/any-{uuid.uuid4().hex[:8]}"
+    return Store.create(prefix, storage_options=server.storage_options())
 
 
 def test_create_gives_a_filesystem_store_for_other_fsspec_protocols(memory_prefix, tmp_path):
@@ -600,7 +605,10 @@ def test_horovod_path_names(any_store):
     assert store.get_logs_subdir() == "logs"
     assert store.get_logs_path("r1") == store.join(run, store.get_logs_subdir())
     assert store.saving_runs() is True and store.saving_runs
-    assert not Store.create(store.prefix_path, save_runs=False).saving_runs()
+    options = store.storage_options
+    assert not Store.create(
+        store.prefix_path, save_runs=False, storage_options=options
+    ).saving_runs()
     train = store.get_train_data_path("7")
     assert store.get_data_metadata_path(train) == store.join(train, METADATA_FILENAME)
     assert store.get_filesystem() is store.fs

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs Azurite (Microsoft's Azure Storage emulator, an npm package) into .cache/azurite for
-# the abfs:// Store tests; quick and silent when that version is already there.
+# Installs Azurite (Microsoft's Azure Storage emulator, an npm package) into .cache/azurite
+# (or AZURITE_PREFIX) for the abfs:// Store tests; quick and silent when that version is there.
 #
 #   scripts/install_azurite.sh     install if missing, then print the azurite-blob path
 #
@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 AZURITE_VERSION="${AZURITE_VERSION:-3.37.0}"
-prefix=.cache/azurite
+prefix="${AZURITE_PREFIX:-$PWD/.cache/azurite}"
 bin="$prefix/node_modules/.bin/azurite-blob"
 installed="$prefix/node_modules/azurite/package.json"
 
@@ -23,4 +23,4 @@ if ! [ -x "$bin" ] || ! grep -q "\"version\": \"$AZURITE_VERSION\"" "$installed"
   npm install --prefix "$prefix" --no-save --no-audit --no-fund --loglevel=error \
     "azurite@$AZURITE_VERSION" >&2
 fi
-echo "$PWD/$bin"
+echo "$bin"

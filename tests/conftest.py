@@ -562,13 +562,11 @@ class AzuriteServer:
         return sorted(b.name for b in container.list_blobs(name_starts_with=prefix))
 
 
-@pytest.fixture(scope="session")
-def azurite_server():
-    """Azurite's blob service on 127.0.0.1 (a free port), in memory, with one container.
-    Azurite comes from npm, installed into .cache/azurite by scripts/install_azurite.sh (at
-    once when it is there)."""
+def find_azurite(env: dict[str, str] | None = None) -> str:
+    """The path of Azurite's blob service, installed first if missing; the test fails,
+    saying what is missing, when it cannot be."""
     script = os.path.join(REPO, "scripts", "install_azurite.sh")
-    found = subprocess.run([script], capture_output=True, text=True, timeout=600)
+    found = subprocess.run([script], capture_output=True, text=True, timeout=600, env=env)
     if found.returncode != 0:
         pytest.fail(
             f"Azurite (the Azure Storage emulator the abfs:// tests run against) is missing and "
@@ -576,8 +574,16 @@ def azurite_server():
             f"{found.returncode}): {found.stderr.strip()[-2000:]}\nIt needs node and npm with a "
             f"reachable registry; run `make setup` once that holds."
         )
+    return found.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def azurite_server():
+    """Azurite's blob service on 127.0.0.1 (a free port), in memory, with one container.
+    Azurite comes from npm, installed into .cache/azurite by scripts/install_azurite.sh (at
+    once when it is there)."""
     port = _free_port()
-    command = [found.stdout.strip().splitlines()[-1], "--blobHost", "127.0.0.1", "--blobPort",
+    command = [find_azurite(), "--blobHost", "127.0.0.1", "--blobPort",
                str(port), "--inMemoryPersistence", "--silent", "--skipApiVersionCheck",
                "--disableTelemetry"]  # fmt: skip
     process = _start_server("Azurite", command, port)

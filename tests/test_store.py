@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -507,6 +508,22 @@ def test_missing_bucket_fails_at_create(object_store):
     ):
         Store.create(prefix, storage_options=object_store.storage_options())
     assert time.monotonic() - start < 10
+
+
+def test_missing_azurite_fails_the_abfs_tests_saying_what_is_missing(tmp_path):
+    """Without Azurite, and without npm to install it, the abfs:// tests fail (never skip)."""
+    from conftest import find_azurite
+
+    tools = tmp_path / "bin"  # what the install script needs, without node and npm
+    tools.mkdir()
+    for tool in ("bash", "dirname", "grep", "mkdir"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    env = {"PATH": str(tools), "AZURITE_PREFIX": str(tmp_path / "azurite")}
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)Azurite \(the Azure Storage emulator "
+                       r"the abfs:// tests run against\) is missing .*npm is not installed.*"
+                       r"run `make setup`"):  # fmt: skip
+        find_azurite(env)
+    assert not (tmp_path / "azurite").exists()
 
 
 _WITHOUT_PACKAGE = """

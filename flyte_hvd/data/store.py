@@ -227,9 +227,11 @@ class Store:
         Raises:
             ValueError: an unsupported scheme or a malformed argument.
             ImportError: fsspec knows the scheme but the package serving it is not installed
-                (the message names it).
-            RuntimeError: the prefix cannot be created or written (the message names the
-                path and the cause: permission, missing bucket, bad credentials...).
+                (the message names it, and the flyte-hvd extra that installs it: ``gcs``,
+                ``azure``).
+            RuntimeError: the filesystem cannot be opened, or the prefix cannot be created or
+                written (the message names the path, the cause, such as permission, a missing
+                bucket or container or refused credentials, and what to set).
         """
         cls = store_class_for(prefix_path)
         # By keyword: HDFSStore's positional arguments after the prefix are Horovod's
@@ -1025,6 +1027,12 @@ class FilesystemStore(Store):
     form. Object stores (gs, abfs...) publish a file with one upload, others write a
     temporary beside the target and rename it.
 
+    Google Cloud Storage takes ``token`` (a service-account JSON file, 'google_default',
+    'anon'...), ``project`` and ``endpoint_url``, or GOOGLE_APPLICATION_CREDENTIALS and
+    STORAGE_EMULATOR_HOST; Azure takes ``connection_string``, or ``account_name`` with
+    ``account_key`` or ``sas_token``, or the AZURE_STORAGE_* variables. ``Store.create``
+    names a missing bucket or container and the credentials to check.
+
     Args:
         prefix_path: the store's root URL.
         train_path: as for ``Store``.
@@ -1040,7 +1048,7 @@ class FilesystemStore(Store):
     Raises:
         ValueError: fsspec does not know the scheme.
         ImportError: fsspec knows it but the package serving it is not installed (the
-            message names the package).
+            message names the package, and its flyte-hvd extra where there is one).
     """
 
     def __init__(

@@ -8,6 +8,8 @@
 # that wheel without any index (a `find-links` folder in pip's configuration or PIP_FIND_LINKS),
 # it is installed from there. Otherwise torch alone comes from the PyTorch CPU index
 # (TORCH_INDEX_URL), and everything else from the indexes pip is configured with (PyPI).
+# Then Azurite, the Azure Storage emulator of the abfs:// Store tests, comes from npm into
+# .cache/azurite (scripts/install_azurite.sh; nothing to do when it is there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,3 +38,9 @@ for command in "${commands[@]}"; do
     $command
   fi
 done
+if [ "$mode" = "--print" ]; then
+  echo "install: then scripts/install_azurite.sh (Azurite from npm, for the abfs:// tests)" >&2
+elif ! scripts/install_azurite.sh >/dev/null; then
+  # Only the abfs:// tests need it; their fixture says what is missing.
+  echo "install: Azurite could not be installed (see above); the abfs:// Store tests fail until it is" >&2
+fi

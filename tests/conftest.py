@@ -17,6 +17,10 @@ os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 # inherits this marker, so the leftover check below ignores other test runs on the machine.
 _SESSION_MARKER = f"FLYTE_HVD_TEST_SESSION={os.getpid()}"
 os.environ["FLYTE_HVD_TEST_SESSION"] = str(os.getpid())
+# gcsfs asks a bucket's layout over gRPC before using it (waiting 60 s for an answer); the
+# Cloud Storage emulator serves only the JSON API. Set before anything imports gcsfs, and
+# inherited by Spark's workers and the ranks.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 def _ours(pid: str) -> bool:
@@ -354,6 +358,8 @@ S3_BUCKET = "flyte-hvd-test"
 class S3Server:
     """Where the test S3 endpoint is and how to sign in to it."""
 
+    protocol = "s3"
+
     def __init__(self, endpoint_url: str, key: str, secret: str, bucket: str):
         self.endpoint_url = endpoint_url
         self.key = key
@@ -381,6 +387,11 @@ class S3Server:
             aws_secret_access_key=self.secret,
             region_name="us-east-1",
         )
+
+    def list_keys(self, prefix: str) -> list[str]:
+        """The object keys under ``prefix`` in the bucket, as S3's own client lists them."""
+        listed = self.client().list_objects_v2(Bucket=self.bucket, Prefix=prefix)
+        return sorted(o["Key"] for o in listed.get("Contents", []))
 
 
 @pytest.fixture(scope="session")
@@ -421,3 +432,164 @@ def s3_server():
     finally:
         requests.post(f"{endpoint}/moto-api/reset-auth", data=b"inf", timeout=10)
         server.stop()
+
+
+# -- Google Cloud Storage and Azure Blob Storage emulators -------------------------------------
+# Real HTTP endpoints on 127.0.0.1, each in a process of its own started for the session:
+# gcp-storage-emulator (Cloud Storage's JSON API; no authentication) and Azurite (Azure's blob
+# service; Shared Key signatures checked against its well-known development account). Tests
+# reach them through gcsfs and adlfs as a user would, and check through the vendors' SDKs.
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _start_server(name: str, command: list[str], port: int, timeout: float = 60):
+    """Starts ``command`` and waits until it listens on ``port``; fails naming ``name`` and
+    its output if it exits or does not listen in time."""
+    import socket
+    import tempfile
+    import time
+
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (the server writes to it while it runs)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            break
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return process
+        except OSError:
+            time.sleep(0.1)
+    _stop_server(process)
+    log.seek(0)
+    pytest.fail(
+        f"{name} did not start on 127.0.0.1:{port} within {timeout:.0f} s (`{' '.join(command)}`, "
+        f"exit status {process.returncode}); its output:\n{log.read().decode(errors='replace')}"
+    )
+
+
+def _stop_server(process) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+class GCSServer:
+    """Where the test Cloud Storage endpoint is, and its bucket."""
+
+    protocol = "gs"
+
+    def __init__(self, endpoint_url: str, bucket: str):
+        self.endpoint_url = endpoint_url
+        self.bucket = bucket
+
+    def storage_options(self, **overrides) -> dict:
+        """gcsfs options for this endpoint (no credentials: the emulator checks none)."""
+        return {"token": "anon", "endpoint_url": self.endpoint_url, **overrides}
+
+    def client(self):
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        return storage.Client(project="test", credentials=AnonymousCredentials(),
+                              client_options={"api_endpoint": self.endpoint_url})  # fmt: skip
+
+    def list_keys(self, prefix: str) -> list[str]:
+        """The object names under ``prefix`` in the bucket, as Google's own client lists them."""
+        return sorted(b.name for b in self.client().list_blobs(self.bucket, prefix=prefix))
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """gcp-storage-emulator on 127.0.0.1 (a free port), in memory, with one bucket."""
+    port = _free_port()
+    bucket = "flyte-hvd-test"
+    command = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
+               "--port", str(port), "--in-memory", "--quiet",
+               "--default-bucket", bucket]  # fmt: skip
+    process = _start_server("the Cloud Storage emulator", command, port)
+    try:
+        yield GCSServer(f"http://127.0.0.1:{port}", bucket)
+    finally:
+        _stop_server(process)
+
+
+# Azurite's development account: a fixed, published name and key (not a secret).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
+
+
+class AzuriteServer:
+    """Where the test Azure blob endpoint is, how to sign in to it, and its container."""
+
+    protocol = "abfs"
+
+    def __init__(self, blob_endpoint: str, bucket: str):
+        self.blob_endpoint = blob_endpoint
+        self.bucket = bucket  # a container
+
+    def connection_string(self, key: str = AZURITE_KEY) -> str:
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={key};"
+            f"BlobEndpoint={self.blob_endpoint};"
+        )
+
+    def storage_options(self, **overrides) -> dict:
+        """adlfs options for this endpoint (override `connection_string` to test failures)."""
+        return {"connection_string": self.connection_string(), **overrides}
+
+    def client(self):
+        from azure.storage.blob import BlobServiceClient
+
+        return BlobServiceClient.from_connection_string(self.connection_string())
+
+    def list_keys(self, prefix: str) -> list[str]:
+        """The blob names under ``prefix`` in the container, as Azure's own client lists them."""
+        container = self.client().get_container_client(self.bucket)
+        return sorted(b.name for b in container.list_blobs(name_starts_with=prefix))
+
+
+def find_azurite(env: dict[str, str] | None = None) -> str:
+    """The path of Azurite's blob service, installed first if missing; the test fails,
+    saying what is missing, when it cannot be."""
+    script = os.path.join(REPO, "scripts", "install_azurite.sh")
+    found = subprocess.run([script], capture_output=True, text=True, timeout=600, env=env)
+    if found.returncode != 0:
+        pytest.fail(
+            f"Azurite (the Azure Storage emulator the abfs:// tests run against) is missing and "
+            f"`scripts/install_azurite.sh` could not install it (exit status "
+            f"{found.returncode}): {found.stderr.strip()[-2000:]}\nIt needs node and npm with a "
+            f"reachable registry; run `make setup` once that holds."
+        )
+    return found.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def azurite_server():
+    """Azurite's blob service on 127.0.0.1 (a free port), in memory, with one container.
+    Azurite comes from npm, installed into .cache/azurite by scripts/install_azurite.sh (at
+    once when it is there)."""
+    port = _free_port()
+    command = [find_azurite(), "--blobHost", "127.0.0.1", "--blobPort",
+               str(port), "--inMemoryPersistence", "--silent", "--skipApiVersionCheck",
+               "--disableTelemetry"]  # fmt: skip
+    process = _start_server("Azurite", command, port)
+    try:
+        server = AzuriteServer(f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}", "flyte-hvd-test")
+        server.client().create_container(server.bucket)
+        yield server
+    finally:
+        _stop_server(process)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -452,6 +454,35 @@ def test_save_and_load_through_s3(s3_server, monkeypatch):
     np.testing.assert_allclose(loaded.getModel().predict(x, verbose=0), expected)
     with pytest.raises(ValueError, match="already exists"):
         model.save(url)
+
+
+def test_fit_with_data_and_checkpoints_on_azure(spark_local2, azurite_server, no_leftover_ranks):
+    """A store on abfs:// (Azurite): Spark here has no Azure connector, so prepare_data's tasks
+    upload the Parquet files through adlfs; the ranks read their shards from there and rank 0
+    writes the run there, and the model that comes back predicts."""
+    key = f"fit-{uuid.uuid4().hex[:8]}"
+    store = Store.create(f"abfs://{azurite_server.bucket}/{key}",
+                         storage_options=azurite_server.storage_options())  # fmt: skip
+    estimator = KerasEstimator(
+        num_proc=2, store=store, model=_mlp(), optimizer=keras.optimizers.Adam(0.02), loss="mse",
+        feature_cols=["features"], label_cols=["label"], validation="is_val", batch_size=16,
+        epochs=3, verbose=0, run_id="on-azure",
+    )  # fmt: skip
+    model = estimator.fit(_regression_df(spark_local2, rows=200))
+    history = model.getHistory()
+    assert len(history["val_loss"]) == 3 and history["loss"][-1] < history["loss"][0]
+    assert model.getModel().predict(np.ones((2, 3)), verbose=0).shape == (2, 1)
+    keys = azurite_server.list_keys(key)
+    run = f"{key}/runs/on-azure"
+    assert {f"{run}/checkpoint.keras", f"{run}/state.json"} <= set(keys)
+    assert json.loads(store.read(store.get_state_path("on-azure")))["epoch"] == 3
+    parquet = [k for k in keys if k.endswith(".parquet")]
+    # Both splits, each file named as the staged upload names it (not Spark's part-...-c000).
+    assert {k.split("/")[1].rsplit(".", 1)[0] for k in parquet} == {
+        "intermediate_train_data", "intermediate_val_data",
+    }  # fmt: skip
+    assert all(re.fullmatch(r"part-\d{5}-\d{4}\.parquet", k.rsplit("/", 1)[1]) for k in parquet)
+    assert not [k for k in keys if k.endswith(".tmp") or "/." in k]  # no temporaries, probes
 
 
 def _partition_ids(df) -> int:

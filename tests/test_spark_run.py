@@ -86,6 +86,27 @@ def test_local_thread_shares_by_master():
         assert local_threads_env(master, 1) == {}, master
 
 
+def test_local_masters_pass_on_every_stores_settings(monkeypatch):
+    """What the driver set for S3, Google Cloud Storage, Azure and fsspec reaches a local
+    master's workers and ranks (as the next test shows for one of them); nothing else does,
+    and nothing crosses to another host."""
+    from flyte_hvd.launch.environment import local_storage_env
+
+    storage = {
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9000", "FSSPEC_S3_ANON": "false",
+        "GOOGLE_APPLICATION_CREDENTIALS": "/keys/sa.json", "GCSFS_DEBUG": "1",
+        "STORAGE_EMULATOR_HOST": "http://127.0.0.1:9023",
+        "AZURE_STORAGE_CONNECTION_STRING": "AccountName=a;AccountKey=k",
+    }  # fmt: skip
+    for name, value in storage.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("FLYTE_HVD_UNRELATED", "x")
+    passed = local_storage_env("local[2]")
+    assert {k: v for k, v in passed.items() if k in storage} == storage
+    assert "FLYTE_HVD_UNRELATED" not in passed
+    assert local_storage_env("spark://host:7077") == {}
+
+
 def test_ranks_import_code_added_with_add_py_file(spark, tmp_path):
     """Code shipped with SparkContext.addPyFile (how Flyte ships fast-registered code) is
     importable in the rank processes, not only in Spark's Python workers; and AWS_* settings

@@ -71,6 +71,35 @@ RUNS_DIRNAME = "runs"
 _TMP_SUFFIX = ".tmp"
 # Protocols whose single PUT publishes an object atomically and that have no real directories.
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "oss"})
+# The flyte-hvd extra that installs the fsspec package of a protocol (named in the error a
+# missing package gives).
+_PACKAGE_EXTRAS = {"gcsfs": "gcs", "adlfs": "azure"}
+
+
+@dataclass(frozen=True)
+class _CloudHelp:
+    """What a FilesystemStore's errors tell a user of one object store."""
+
+    bucket: str  # what the first path segment is called there
+    credentials: str
+    endpoint: str
+
+
+_GCS_HELP = _CloudHelp(
+    bucket="bucket",
+    credentials="`storage_options` 'token' (a service-account JSON file, 'google_default', "
+    "'cloud' or 'anon') or GOOGLE_APPLICATION_CREDENTIALS",
+    endpoint="`storage_options` 'endpoint_url' or STORAGE_EMULATOR_HOST",
+)
+_AZURE_HELP = _CloudHelp(
+    bucket="container",
+    credentials="`storage_options` 'connection_string', or 'account_name' with 'account_key', "
+    "'sas_token' or a service principal, or AZURE_STORAGE_CONNECTION_STRING / "
+    "AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY",
+    endpoint="`storage_options` 'account_host', or the connection string's BlobEndpoint",
+)
+_CLOUD_HELP = {"gs": _GCS_HELP, "gcs": _GCS_HELP, "abfs": _AZURE_HELP, "abfss": _AZURE_HELP,
+               "az": _AZURE_HELP}  # fmt: skip
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -202,9 +231,11 @@ class Store:
         Raises:
             ValueError: an unsupported scheme or a malformed argument.
             ImportError: fsspec knows the scheme but the package serving it is not installed
-                (the message names it).
-            RuntimeError: the prefix cannot be created or written (the message names the
-                path and the cause: permission, missing bucket, bad credentials...).
+                (the message names it, and the flyte-hvd extra that installs it: ``gcs``,
+                ``azure``).
+            RuntimeError: the filesystem cannot be opened, or the prefix cannot be created or
+                written (the message names the path, the cause, such as permission, a missing
+                bucket or container or refused credentials, and what to set).
         """
         cls = store_class_for(prefix_path)
         # By keyword: HDFSStore's positional arguments after the prefix are Horovod's
@@ -629,6 +660,12 @@ class Store:
         """
         probe = self.join(self.prefix_path, f".flyte-hvd-write-check-{uuid.uuid4().hex}")
         try:
+            self._connect()
+        except Exception as error:
+            raise RuntimeError(
+                f"cannot open the store at `{self.prefix_path}`: {self._explain_open(error)}"
+            ) from error
+        try:
             self._makedirs(self.fs_path(self.prefix_path))
             self.fs.pipe_file(self.fs_path(probe), b"ok")
             self.fs.rm(self.fs_path(probe))
@@ -644,6 +681,15 @@ class Store:
                 f"user or pick another `prefix_path`."
             )
         return f"{_brief(error)}. Check that the path is correct and reachable."
+
+    def _connect(self) -> None:
+        """Open the filesystem (which reads the credentials), so that ``check_writable`` can
+        tell a failure there from one of the first write."""
+        self.fs  # noqa: B018
+
+    def _explain_open(self, error: Exception) -> str:
+        """Why the filesystem could not be opened (``_explain`` unless a class knows more)."""
+        return self._explain(error)
 
     def _makedirs(self, path: str) -> None:
         if path:
@@ -1024,6 +1070,12 @@ class FilesystemStore(Store):
     form. Object stores (gs, abfs...) publish a file with one upload, others write a
     temporary beside the target and rename it.
 
+    Google Cloud Storage takes ``token`` (a service-account JSON file, 'google_default',
+    'anon'...), ``project`` and ``endpoint_url``, or GOOGLE_APPLICATION_CREDENTIALS and
+    STORAGE_EMULATOR_HOST; Azure takes ``connection_string``, or ``account_name`` with
+    ``account_key`` or ``sas_token``, or the AZURE_STORAGE_* variables. ``Store.create``
+    names a missing bucket or container and the credentials to check.
+
     Args:
         prefix_path: the store's root URL.
         train_path: as for ``Store``.
@@ -1039,7 +1091,7 @@ class FilesystemStore(Store):
     Raises:
         ValueError: fsspec does not know the scheme.
         ImportError: fsspec knows it but the package serving it is not installed (the
-            message names the package).
+            message names the package, and its flyte-hvd extra where there is one).
     """
 
     def __init__(
@@ -1133,12 +1185,53 @@ class FilesystemStore(Store):
             self.fs.rm(target)
             self.fs.mv(tmp, target)
 
+    @property
+    def bucket(self) -> str:
+        """The bucket (Google Cloud Storage) or container (Azure) of ``prefix_path``."""
+        return self.fs_path(self.prefix_path).lstrip("/").split("/", 1)[0]
+
     def _explain(self, error: Exception) -> str:
+        cloud = _CLOUD_HELP.get(self.protocol)
+        if cloud is not None:
+            if _is_missing_bucket(error):
+                return (
+                    f"the {cloud.bucket} `{self.bucket}` does not exist or is not visible with "
+                    f"these credentials ({_brief(error)}). Create it or fix `prefix_path`."
+                )
+            if _is_access_denied(error):
+                return (
+                    f"access denied ({_brief(error)}). Check the credentials "
+                    f"({cloud.credentials}), the endpoint ({cloud.endpoint}) and the "
+                    f"{cloud.bucket}'s permissions."
+                )
         if isinstance(error, PermissionError):
             return super()._explain(error)
         return (
             f"{_brief(error)}. Check the path, the `storage_options` (credentials, endpoint) "
             f"and that the `{self.protocol}://` filesystem is reachable."
+        )
+
+    def _connect(self) -> None:
+        fs = self.fs
+        # gcsfs retries a request whose access token cannot be had 6 times (about 30 s) before
+        # it gives up; asking for the token first fails at once with the token server's answer
+        # (a revoked key, a bad signature...). Anonymous access has none to ask for.
+        refresh = getattr(getattr(fs, "credentials", None), "maybe_refresh", None)
+        if self.protocol in ("gs", "gcs") and callable(refresh):
+            refresh()
+
+    def _explain_open(self, error: Exception) -> str:
+        cloud = _CLOUD_HELP.get(self.protocol)
+        cause = error.__cause__
+        brief = _brief(error) + (f"; {_brief(cause)}" if cause is not None else "")
+        hint = (
+            f"the credentials ({cloud.credentials}) and the endpoint ({cloud.endpoint})"
+            if cloud is not None
+            else "the `storage_options` (credentials, endpoint)"
+        )
+        return (
+            f"`{self._fs_class().__module__.split('.')[0]}` could not sign in with these "
+            f"`storage_options` ({brief}). Check {hint}."
         )
 
 
@@ -1353,13 +1446,39 @@ def _filesystem_class(protocol: str, path: str) -> type[fsspec.AbstractFileSyste
         spec = known_implementations.get(protocol, {})
         # fsspec chains the import's own error, which names the missing module.
         missing = getattr(error.__cause__, "name", None) or spec.get("class", "?").split(".")[0]
+        extra = _PACKAGE_EXTRAS.get(missing)
+        install = (
+            f"`pip install 'flyte-hvd[{extra}]'` or `pip install {missing}`"
+            if extra
+            else f"`pip install {missing}`"
+        )
         raise ImportError(
             f"`prefix_path`={path!r} uses the scheme `{protocol}`, which fsspec serves with "
             f"`{spec.get('class', '?')}`, but the package `{missing}` is not installed "
-            f"(fsspec: {error}). Install it where the driver and the ranks run (e.g. "
-            f"`pip install {missing}`), or use another `prefix_path`.",
+            f"(fsspec: {_brief(error)}). Install it where the driver and the ranks run "
+            f"({install}), or use another `prefix_path`.",
             name=missing,
         ) from error
+
+
+def _is_missing_bucket(error: BaseException) -> bool:
+    """A write failed because the bucket or container is not there: gcsfs says
+    FileNotFoundError, adlfs passes on Azure's ``ContainerNotFound``."""
+    return isinstance(error, FileNotFoundError) or (
+        getattr(error, "error_code", None) == "ContainerNotFound"
+    )
+
+
+def _is_access_denied(error: BaseException) -> bool:
+    """A request was refused for its credentials: an HTTP 401/403 (Azure's errors carry
+    ``status_code``, gcsfs's ``HttpError`` ``code``; gcsfs raises a plain OSError
+    'Forbidden' for a 403)."""
+    status = getattr(error, "status_code", None) or getattr(error, "code", None)
+    return (
+        isinstance(error, PermissionError)
+        or status in (401, 403)
+        or str(error).startswith("Forbidden")
+    )
 
 
 def _unknown_scheme(path: str, scheme: str) -> str:

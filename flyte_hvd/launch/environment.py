@@ -6,14 +6,18 @@ import os
 import re
 import sys
 
-# Storage settings a local master's ranks and Python workers take from the driver as it is now.
-FORWARDED_ENV_PREFIXES = ("AWS_", "FSSPEC_")
+# Storage settings a local master's ranks and Python workers take from the driver as it is now:
+# S3's, fsspec's, Google Cloud Storage's (credentials, project, an emulator, gcsfs' switches)
+# and Azure's.
+FORWARDED_ENV_PREFIXES = ("AWS_", "FSSPEC_", "GOOGLE_", "GCSFS_", "STORAGE_EMULATOR_HOST",
+                          "AZURE_")  # fmt: skip
 
 
 def local_driver_env(master: str, num_proc: int) -> dict[str, str]:
     """On a ``local``/``local-cluster`` Spark master the ranks and Python workers are the
     driver's own descendants on this host, but their environment is the one Spark started
-    with: S3 credentials or an endpoint the driver set since (``AWS_*``) would be missing.
+    with: storage credentials or an endpoint the driver set since (``AWS_*``,
+    ``GOOGLE_APPLICATION_CREDENTIALS``, ``AZURE_STORAGE_*``...) would be missing.
     Pass the driver's current ones, as an executor pod on a cluster gets them from its own
     secret. The same holds for the driver's import path (``driver_import_path``), and each
     of ``num_proc`` ranks gets its share of a ``local[N]`` master's cores
@@ -47,7 +51,8 @@ def local_threads_env(master: str, num_proc: int) -> dict[str, str]:
 
 
 def local_storage_env(master: str) -> dict[str, str]:
-    """The storage settings (``AWS_*``, ``FSSPEC_*``) of ``local_driver_env``."""
+    """The storage settings (``AWS_*``, ``FSSPEC_*``, ``GOOGLE_*``, ``GCSFS_*``,
+    ``STORAGE_EMULATOR_HOST``, ``AZURE_*``) of ``local_driver_env``."""
     if not master.startswith("local"):
         return {}
     return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}

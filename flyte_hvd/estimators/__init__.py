@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from flyte_hvd.estimators.lightning import LightningEstimator
     from flyte_hvd.estimators.torch import TorchEstimator
     from flyte_hvd.estimators.torch_model import TorchModel
+    from flyte_hvd.estimators.tracking import MlflowConfig
 
 _LAZY = {
     "HorovodEstimator": "flyte_hvd.estimators.base",
@@ -36,6 +37,7 @@ _LAZY = {
     "TorchEstimator": "flyte_hvd.estimators.torch",
     "TorchModel": "flyte_hvd.estimators.torch_model",
     "LightningEstimator": "flyte_hvd.estimators.lightning",
+    "MlflowConfig": "flyte_hvd.estimators.tracking",
 }
 __all__ = list(_LAZY)
 

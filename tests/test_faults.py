@@ -272,6 +272,39 @@ def test_cli_signal_ends_quietly_and_leaves_nothing(tmp_path, sig, code, line):
     cli.clean(stderr)
 
 
+def private_shm(command: str) -> list[str]:
+    """``sh -c command`` in a private mount namespace with its own empty ``/dev/shm`` (so
+    that other runs on the machine do not count), as the argv to run; the command's last
+    output line lists what is left in ``/dev/shm``."""
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("needs `unshare -m` (root) for a private /dev/shm")
+    script = f"mount -t tmpfs tmpfs /dev/shm && {{ {command}; }}; echo LEFT: $(ls /dev/shm)"
+    return ["unshare", "-m", "sh", "-c", script]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_cli_runs_leave_no_shared_memory(tmp_path):
+    """MPICH's segments in /dev/shm (1 MiB per rank) go with a failed run as with a good one:
+    the supervisor removes what its ranks mapped (MPI_Finalize does it only on success)."""
+    cli = Cli(tmp_path)
+    good = "import numpy as np, flyte_hvd.core as hvd\nhvd.init()\nhvd.allreduce(np.ones(3))\n"
+    scripts = []
+    for name, program in (("fails.py", RAISES), ("good.py", good)):
+        (tmp_path / name).write_text(program)
+        scripts.append(str(tmp_path / name))
+    runs = " ; ".join(f"{CLI} -np 2 python {script}; echo EXIT=$?" for script in scripts)
+    result = subprocess.run(
+        private_shm(runs), capture_output=True, text=True, timeout=100, cwd=REPO, env=cli.env()
+    )
+    assert result.stdout.count("EXIT=") == 2, result.stdout + result.stderr
+    assert "EXIT=1" in result.stdout and "EXIT=0" in result.stdout  # it failed, then it ran
+    assert "ValueError: bad batch on rank one" in result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "LEFT:", result.stdout
+    cli.clean(result.stderr)
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
 def test_cli_killed_launcher_leaves_nothing(tmp_path):

@@ -27,6 +27,7 @@ class RankOp(StrEnum):
     WARM = "warm"  # the rank imported what it needs: start the next run's spare now
     FAILED = "failed"  # traceback: the rank's error, from its first frame in user code
     PROBE = "probe"  # coll, age, where: what the rank waits in (``stall``)
+    SHM = "shm"  # names: the shared-memory segments MPI created for the rank (``/dev/shm``)
     DONE = "done"  # the rank returned normally; its result is in its result file
 
 
@@ -63,6 +64,10 @@ def rank_failed(traceback: str) -> dict[str, Any]:
 
 def probe(coll: str | None, age: float, where: str) -> dict[str, Any]:
     return {"op": RankOp.PROBE, "coll": coll, "age": round(age, 3), "where": where}
+
+
+def shm(names: list[str]) -> dict[str, Any]:
+    return {"op": RankOp.SHM, "names": names}
 
 
 def secret_reply(secret: str) -> dict[str, Any]:

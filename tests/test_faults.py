@@ -800,3 +800,149 @@ def test_horovod_spark_task_rank_returning_early(spark_local2):
         time.sleep(0.2)
     assert rank_processes() == []
     assert _spark_work_dirs(spark_local2) == []
+
+
+# -- the Store on the training path ----------------------------------------------------------
+
+
+class _S3Process:
+    """moto's S3 server in a process of its own (so that a test can stop or kill it), on a
+    free loopback port, with one bucket."""
+
+    def __init__(self):
+        import socket
+
+        import requests
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{port}"
+        moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
+        self.proc = subprocess.Popen(
+            [moto, "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                requests.put(f"{self.endpoint}/bucket", timeout=2).raise_for_status()
+                break
+            except requests.RequestException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def store(self, timeout: float, **config):
+        from flyte_hvd.data.store import Store
+
+        options = {"endpoint_url": self.endpoint, "key": "k", "secret": "s"}
+        if config:
+            options["config_kwargs"] = config
+        return Store.create("s3://bucket/exp", storage_options=options, timeout=timeout)
+
+    def close(self):
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGCONT)
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _checkpoint_after_store_stops(remote, stop_pid, sig):
+    """Rank 0 writes the run's state, then the store gets ``sig`` and rank 0 uploads a
+    checkpoint while rank 1 waits for it in an allreduce."""
+    import os
+    import tempfile
+
+    import numpy as np
+
+    import flyte_hvd.core as hvd
+
+    hvd.init()
+    if hvd.rank() == 0:
+        remote.write_text(remote.state_path, '{"epoch": 1}')
+        os.kill(stop_pid, sig)
+        local = os.path.join(tempfile.mkdtemp(), "checkpoint.keras")
+        with open(local, "wb") as f:
+            f.write(b"model" * 100)
+        remote.upload_file(local, remote.checkpoint_path(".keras"))
+    hvd.allreduce(np.ones(3))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_hung_and_dead_store_fail_the_run_naming_the_operation(caplog, monkeypatch):
+    """A store that stops answering mid-run (SIGSTOP) fails the run after the Store's
+    `timeout`, naming the operation, the store and the setting; meanwhile the stall line says
+    what the missing rank is doing. A store that is gone gives one line of advice, not
+    s3fs's traceback."""
+    from flyte_hvd.launch.job import FunctionJob
+    from flyte_hvd.launch.supervisor import launch_local
+
+    monkeypatch.setenv(stall.CHECK_TIME_ENV, "1")
+    server = _S3Process()
+    try:
+        remote = server.store(timeout=4).to_remote("r")
+        started = time.monotonic()
+        with (
+            caplog.at_level("WARNING", logger="flyte_hvd"),
+            pytest.raises(RanksFailedError) as info,
+        ):
+            launch_local(FunctionJob(_checkpoint_after_store_stops,
+                                     (remote, server.proc.pid, signal.SIGSTOP)), 2)  # fmt: skip
+        took = time.monotonic() - started
+        report("launch_local", "store hangs (SIGSTOP) during a checkpoint upload (timeout 4s)",
+               took)  # fmt: skip
+        message = str(info.value)
+        assert "rank 0 failed" in message
+        assert (
+            "StoreTimeoutError: uploading runs/r/checkpoint.keras to s3://bucket/exp did not "
+            f"finish within 4s: the store does not answer (endpoint {server.endpoint}"
+        ) in message, message
+        assert "raise the Store's `timeout` or FLYTE_HVD_STORE_TIMEOUT_S (now 4s" in message
+        assert len(message.splitlines()) < 6, message
+        stalls = [r.getMessage() for r in caplog.records if "stall:" in r.getMessage()]
+        assert any(
+            "ranks [0] are not there (rank 0 is uploading runs/r/checkpoint.keras to "
+            "s3://bucket/exp (at " in line
+            for line in stalls
+        ), stalls
+        assert 4 <= took < 20
+        if info.value.output_log:
+            os.remove(info.value.output_log)
+
+        server.proc.send_signal(signal.SIGCONT)  # answers again: the store works
+        remote = server.store(timeout=30, retries={"max_attempts": 1}).to_remote("r")
+        started = time.monotonic()
+        with pytest.raises(RanksFailedError) as info:
+            launch_local(FunctionJob(_checkpoint_after_store_stops,
+                                     (remote, server.proc.pid, signal.SIGKILL)), 2)  # fmt: skip
+        took = time.monotonic() - started
+        report("launch_local", "store gone (SIGKILL) before a checkpoint upload", took)
+        message = str(info.value)
+        assert (
+            "StoreUnreachableError: cannot reach the store at `s3://bucket/exp` while uploading "
+            "runs/r/checkpoint.keras to s3://bucket/exp: EndpointConnectionError"
+        ) in message, message
+        assert f"reachable from every executor (endpoint {server.endpoint}" in message
+        assert len(message.splitlines()) < 6, message
+        assert took < 25
+        if info.value.output_log:
+            os.remove(info.value.output_log)
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
+def test_bad_store_timeout_is_refused(monkeypatch, tmp_path, value):
+    from flyte_hvd.data.store import TIMEOUT_ENV, Store
+
+    monkeypatch.setenv(TIMEOUT_ENV, value)
+    with pytest.raises(ValueError, match=f"{TIMEOUT_ENV}='{value}': expected the seconds"):
+        Store.create(str(tmp_path))
+    monkeypatch.delenv(TIMEOUT_ENV)
+    with pytest.raises(ValueError, match=r"`timeout` must be the seconds .*; found -3"):
+        Store.create(str(tmp_path), timeout=-3)
+    assert Store.create(str(tmp_path)).timeout == 50

@@ -946,3 +946,103 @@ def test_bad_store_timeout_is_refused(monkeypatch, tmp_path, value):
     with pytest.raises(ValueError, match=r"`timeout` must be the seconds .*; found -3"):
         Store.create(str(tmp_path), timeout=-3)
     assert Store.create(str(tmp_path)).timeout == 50
+
+
+SIGNALLED_SCRIPT = """
+import os, sys
+from pyspark.sql import SparkSession
+spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
+spark.sparkContext.setLogLevel("ERROR")
+from flyte_hvd.spark import run
+
+def raises():
+    import numpy as np
+    import flyte_hvd.core as hvd
+    hvd.init()
+    hvd.allreduce(np.ones(3))
+    if hvd.rank() == 1:
+        raise ValueError("bad batch on rank one")
+    hvd.allreduce(np.ones(3))
+
+def good():
+    import numpy as np
+    import flyte_hvd.core as hvd
+    hvd.init()
+    return float(hvd.allreduce(np.ones(3))[0])
+
+def sleeps():
+    import time
+    import flyte_hvd.core as hvd
+    hvd.init()
+    print("ready", flush=True)
+    time.sleep(300)
+
+if sys.argv[1] == "shm":
+    try:
+        run(raises, num_proc=2, verbose=0)
+    except Exception as error:
+        print("RAISED", type(error).__name__, flush=True)
+        if error.output_log:
+            os.remove(error.output_log)
+    print("RESULT", run(good, num_proc=2, verbose=0), flush=True)
+    print("SHM LEFT:", sorted(os.listdir("/dev/shm")), flush=True)
+run(sleeps, num_proc=2, verbose=0)
+"""
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "sig, code, line",
+    [
+        (signal.SIGINT, 130, "interrupted (Ctrl-C): the Spark stage was cancelled and every rank "
+         "stopped"),
+        (signal.SIGTERM, 143, "terminated (SIGTERM): the Spark stage was cancelled and every rank "
+         "stopped"),
+    ],
+)  # fmt: skip
+def test_spark_run_process_signalled_ends_quietly_and_leaves_nothing(tmp_path, sig, code, line):
+    """SIGINT or SIGTERM to a Python process inside ``spark.run``: the stage is cancelled,
+    every rank, mpiexec and Python worker is gone within seconds, one line and no Java or
+    py4j stack is printed, and the process exits 130 / 143. The SIGINT case first runs a
+    failing and a good run in a private /dev/shm: neither leaves a segment there."""
+    script = tmp_path / "signalled.py"
+    script.write_text(SIGNALLED_SCRIPT)
+    mark = uuid.uuid4().hex
+    shm = sig == signal.SIGINT
+    argv = [sys.executable, str(script), "shm" if shm else "-"]
+    if shm:
+        argv = private_shm(" ".join(argv))
+    env = {**os.environ, MARK: mark, "PYSPARK_PYTHON": sys.executable}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, env=env, start_new_session=True)  # fmt: skip
+    try:
+        lines = []
+        while sum("<stdout>:ready" in line for line in lines) < 2:
+            lines.append(proc.stdout.readline())
+            assert lines[-1], f"the script ended early: {lines}"
+        if shm:
+            assert "RAISED RanksFailedError\n" in lines and "RESULT [1.0, 1.0]\n" in lines
+            assert "SHM LEFT: []\n" in lines, lines
+        command = f"{sys.executable} {script} "
+        script_pid = [p for p in marked_processes(mark) if p.split(" ", 1)[1].startswith(command)]
+        assert len(script_pid) == 1, script_pid
+        sent = time.monotonic()
+        os.kill(int(script_pid[0].split()[0]), sig)
+        proc.wait(timeout=60)
+        took = time.monotonic() - sent
+        stderr = proc.stderr.read()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the script's tree, should the test fail
+    report("spark.run", f"{signal.Signals(sig).name} to the driver process", took)
+    assert took < 10, stderr[-3000:]
+    if not shm:
+        assert proc.returncode == code, stderr[-3000:]
+    else:  # the shell in the namespace reports how Python ended; Ctrl-C ends it by SIGINT
+        assert proc.stdout.read().strip().splitlines()[-1] == "LEFT:"
+    ours = [text for text in stderr.splitlines() if "flyte-hvd" in text or "Traceback" in text]
+    assert ours == [f"flyte-hvd: {line}"], stderr[-3000:]
+    assert "\tat org.apache" not in stderr and "py4j" not in stderr, stderr[-3000:]
+    assert_nothing_left(mark, within=5)

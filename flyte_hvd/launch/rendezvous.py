@@ -37,8 +37,7 @@ ORPHANED_EXIT = 97
 
 SHM_DIR = "/dev/shm"
 # MPICH's intranode segments (``mpich_shm_<random>_<n>``): ``MPI_Finalize`` removes them, so a
-# rank that ends any other way (fails, is killed) leaves 1 MiB each in ``/dev/shm`` unless
-# someone who knows their names removes them.
+# rank that ends any other way (fails, is killed) would leave 1 MiB each in ``/dev/shm``.
 _MPICH_SHM_PREFIX = "mpich_shm_"
 
 
@@ -96,10 +95,8 @@ class ControlClient:
         for line in stream:
             self._replies.put(json.loads(line))
         if not self._closing:
-            # The supervisor is gone (killed with its Spark task, say): remove what it left,
-            # and this rank's MPI segments, which exiting without MPI_Finalize would leave.
+            # The supervisor is gone (killed with its Spark task, say): remove what it left.
             shutil.rmtree(os.path.dirname(self._path), ignore_errors=True)
-            remove_shm_segments(own_shm_segments())
             os._exit(ORPHANED_EXIT)
 
     def send(self, message: dict[str, Any]) -> None:
@@ -126,9 +123,13 @@ def join(client: ControlClient, rank: int, size: int) -> Any:
     """
     from mpi4py import MPI
 
-    # MPI made its shared-memory segments as it started: the supervisor removes them when
-    # this process ends, however it ends.
-    client.send(messages.shm(own_shm_segments()))
+    # MPI made its shared-memory segments as it started. Only this process maps them (its MPI
+    # world is itself; the merged communicator does not use them), and MPI_Finalize does not
+    # mind their names gone: removed now, they go with the process however it ends (killed
+    # with its Spark task, say). The supervisor is told first, should the rank die before.
+    segments = own_shm_segments()
+    client.send(messages.shm(segments))
+    remove_shm_segments(segments)
     ports = [MPI.Open_port() for _ in range(size - 1)] if rank == 0 else []
     ports = client.all_gather("|".join(ports))[0].split("|")
     comm = MPI.COMM_SELF

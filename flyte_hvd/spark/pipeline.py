@@ -12,9 +12,13 @@ stage).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
@@ -129,12 +133,23 @@ def launch(spec: LaunchSpec, backend: StageBackend) -> runner.RunReport:
         spec.job, num_proc, secret, server.address, rank_env, deadline - time.monotonic(),
         single_host=runner.is_local(backend.master), preload=spec.preload,
     )  # fmt: skip
+
+    def stop() -> None:  # the stage's tasks are killed; the link's end stops their ranks now
+        backend.cancel(tag)
+        server.close()
+
     try:
-        collected = backend.run_stage(task, num_proc, max_attempts > 1, tag)
-    except Exception as error:
-        failure = runner.stage_failure(server, num_proc, error)
-        raise failure from (None if isinstance(failure, RanksFailedError) else error)
-    else:  # a failed run's last attempt ends its tasks with RUN_FAILED instead of failing
+        with stopped_by_signals(stop) as received:
+            try:
+                collected = backend.run_stage(task, num_proc, max_attempts > 1, tag)
+            except Exception as error:
+                if received:
+                    raise interrupted(received[0]) from None
+                failure = runner.stage_failure(server, num_proc, error)
+                raise failure from (None if isinstance(failure, RanksFailedError) else error)
+        if received:
+            raise interrupted(received[0])
+        # A failed run's last attempt ends its tasks with RUN_FAILED instead of failing.
         if any(payload == runner.RUN_FAILED for _, payload in collected):
             raise runner.stage_failure(server, num_proc)
     finally:
@@ -142,3 +157,77 @@ def launch(spec: LaunchSpec, backend: StageBackend) -> runner.RunReport:
     results = [cloudpickle.loads(payload) for _, payload in collected]
     logger.log(level, "%d ranks finished", num_proc)
     return runner.RunReport(results=results, submitted_at=submitted_at, events=dict(server.events))
+
+
+# -- Ctrl-C and SIGTERM ----------------------------------------------------------------------
+
+
+class RunTerminated(SystemExit):
+    """SIGTERM stopped a run on Spark: its stage was cancelled, every rank stopped; the
+    process exits with status 143 (128 + SIGTERM), as it would have without flyte_hvd, but
+    after cleaning up."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stopped_by_signals(stop: Callable[[], None]) -> Iterator[list[int]]:
+    """While the block runs in the main thread, SIGINT and SIGTERM call ``stop`` (in a thread
+    of its own: the main thread is inside a py4j or gRPC call that a handler must not
+    re-enter, which is what pyspark's own SIGINT handler does) and are recorded in the list
+    the block gets; the block then ends as the cancelled stage returns. Signals the process
+    ignores stay ignored; the previous handlers come back after the block."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if not received:
+            received.append(signum)
+            threading.Thread(target=stop, name="flyte-hvd-stop", daemon=True).start()
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        current = signal.getsignal(sig)
+        if current is not signal.SIG_IGN:
+            previous[sig] = current
+            signal.signal(sig, handler)
+    try:
+        yield received
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+def interrupted(signum: int) -> BaseException:
+    """The exception that ends a run stopped by ``signum``, its one line logged."""
+    if signum != signal.SIGINT:
+        logger.warning("terminated (SIGTERM): the Spark stage was cancelled and every rank stopped")
+        return RunTerminated()
+    line = "interrupted (Ctrl-C): the Spark stage was cancelled and every rank stopped"
+    logger.warning(line)
+    # A plain KeyboardInterrupt: a notebook's cell stops and the kernel stays; a script that
+    # does not catch it ends as Ctrl-C ends Python (status 130), which Python does only for
+    # that exact type. Its line is logged: left uncaught, it prints no traceback.
+    error = KeyboardInterrupt(line)
+    _SHOWN.add(id(error))
+    _quiet_uncaught()
+    return error
+
+
+_SHOWN: set[int] = set()  # ids of exceptions whose line was logged
+
+
+def _quiet_uncaught() -> None:
+    previous = sys.excepthook
+    if getattr(previous, "flyte_hvd", False):
+        return
+
+    def hook(exc_type: type[BaseException], value: BaseException, tb: Any) -> None:
+        if id(value) not in _SHOWN:
+            previous(exc_type, value, tb)
+
+    hook.flyte_hvd = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

@@ -1046,3 +1046,60 @@ def test_spark_run_process_signalled_ends_quietly_and_leaves_nothing(tmp_path, s
     assert ours == [f"flyte-hvd: {line}"], stderr[-3000:]
     assert "\tat org.apache" not in stderr and "py4j" not in stderr, stderr[-3000:]
     assert_nothing_left(mark, within=5)
+
+
+SLEEPING_TASK = """
+from flytekit import task
+
+from flyte_hvd.flyte import HorovodSpark
+
+
+@task(task_config=HorovodSpark(num_proc=2))
+def sleeps() -> int:
+    import time
+
+    print("ready", flush=True)
+    time.sleep(300)
+    return 0
+"""
+
+
+@pytest.mark.flyte
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_pyflyte_run_interrupted_ends_quietly_and_leaves_nothing(tmp_path):
+    """Ctrl-C to `pyflyte run` of a HorovodSpark task: one line, status 130 (click would say
+    "Aborted!" and exit 1), and every rank, mpiexec, Python worker and the JVM gone within
+    seconds."""
+    (tmp_path / "wf.py").write_text(SLEEPING_TASK)
+    mark = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_")}
+    env.update({MARK: mark, "PYTHONPATH": REPO})
+    pyflyte = os.path.join(os.path.dirname(sys.executable), "pyflyte")
+    proc = subprocess.Popen([pyflyte, "run", "wf.py", "sleeps"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        lines = []
+        while sum("<stdout>:ready" in line for line in lines) < 2:
+            lines.append(proc.stdout.readline())
+            assert lines[-1], f"pyflyte ended early: {lines}"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        took = time.monotonic() - sent
+        stderr = proc.stderr.read()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    report("HorovodSpark task", "SIGINT to pyflyte run", took)
+    assert proc.returncode == 130, stderr[-3000:]
+    ours = [text for text in stderr.splitlines() if "flyte-hvd: " in text or "Traceback" in text]
+    assert ours[-1].endswith(
+        "flyte-hvd: interrupted (Ctrl-C): the Spark stage was cancelled and every rank stopped"
+    ), stderr[-3000:]
+    assert "Traceback" not in stderr and "Aborted" not in stderr, stderr[-3000:]
+    assert "\tat org.apache" not in stderr and "py4j" not in stderr, stderr[-3000:]
+    assert took < 10
+    assert_nothing_left(mark, within=5)

@@ -277,6 +277,7 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
     def execute(self, **kwargs: Any) -> LiteralMap:
         """Run the body on every rank and return rank 0's outputs as Flyte literals."""
         from flyte_hvd.spark import run
+        from flyte_hvd.spark.pipeline import logged_interrupt
 
         ctx = FlyteContextManager.current_context()
         try:
@@ -287,6 +288,12 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
                 num_proc=self.task_config.num_proc,
                 start_timeout=self.task_config.start_timeout,
             )
+        except KeyboardInterrupt as interrupt:
+            if not logged_interrupt(interrupt):
+                raise
+            # Ctrl-C stopped the ranks and said so: end as a command ends on Ctrl-C (130),
+            # where click (`pyflyte run`) would print "Aborted!" and exit 1.
+            raise SystemExit(130) from None
         finally:
             if self.task_config.connect_url is not None:
                 _deactivate(self.sess)

@@ -212,12 +212,15 @@ def interrupted(signum: int) -> BaseException:
     # does not catch it ends as Ctrl-C ends Python (status 130), which Python does only for
     # that exact type. Its line is logged: left uncaught, it prints no traceback.
     error = KeyboardInterrupt(line)
-    _SHOWN.add(id(error))
+    error.flyte_hvd_logged = True  # type: ignore[attr-defined]
     _quiet_uncaught()
     return error
 
 
-_SHOWN: set[int] = set()  # ids of exceptions whose line was logged
+def logged_interrupt(error: BaseException) -> bool:
+    """Whether ``error`` is the ``KeyboardInterrupt`` of a run that Ctrl-C stopped, its line
+    already logged."""
+    return getattr(error, "flyte_hvd_logged", False) is True
 
 
 def _quiet_uncaught() -> None:
@@ -226,7 +229,7 @@ def _quiet_uncaught() -> None:
         return
 
     def hook(exc_type: type[BaseException], value: BaseException, tb: Any) -> None:
-        if id(value) not in _SHOWN:
+        if not logged_interrupt(value):
             previous(exc_type, value, tb)
 
     hook.flyte_hvd = True  # type: ignore[attr-defined]

@@ -1103,3 +1103,64 @@ def test_pyflyte_run_interrupted_ends_quietly_and_leaves_nothing(tmp_path):
     assert "\tat org.apache" not in stderr and "py4j" not in stderr, stderr[-3000:]
     assert took < 10
     assert_nothing_left(mark, within=5)
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_keras_fit_fails_naming_a_store_that_hangs_mid_fit(spark_local2, caplog, monkeypatch):
+    """The store stops answering (SIGSTOP) after the first epoch of a KerasEstimator fit:
+    the fit fails after the Store's `timeout`, naming the upload and the store, while the
+    stall line says that rank 0 is uploading; no rank is left."""
+    keras = pytest.importorskip("keras")
+    from flyte_hvd.estimators.keras import KerasEstimator
+
+    class StopsTheStore(keras.callbacks.Callback):
+        def __init__(self, pid):
+            super().__init__()
+            self.pid = pid
+
+        def on_epoch_end(self, epoch, logs=None):
+            import flyte_hvd.core as hvd
+
+            if epoch == 0 and hvd.rank() == 0:
+                os.kill(self.pid, signal.SIGSTOP)
+
+    monkeypatch.setenv(stall.CHECK_TIME_ENV, "1")
+    spark_local2.sparkContext.parallelize([0], 1).count()
+    server = _S3Process()
+    try:
+        keras.utils.set_random_seed(0)
+        estimator = KerasEstimator(
+            num_proc=2, store=server.store(timeout=5), run_id="hung",
+            model=keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+            optimizer=keras.optimizers.SGD(0.01), loss="mse", feature_cols=["features"],
+            label_cols=["label"], batch_size=8, epochs=3, verbose=0,
+            callbacks=[StopsTheStore(server.proc.pid)],
+        )  # fmt: skip
+        df = _vector_df(spark_local2)
+        started = time.monotonic()
+        with (
+            caplog.at_level("WARNING", logger="flyte_hvd"),
+            pytest.raises(RanksFailedError) as info,
+        ):
+            estimator.fit(df)
+        took = time.monotonic() - started
+    finally:
+        server.close()
+    report("KerasEstimator.fit", "store hangs (SIGSTOP) after epoch 1 (timeout 5s)", took)
+    message = str(info.value)
+    assert (
+        "StoreTimeoutError: uploading runs/hung/checkpoint.keras to s3://bucket/exp did not "
+        "finish within 5s"
+    ) in message, message
+    assert len(message.splitlines()) < 6, message
+    stalls = [r.getMessage() for r in caplog.records if "stall:" in r.getMessage()]
+    assert any("(rank 0 is uploading runs/hung/checkpoint.keras to s3://bucket/exp" in line
+               for line in stalls), stalls  # fmt: skip
+    if info.value.output_log:
+        os.remove(info.value.output_log)
+    deadline = time.monotonic() + 20
+    while rank_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rank_processes() == []

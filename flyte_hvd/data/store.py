@@ -1318,7 +1318,7 @@ class RemoteStore:
             finished = done.wait(limit)
         if not finished:
             raise StoreTimeoutError(
-                f"{doing} did not finish within {limit:.3g}s: the store does not answer "
+                f"{doing} did not finish within {round(limit, 1):g}s: the store does not answer "
                 f"({store.address()}). Check that it is up and reachable from every executor; "
                 f"if the link is that slow, raise the Store's `timeout` or {TIMEOUT_ENV} "
                 f"(now {base:g}s, plus {SECONDS_PER_MIB:g}s per MiB moved)."

@@ -50,6 +50,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # flyte_
 _CORE = os.path.join(_PACKAGE, "core")
 _COLLECTIVE_FILES = (os.path.join(_CORE, "collectives.py"),)
 _INIT_FILE = os.path.join(_CORE, "state.py")
+_THREADING = threading.__file__
 
 
 @dataclass(frozen=True)
@@ -127,11 +128,12 @@ def _collective_of(frame: Any) -> tuple[Any, str] | None:
 
 
 def _where(frame: Any) -> str:
-    """``file:line in function`` of the innermost frame outside flyte_hvd."""
+    """``file:line in function`` of the innermost frame outside flyte_hvd (and ``threading``:
+    a thread waiting for another, as the Store's operations wait, is where it waits from)."""
     innermost = frame
     while frame is not None:
         path = frame.f_code.co_filename
-        if not path.startswith(_PACKAGE) and not path.startswith("<frozen"):
+        if not path.startswith((_PACKAGE, "<frozen", _THREADING)):
             break
         frame = frame.f_back
     frame = frame or innermost

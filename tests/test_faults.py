@@ -948,12 +948,71 @@ def test_bad_store_timeout_is_refused(monkeypatch, tmp_path, value):
     assert Store.create(str(tmp_path)).timeout == 50
 
 
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_spark_run_signalled_cancels_the_stage_and_stops_every_rank(
+    spark_local2, caplog, monkeypatch, sig
+):
+    """SIGINT or SIGTERM while ``spark.run`` waits for its stage: the stage is cancelled and
+    every rank stops within seconds; one line is logged; Ctrl-C raises a KeyboardInterrupt
+    that, uncaught, prints no traceback (Python then exits 130), SIGTERM exits 143; the
+    process's own handlers come back."""
+    from flyte_hvd.spark import run
+    from flyte_hvd.spark.pipeline import logged_interrupt
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
+    mark = uuid.uuid4().hex
+    _spark_local_dirs(spark_local2)  # a Spark job: it needs a free slot, so before the stage
+    before = signal.getsignal(sig)
+    sent: list[float] = []
+
+    def signal_once_ranks_run():
+        deadline = time.monotonic() + 60
+        while len(marked_processes(mark)) < 4 and time.monotonic() < deadline:  # + mpiexec
+            time.sleep(0.2)
+        time.sleep(0.5)
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=signal_once_ranks_run, daemon=True).start()
+    expected = KeyboardInterrupt if sig == signal.SIGINT else SystemExit
+    with caplog.at_level("WARNING", logger="flyte_hvd"), pytest.raises(expected) as info:
+        run(_sleeps_in_tmp, num_proc=2, env={MARK: mark}, stderr=io.StringIO())
+    took = time.monotonic() - sent[0]
+    report("spark.run", f"{signal.Signals(sig).name} to the driver process", took)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("flyte_hvd")]
+    name = "interrupted (Ctrl-C)" if sig == signal.SIGINT else "terminated (SIGTERM)"
+    assert lines == [f"{name}: the Spark stage was cancelled and every rank stopped"], lines
+    if sig == signal.SIGINT:
+        assert type(info.value) is KeyboardInterrupt and logged_interrupt(info.value)
+        shown = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", shown)
+        sys.excepthook(KeyboardInterrupt, info.value, None)  # as Python does, uncaught
+        monkeypatch.undo()
+        assert shown.getvalue() == ""
+    else:
+        assert info.value.code == 143
+    assert signal.getsignal(sig) is before
+    assert took < 10
+    assert_nothing_left(mark, within=5)
+    _assert_spark_clean(spark_local2, mark)
+
+
 SIGNALLED_SCRIPT = """
-import os, sys
+import os
+import sys
+
+from flytekit import task
 from pyspark.sql import SparkSession
+
 spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
 spark.sparkContext.setLogLevel("ERROR")
+
+from flyte_hvd.flyte import HorovodSpark
 from flyte_hvd.spark import run
+
 
 def raises():
     import numpy as np
@@ -964,103 +1023,31 @@ def raises():
         raise ValueError("bad batch on rank one")
     hvd.allreduce(np.ones(3))
 
+
 def good():
     import numpy as np
     import flyte_hvd.core as hvd
     hvd.init()
     return float(hvd.allreduce(np.ones(3))[0])
 
-def sleeps():
-    import time
-    import flyte_hvd.core as hvd
-    hvd.init()
-    print("ready", flush=True)
-    time.sleep(300)
-
-if sys.argv[1] == "shm":
-    try:
-        run(raises, num_proc=2, verbose=0)
-    except Exception as error:
-        print("RAISED", type(error).__name__, flush=True)
-        if error.output_log:
-            os.remove(error.output_log)
-    print("RESULT", run(good, num_proc=2, verbose=0), flush=True)
-    print("SHM LEFT:", sorted(os.listdir("/dev/shm")), flush=True)
-run(sleeps, num_proc=2, verbose=0)
-"""
-
-
-@pytest.mark.spark
-@pytest.mark.mpi
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize(
-    "sig, code, line",
-    [
-        (signal.SIGINT, 130, "interrupted (Ctrl-C): the Spark stage was cancelled and every rank "
-         "stopped"),
-        (signal.SIGTERM, 143, "terminated (SIGTERM): the Spark stage was cancelled and every rank "
-         "stopped"),
-    ],
-)  # fmt: skip
-def test_spark_run_process_signalled_ends_quietly_and_leaves_nothing(tmp_path, sig, code, line):
-    """SIGINT or SIGTERM to a Python process inside ``spark.run``: the stage is cancelled,
-    every rank, mpiexec and Python worker is gone within seconds, one line and no Java or
-    py4j stack is printed, and the process exits 130 / 143. The SIGINT case first runs a
-    failing and a good run in a private /dev/shm: neither leaves a segment there."""
-    script = tmp_path / "signalled.py"
-    script.write_text(SIGNALLED_SCRIPT)
-    mark = uuid.uuid4().hex
-    shm = sig == signal.SIGINT
-    argv = [sys.executable, str(script), "shm" if shm else "-"]
-    if shm:
-        argv = private_shm(" ".join(argv))
-    env = {**os.environ, MARK: mark, "PYSPARK_PYTHON": sys.executable}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=REPO, env=env, start_new_session=True)  # fmt: skip
-    try:
-        lines = []
-        while sum("<stdout>:ready" in line for line in lines) < 2:
-            lines.append(proc.stdout.readline())
-            assert lines[-1], f"the script ended early: {lines}"
-        if shm:
-            assert "RAISED RanksFailedError\n" in lines and "RESULT [1.0, 1.0]\n" in lines
-            assert "SHM LEFT: []\n" in lines, lines
-        command = f"{sys.executable} {script} "
-        script_pid = [p for p in marked_processes(mark) if p.split(" ", 1)[1].startswith(command)]
-        assert len(script_pid) == 1, script_pid
-        sent = time.monotonic()
-        os.kill(int(script_pid[0].split()[0]), sig)
-        proc.wait(timeout=60)
-        took = time.monotonic() - sent
-        stderr = proc.stderr.read()
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the script's tree, should the test fail
-    report("spark.run", f"{signal.Signals(sig).name} to the driver process", took)
-    assert took < 10, stderr[-3000:]
-    if not shm:
-        assert proc.returncode == code, stderr[-3000:]
-    else:  # the shell in the namespace reports how Python ended; Ctrl-C ends it by SIGINT
-        assert proc.stdout.read().strip().splitlines()[-1] == "LEFT:"
-    ours = [text for text in stderr.splitlines() if "flyte-hvd" in text or "Traceback" in text]
-    assert ours == [f"flyte-hvd: {line}"], stderr[-3000:]
-    assert "\tat org.apache" not in stderr and "py4j" not in stderr, stderr[-3000:]
-    assert_nothing_left(mark, within=5)
-
-
-SLEEPING_TASK = """
-from flytekit import task
-
-from flyte_hvd.flyte import HorovodSpark
-
 
 @task(task_config=HorovodSpark(num_proc=2))
 def sleeps() -> int:
     import time
-
     print("ready", flush=True)
     time.sleep(300)
     return 0
+
+
+try:
+    run(raises, num_proc=2, verbose=0)
+except Exception as error:
+    print("RAISED", type(error).__name__, flush=True)
+    if error.output_log:
+        os.remove(error.output_log)
+print("RESULT", run(good, num_proc=2, verbose=0), flush=True)
+print("SHM LEFT:", sorted(os.listdir("/dev/shm")), flush=True)
+sleeps()  # what `pyflyte run` executes, less its command line (click)
 """
 
 
@@ -1068,39 +1055,44 @@ def sleeps() -> int:
 @pytest.mark.spark
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
-def test_pyflyte_run_interrupted_ends_quietly_and_leaves_nothing(tmp_path):
-    """Ctrl-C to `pyflyte run` of a HorovodSpark task: one line, status 130 (click would say
-    "Aborted!" and exit 1), and every rank, mpiexec, Python worker and the JVM gone within
-    seconds."""
-    (tmp_path / "wf.py").write_text(SLEEPING_TASK)
+def test_interrupted_horovod_spark_task_ends_quietly_and_leaves_nothing(tmp_path):
+    """In a private /dev/shm, a failing and a good ``spark.run`` leave no MPICH segment;
+    then Ctrl-C to the process while a ``HorovodSpark`` task runs: one line, no py4j or Java
+    stack, status 130 (a SystemExit: `pyflyte run`'s click would turn a KeyboardInterrupt
+    into "Aborted!" and status 1), and every rank, mpiexec, Python worker and the JVM gone
+    within seconds."""
+    script = tmp_path / "signalled.py"
+    script.write_text(SIGNALLED_SCRIPT)
     mark = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_")}
-    env.update({MARK: mark, "PYTHONPATH": REPO})
-    pyflyte = os.path.join(os.path.dirname(sys.executable), "pyflyte")
-    proc = subprocess.Popen([pyflyte, "run", "wf.py", "sleeps"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env,
-                            start_new_session=True)  # fmt: skip
+    command = f"{sys.executable} {script}"
+    env = {**os.environ, MARK: mark, "PYTHONPATH": REPO, "PYSPARK_PYTHON": sys.executable}
+    argv = private_shm(f"{command}; echo EXIT=$?")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, env=env, start_new_session=True)  # fmt: skip
     try:
         lines = []
         while sum("<stdout>:ready" in line for line in lines) < 2:
             lines.append(proc.stdout.readline())
-            assert lines[-1], f"pyflyte ended early: {lines}"
+            assert lines[-1], f"the script ended early: {lines}"
+        assert "RAISED RanksFailedError\n" in lines and "RESULT [1.0, 1.0]\n" in lines, lines
+        assert "SHM LEFT: []\n" in lines, lines
+        pids = [p for p in marked_processes(mark) if p.split(" ", 1)[1].startswith(command)]
+        assert len(pids) == 1, pids
         sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        os.kill(int(pids[0].split()[0]), signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
         took = time.monotonic() - sent
-        stderr = proc.stderr.read()
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    report("HorovodSpark task", "SIGINT to pyflyte run", took)
-    assert proc.returncode == 130, stderr[-3000:]
+            os.killpg(proc.pid, signal.SIGKILL)  # the script's tree, should the test fail
+    report("HorovodSpark task", "SIGINT to the driver process", took)
+    assert stdout.strip().splitlines()[-2:] == ["EXIT=130", "LEFT:"], stdout[-3000:]
     ours = [text for text in stderr.splitlines() if "flyte-hvd: " in text or "Traceback" in text]
     assert ours[-1].endswith(
         "flyte-hvd: interrupted (Ctrl-C): the Spark stage was cancelled and every rank stopped"
     ), stderr[-3000:]
-    assert "Traceback" not in stderr and "Aborted" not in stderr, stderr[-3000:]
-    assert "\tat org.apache" not in stderr and "py4j" not in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr and "\tat org.apache" not in stderr, stderr[-3000:]
+    assert "py4j" not in stderr, stderr[-3000:]
     assert took < 10
     assert_nothing_left(mark, within=5)
 

@@ -12,7 +12,8 @@ supervisor, or the driver of a Spark run) decides:
   within seconds, naming the rank and how it ended;
 - ranks that waited longer than ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60) while others are
   elsewhere get one warning line naming the collective, the waiting ranks and the missing
-  ones and where they are; after ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (0: never) the run
+  ones and where they are (or what they are doing, when an ``activity`` says so: the Store
+  names each of its operations); after ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (0: never) the run
   fails with that line as its error. ``HOROVOD_STALL_CHECK_DISABLE=1`` turns both off.
 """
 

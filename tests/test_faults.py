@@ -1156,3 +1156,38 @@ def test_keras_fit_fails_naming_a_store_that_hangs_mid_fit(spark_local2, caplog,
     while rank_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert rank_processes() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_second_signal_stops_waiting_for_the_stage(monkeypatch, caplog):
+    """The first SIGINT starts the stage's cancellation and lets the run wait for it; a
+    second one raises at once (a stage that does not end must not trap the user). A signal
+    the process ignores stays ignored."""
+    from flyte_hvd.spark.pipeline import logged_interrupt, stopped_by_signals
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    stops = []
+    previous_int = signal.getsignal(signal.SIGINT)
+    previous_term = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with (
+            caplog.at_level("WARNING", logger="flyte_hvd"),
+            pytest.raises(KeyboardInterrupt) as info,
+            stopped_by_signals(lambda: stops.append(1)) as received,
+        ):
+            os.kill(os.getpid(), signal.SIGTERM)  # ignored: nothing happens
+            os.kill(os.getpid(), signal.SIGINT)
+            deadline = time.monotonic() + 5
+            while not stops and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert received == [signal.SIGINT] and stops == [1]
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises before this ends
+        assert logged_interrupt(info.value)
+        assert [r.getMessage() for r in caplog.records] == [
+            "interrupted (Ctrl-C): the Spark stage was cancelled and every rank stopped"
+        ]
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is previous_int
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)

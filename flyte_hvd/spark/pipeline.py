@@ -135,8 +135,12 @@ def launch(spec: LaunchSpec, backend: StageBackend) -> runner.RunReport:
     )  # fmt: skip
 
     def stop() -> None:  # the stage's tasks are killed; the link's end stops their ranks now
-        backend.cancel(tag)
-        server.close()
+        try:
+            backend.cancel(tag)
+        except Exception as error:  # the session is going away too: the link still ends
+            logger.debug("cancelling the stage: %s", error)
+        finally:
+            server.close()
 
     try:
         with stopped_by_signals(stop) as received:
@@ -176,17 +180,19 @@ def stopped_by_signals(stop: Callable[[], None]) -> Iterator[list[int]]:
     """While the block runs in the main thread, SIGINT and SIGTERM call ``stop`` (in a thread
     of its own: the main thread is inside a py4j or gRPC call that a handler must not
     re-enter, which is what pyspark's own SIGINT handler does) and are recorded in the list
-    the block gets; the block then ends as the cancelled stage returns. Signals the process
-    ignores stay ignored; the previous handlers come back after the block."""
+    the block gets; the block then ends as the cancelled stage returns. A second signal
+    raises at once. Signals the process ignores stay ignored; the previous handlers come
+    back after the block."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
 
     def handler(signum: int, frame: Any) -> None:
-        if not received:
-            received.append(signum)
-            threading.Thread(target=stop, name="flyte-hvd-stop", daemon=True).start()
+        if received:  # asked again while the stage winds down: stop waiting for it
+            raise interrupted(signum)
+        received.append(signum)
+        threading.Thread(target=stop, name="flyte-hvd-stop", daemon=True).start()
 
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -203,11 +209,11 @@ def stopped_by_signals(stop: Callable[[], None]) -> Iterator[list[int]]:
 
 def interrupted(signum: int) -> BaseException:
     """The exception that ends a run stopped by ``signum``, its one line logged."""
-    if signum != signal.SIGINT:
-        logger.warning("terminated (SIGTERM): the Spark stage was cancelled and every rank stopped")
-        return RunTerminated()
-    line = "interrupted (Ctrl-C): the Spark stage was cancelled and every rank stopped"
+    name = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated (SIGTERM)"
+    line = f"{name}: the Spark stage was cancelled and every rank stopped"
     logger.warning(line)
+    if signum != signal.SIGINT:
+        return RunTerminated()
     # A plain KeyboardInterrupt: a notebook's cell stops and the kernel stays; a script that
     # does not catch it ends as Ctrl-C ends Python (status 130), which Python does only for
     # that exact type. Its line is logged: left uncaught, it prints no traceback.

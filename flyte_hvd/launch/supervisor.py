@@ -253,7 +253,7 @@ class RankSupervisor:
             self._stop_all()
             server.close()
             shutil.rmtree(workdir, ignore_errors=True)
-            for state in self.ranks.values():  # MPI_Finalize removed them unless the rank failed
+            for state in self.ranks.values():  # gone already, unless a rank died as MPI started
                 rendezvous.remove_shm_segments(state.shm)
             if self._own_output is not None:
                 self._own_output.close(keep=False)

@@ -273,6 +273,39 @@ def test_cli_signal_ends_quietly_and_leaves_nothing(tmp_path, sig, code, line):
     cli.clean(stderr)
 
 
+def private_shm(command: str) -> list[str]:
+    """``sh -c command`` in a private mount namespace with its own empty ``/dev/shm`` (so
+    that other runs on the machine do not count), as the argv to run; the command's last
+    output line lists what is left in ``/dev/shm``."""
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("needs `unshare -m` (root) for a private /dev/shm")
+    script = f"mount -t tmpfs tmpfs /dev/shm && {{ {command}; }}; echo LEFT: $(ls /dev/shm)"
+    return ["unshare", "-m", "sh", "-c", script]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_cli_runs_leave_no_shared_memory(tmp_path):
+    """MPICH's segments in /dev/shm (1 MiB per rank) go with a failed run as with a good one:
+    the supervisor removes what its ranks mapped (MPI_Finalize does it only on success)."""
+    cli = Cli(tmp_path)
+    good = "import numpy as np, flyte_hvd.core as hvd\nhvd.init()\nhvd.allreduce(np.ones(3))\n"
+    scripts = []
+    for name, program in (("fails.py", RAISES), ("good.py", good)):
+        (tmp_path / name).write_text(program)
+        scripts.append(str(tmp_path / name))
+    runs = " ; ".join(f"{CLI} -np 2 python {script}; echo EXIT=$?" for script in scripts)
+    result = subprocess.run(
+        private_shm(runs), capture_output=True, text=True, timeout=100, cwd=REPO, env=cli.env()
+    )
+    assert result.stdout.count("EXIT=") == 2, result.stdout + result.stderr
+    assert "EXIT=1" in result.stdout and "EXIT=0" in result.stdout  # it failed, then it ran
+    assert "ValueError: bad batch on rank one" in result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "LEFT:", result.stdout
+    cli.clean(result.stderr)
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
 def test_cli_killed_launcher_leaves_nothing(tmp_path):
@@ -858,3 +891,394 @@ def test_horovod_spark_task_rank_returning_early(spark_local2):
         time.sleep(0.2)
     assert rank_processes() == []
     assert _spark_work_dirs(spark_local2) == []
+
+
+# -- the Store on the training path ----------------------------------------------------------
+
+
+class _S3Process:
+    """moto's S3 server in a process of its own (so that a test can stop or kill it), on a
+    free loopback port, with one bucket."""
+
+    def __init__(self):
+        import socket
+
+        import requests
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{port}"
+        moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
+        self.proc = subprocess.Popen(
+            [moto, "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                requests.put(f"{self.endpoint}/bucket", timeout=2).raise_for_status()
+                break
+            except requests.RequestException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def store(self, timeout: float, **config):
+        from flyte_hvd.data.store import Store
+
+        options = {"endpoint_url": self.endpoint, "key": "k", "secret": "s"}
+        if config:
+            options["config_kwargs"] = config
+        return Store.create("s3://bucket/exp", storage_options=options, timeout=timeout)
+
+    def close(self):
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGCONT)
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _checkpoint_after_store_stops(remote, stop_pid, sig):
+    """Rank 0 writes the run's state, then the store gets ``sig`` and rank 0 uploads a
+    checkpoint while rank 1 waits for it in an allreduce."""
+    import os
+    import tempfile
+
+    import numpy as np
+
+    import flyte_hvd.core as hvd
+
+    hvd.init()
+    if hvd.rank() == 0:
+        remote.write_text(remote.state_path, '{"epoch": 1}')
+        os.kill(stop_pid, sig)
+        local = os.path.join(tempfile.mkdtemp(), "checkpoint.keras")
+        with open(local, "wb") as f:
+            f.write(b"model" * 100)
+        remote.upload_file(local, remote.checkpoint_path(".keras"))
+    hvd.allreduce(np.ones(3))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_hung_and_dead_store_fail_the_run_naming_the_operation(caplog, monkeypatch):
+    """A store that stops answering mid-run (SIGSTOP) fails the run after the Store's
+    `timeout`, naming the operation, the store and the setting; meanwhile the stall line says
+    what the missing rank is doing. A store that is gone gives one line of advice, not
+    s3fs's traceback."""
+    from flyte_hvd.launch.job import FunctionJob
+    from flyte_hvd.launch.supervisor import launch_local
+
+    monkeypatch.setenv(stall.CHECK_TIME_ENV, "1")
+    server = _S3Process()
+    try:
+        remote = server.store(timeout=4).to_remote("r")
+        started = time.monotonic()
+        with (
+            caplog.at_level("WARNING", logger="flyte_hvd"),
+            pytest.raises(RanksFailedError) as info,
+        ):
+            launch_local(FunctionJob(_checkpoint_after_store_stops,
+                                     (remote, server.proc.pid, signal.SIGSTOP)), 2)  # fmt: skip
+        took = time.monotonic() - started
+        report("launch_local", "store hangs (SIGSTOP) during a checkpoint upload (timeout 4s)",
+               took)  # fmt: skip
+        message = str(info.value)
+        assert "rank 0 failed" in message
+        assert (
+            "StoreTimeoutError: uploading runs/r/checkpoint.keras to s3://bucket/exp did not "
+            f"finish within 4s: the store does not answer (endpoint {server.endpoint}"
+        ) in message, message
+        assert "raise the Store's `timeout` or FLYTE_HVD_STORE_TIMEOUT_S (now 4s" in message
+        assert len(message.splitlines()) < 6, message
+        stalls = [r.getMessage() for r in caplog.records if "stall:" in r.getMessage()]
+        assert any(
+            "ranks [0] are not there (rank 0 is uploading runs/r/checkpoint.keras to "
+            "s3://bucket/exp (at " in line
+            for line in stalls
+        ), stalls
+        assert 4 <= took < 20
+        if info.value.output_log:
+            os.remove(info.value.output_log)
+
+        server.proc.send_signal(signal.SIGCONT)  # answers again: the store works
+        remote = server.store(timeout=30, retries={"max_attempts": 1}).to_remote("r")
+        started = time.monotonic()
+        with pytest.raises(RanksFailedError) as info:
+            launch_local(FunctionJob(_checkpoint_after_store_stops,
+                                     (remote, server.proc.pid, signal.SIGKILL)), 2)  # fmt: skip
+        took = time.monotonic() - started
+        report("launch_local", "store gone (SIGKILL) before a checkpoint upload", took)
+        message = str(info.value)
+        assert (
+            "StoreUnreachableError: cannot reach the store at `s3://bucket/exp` while uploading "
+            "runs/r/checkpoint.keras to s3://bucket/exp: EndpointConnectionError"
+        ) in message, message
+        assert f"reachable from every executor (endpoint {server.endpoint}" in message
+        assert len(message.splitlines()) < 6, message
+        assert took < 25
+        if info.value.output_log:
+            os.remove(info.value.output_log)
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
+def test_bad_store_timeout_is_refused(monkeypatch, tmp_path, value):
+    from flyte_hvd.data.store import TIMEOUT_ENV, Store
+
+    monkeypatch.setenv(TIMEOUT_ENV, value)
+    with pytest.raises(ValueError, match=f"{TIMEOUT_ENV}='{value}': expected the seconds"):
+        Store.create(str(tmp_path))
+    monkeypatch.delenv(TIMEOUT_ENV)
+    with pytest.raises(ValueError, match=r"`timeout` must be the seconds .*; found -3"):
+        Store.create(str(tmp_path), timeout=-3)
+    assert Store.create(str(tmp_path)).timeout == 50
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_spark_run_signalled_cancels_the_stage_and_stops_every_rank(
+    spark_local2, caplog, monkeypatch, sig
+):
+    """SIGINT or SIGTERM while ``spark.run`` waits for its stage: the stage is cancelled and
+    every rank stops within seconds; one line is logged; Ctrl-C raises a KeyboardInterrupt
+    that, uncaught, prints no traceback (Python then exits 130), SIGTERM exits 143; the
+    process's own handlers come back."""
+    from flyte_hvd.spark import run
+    from flyte_hvd.spark.pipeline import logged_interrupt
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
+    mark = uuid.uuid4().hex
+    _spark_local_dirs(spark_local2)  # a Spark job: it needs a free slot, so before the stage
+    before = signal.getsignal(sig)
+    sent: list[float] = []
+
+    def signal_once_ranks_run():
+        deadline = time.monotonic() + 60
+        while len(marked_processes(mark)) < 4 and time.monotonic() < deadline:  # + mpiexec
+            time.sleep(0.2)
+        time.sleep(0.5)
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=signal_once_ranks_run, daemon=True).start()
+    expected = KeyboardInterrupt if sig == signal.SIGINT else SystemExit
+    with caplog.at_level("WARNING", logger="flyte_hvd"), pytest.raises(expected) as info:
+        run(_sleeps_in_tmp, num_proc=2, env={MARK: mark}, stderr=io.StringIO())
+    took = time.monotonic() - sent[0]
+    report("spark.run", f"{signal.Signals(sig).name} to the driver process", took)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("flyte_hvd")]
+    name = "interrupted (Ctrl-C)" if sig == signal.SIGINT else "terminated (SIGTERM)"
+    assert lines == [f"{name}: the Spark stage was cancelled and every rank stopped"], lines
+    if sig == signal.SIGINT:
+        assert type(info.value) is KeyboardInterrupt and logged_interrupt(info.value)
+        shown = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", shown)
+        sys.excepthook(KeyboardInterrupt, info.value, None)  # as Python does, uncaught
+        monkeypatch.undo()
+        assert shown.getvalue() == ""
+    else:
+        assert info.value.code == 143
+    assert signal.getsignal(sig) is before
+    assert took < 10
+    assert_nothing_left(mark, within=5)
+    _assert_spark_clean(spark_local2, mark)
+
+
+SIGNALLED_SCRIPT = """
+import os
+import sys
+
+from flytekit import task
+from pyspark.sql import SparkSession
+
+spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
+spark.sparkContext.setLogLevel("ERROR")
+
+from flyte_hvd.flyte import HorovodSpark
+from flyte_hvd.spark import run
+
+
+def raises():
+    import numpy as np
+    import flyte_hvd.core as hvd
+    hvd.init()
+    hvd.allreduce(np.ones(3))
+    if hvd.rank() == 1:
+        raise ValueError("bad batch on rank one")
+    hvd.allreduce(np.ones(3))
+
+
+def good():
+    import numpy as np
+    import flyte_hvd.core as hvd
+    hvd.init()
+    return float(hvd.allreduce(np.ones(3))[0])
+
+
+@task(task_config=HorovodSpark(num_proc=2))
+def sleeps() -> int:
+    import time
+    print("ready", flush=True)
+    time.sleep(300)
+    return 0
+
+
+try:
+    run(raises, num_proc=2, verbose=0)
+except Exception as error:
+    print("RAISED", type(error).__name__, flush=True)
+    if error.output_log:
+        os.remove(error.output_log)
+print("RESULT", run(good, num_proc=2, verbose=0), flush=True)
+print("SHM LEFT:", sorted(os.listdir("/dev/shm")), flush=True)
+sleeps()  # what `pyflyte run` executes, less its command line (click)
+"""
+
+
+@pytest.mark.flyte
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_interrupted_horovod_spark_task_ends_quietly_and_leaves_nothing(tmp_path):
+    """In a private /dev/shm, a failing and a good ``spark.run`` leave no MPICH segment;
+    then Ctrl-C to the process while a ``HorovodSpark`` task runs: one line, no py4j or Java
+    stack, status 130 (a SystemExit: `pyflyte run`'s click would turn a KeyboardInterrupt
+    into "Aborted!" and status 1), and every rank, mpiexec, Python worker and the JVM gone
+    within seconds."""
+    script = tmp_path / "signalled.py"
+    script.write_text(SIGNALLED_SCRIPT)
+    mark = uuid.uuid4().hex
+    command = f"{sys.executable} {script}"
+    env = {**os.environ, MARK: mark, "PYTHONPATH": REPO, "PYSPARK_PYTHON": sys.executable}
+    argv = private_shm(f"{command}; echo EXIT=$?")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, env=env, start_new_session=True)  # fmt: skip
+    try:
+        lines = []
+        while sum("<stdout>:ready" in line for line in lines) < 2:
+            lines.append(proc.stdout.readline())
+            assert lines[-1], f"the script ended early: {lines}"
+        assert "RAISED RanksFailedError\n" in lines and "RESULT [1.0, 1.0]\n" in lines, lines
+        assert "SHM LEFT: []\n" in lines, lines
+        pids = [p for p in marked_processes(mark) if p.split(" ", 1)[1].startswith(command)]
+        assert len(pids) == 1, pids
+        sent = time.monotonic()
+        os.kill(int(pids[0].split()[0]), signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the script's tree, should the test fail
+    report("HorovodSpark task", "SIGINT to the driver process", took)
+    assert stdout.strip().splitlines()[-2:] == ["EXIT=130", "LEFT:"], stdout[-3000:]
+    ours = [text for text in stderr.splitlines() if "flyte-hvd: " in text or "Traceback" in text]
+    assert ours[-1].endswith(
+        "flyte-hvd: interrupted (Ctrl-C): the Spark stage was cancelled and every rank stopped"
+    ), stderr[-3000:]
+    assert "Traceback" not in stderr and "\tat org.apache" not in stderr, stderr[-3000:]
+    assert "py4j" not in stderr, stderr[-3000:]
+    assert took < 10
+    assert_nothing_left(mark, within=5)
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_keras_fit_fails_naming_a_store_that_hangs_mid_fit(spark_local2, caplog, monkeypatch):
+    """The store stops answering (SIGSTOP) after the first epoch of a KerasEstimator fit:
+    the fit fails after the Store's `timeout`, naming the upload and the store, while the
+    stall line says that rank 0 is uploading; no rank is left."""
+    keras = pytest.importorskip("keras")
+    from flyte_hvd.estimators.keras import KerasEstimator
+
+    class StopsTheStore(keras.callbacks.Callback):
+        def __init__(self, pid):
+            super().__init__()
+            self.pid = pid
+
+        def on_epoch_end(self, epoch, logs=None):
+            import flyte_hvd.core as hvd
+
+            if epoch == 0 and hvd.rank() == 0:
+                os.kill(self.pid, signal.SIGSTOP)
+
+    monkeypatch.setenv(stall.CHECK_TIME_ENV, "1")
+    spark_local2.sparkContext.parallelize([0], 1).count()
+    server = _S3Process()
+    try:
+        keras.utils.set_random_seed(0)
+        estimator = KerasEstimator(
+            num_proc=2, store=server.store(timeout=5), run_id="hung",
+            model=keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+            optimizer=keras.optimizers.SGD(0.01), loss="mse", feature_cols=["features"],
+            label_cols=["label"], batch_size=8, epochs=3, verbose=0,
+            callbacks=[StopsTheStore(server.proc.pid)],
+        )  # fmt: skip
+        df = _vector_df(spark_local2)
+        started = time.monotonic()
+        with (
+            caplog.at_level("WARNING", logger="flyte_hvd"),
+            pytest.raises(RanksFailedError) as info,
+        ):
+            estimator.fit(df)
+        took = time.monotonic() - started
+    finally:
+        server.close()
+    report("KerasEstimator.fit", "store hangs (SIGSTOP) after epoch 1 (timeout 5s)", took)
+    message = str(info.value)
+    assert (
+        "StoreTimeoutError: uploading runs/hung/checkpoint.keras to s3://bucket/exp did not "
+        "finish within 5s"
+    ) in message, message
+    assert len(message.splitlines()) < 6, message
+    stalls = [r.getMessage() for r in caplog.records if "stall:" in r.getMessage()]
+    assert any("(rank 0 is uploading runs/hung/checkpoint.keras to s3://bucket/exp" in line
+               for line in stalls), stalls  # fmt: skip
+    if info.value.output_log:
+        os.remove(info.value.output_log)
+    deadline = time.monotonic() + 20
+    while rank_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rank_processes() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_second_signal_stops_waiting_for_the_stage(monkeypatch, caplog):
+    """The first SIGINT starts the stage's cancellation and lets the run wait for it; a
+    second one raises at once (a stage that does not end must not trap the user). A signal
+    the process ignores stays ignored."""
+    from flyte_hvd.spark.pipeline import logged_interrupt, stopped_by_signals
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    stops = []
+    previous_int = signal.getsignal(signal.SIGINT)
+    previous_term = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with (
+            caplog.at_level("WARNING", logger="flyte_hvd"),
+            pytest.raises(KeyboardInterrupt) as info,
+            stopped_by_signals(lambda: stops.append(1)) as received,
+        ):
+            os.kill(os.getpid(), signal.SIGTERM)  # ignored: nothing happens
+            os.kill(os.getpid(), signal.SIGINT)
+            deadline = time.monotonic() + 5
+            while not stops and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert received == [signal.SIGINT] and stops == [1]
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises before this ends
+        assert logged_interrupt(info.value)
+        assert [r.getMessage() for r in caplog.records] == [
+            "interrupted (Ctrl-C): the Spark stage was cancelled and every rank stopped"
+        ]
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is previous_int
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)

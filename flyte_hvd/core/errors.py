@@ -46,6 +46,11 @@ class RanksFailedError(RuntimeError):
         return (type(self), (self.failures, self.summary, self.output_log))
 
 
+class ExplainedError(RuntimeError):
+    """An error whose message says all a user needs (what failed, where, what to do): a rank
+    reports it as its one line, without the traceback of the library calls beneath it."""
+
+
 class RendezvousTimeoutError(TimeoutError):
     """The ranks did not all start and join within ``start_timeout``."""
 

@@ -48,6 +48,8 @@ _LAZY = {
     "RemoteStore": "flyte_hvd.data.store",
     "AbstractFilesystemStore": "flyte_hvd.data.store",
     "FilesystemStore": "flyte_hvd.data.store",
+    "StoreTimeoutError": "flyte_hvd.data.store",
+    "StoreUnreachableError": "flyte_hvd.data.store",
     "prepare_data": "flyte_hvd.data.prepare",
     "read_metadata": "flyte_hvd.data.dataset",
     "get_dataset_metadata": "flyte_hvd.data.dataset",

@@ -32,6 +32,7 @@ import pickle
 import posixpath
 import shutil
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -40,8 +41,10 @@ from urllib.parse import urlparse
 
 import fsspec
 
+from flyte_hvd.core.errors import ExplainedError
 from flyte_hvd.core.log import get_logger, warn_once
 from flyte_hvd.data.parquet import METADATA_FILENAME, FileSystem, open_parquet_dataset
+from flyte_hvd.launch import stall
 
 if TYPE_CHECKING:
     import keras
@@ -56,6 +59,8 @@ __all__ = [
     "RemoteStore",
     "S3Store",
     "Store",
+    "StoreTimeoutError",
+    "StoreUnreachableError",
     "store_class_for",
 ]
 
@@ -69,6 +74,29 @@ VAL_DATA_NAME = "intermediate_val_data"
 TEST_DATA_NAME = "intermediate_test_data"
 RUNS_DIRNAME = "runs"
 _TMP_SUFFIX = ".tmp"
+# How long one store operation of the ranks (a checkpoint upload, reading state.json...) may
+# take before the run fails: a hung store must not hang training.
+TIMEOUT_ENV = "FLYTE_HVD_STORE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 50.0  # below the stall check time (60 s): the error comes first
+# A transfer gets this much more per MiB moved: a large file on a slow link is not a hung store.
+SECONDS_PER_MIB = 1.0
+# What exceptions of botocore, aiohttp and fsspec are called when the store cannot be reached.
+_UNREACHABLE_ERRORS = frozenset({
+    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+    "ConnectionClosedError", "ClientConnectorError", "ServerDisconnectedError",
+    "ServerTimeoutError", "FSTimeoutError",
+})  # fmt: skip
+
+
+class StoreTimeoutError(ExplainedError):
+    """A store operation of a rank did not finish in time (``FLYTE_HVD_STORE_TIMEOUT_S`` or the
+    Store's ``timeout``)."""
+
+
+class StoreUnreachableError(ExplainedError):
+    """A store operation of a rank could not reach the store (connection refused, reset...)."""
+
+
 # Protocols whose single PUT publishes an object atomically and that have no real directories.
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "oss"})
 # The flyte-hvd extra that installs the fsspec package of a protocol (named in the error a
@@ -153,6 +181,9 @@ class Store:
             the framework's extension: ``.keras``, ``.pt``, ``.ckpt``).
         temp_dir: local folder for temporary files (``get_local_output_dir_fn``'s folders,
             files staged before an upload); default: the system's temporary folder.
+        timeout: seconds one store operation of the ranks (a checkpoint, state or log upload,
+            a read to resume) may take, plus one second per MiB it moves; then the run fails
+            naming the operation. Default: ``FLYTE_HVD_STORE_TIMEOUT_S``, else 50.
         **kwargs: other keyword arguments are accepted, as Horovod's stores accept them, and
             ignored with a warning (once per name), since they mean nothing here.
     """
@@ -173,6 +204,7 @@ class Store:
         storage_options: dict[str, Any] | None = None,  # fsspec's options for the filesystem
         checkpoint_filename: str | None = None,
         temp_dir: str | os.PathLike[str] | None = None,
+        timeout: float | None = None,
         **kwargs: Any,  # Horovod's other arguments: ignored, with a warning
     ):
         for key in kwargs:
@@ -181,7 +213,8 @@ class Store:
                 f"`{type(self).__name__}` got `{key}`, which is not one of its arguments; it is "
                 f"ignored (Horovod's stores ignore unknown keyword arguments too). Check the "
                 f"spelling if you meant `train_path`, `val_path`, `test_path`, `runs_path`, "
-                f"`save_runs`, `storage_options`, `checkpoint_filename` or `temp_dir`.",
+                f"`save_runs`, `storage_options`, `checkpoint_filename`, `temp_dir` or "
+                f"`timeout`.",
             )
         self.prefix_path = self.normalize(_check_path("prefix_path", prefix_path))
         self._train_path = self._own_path("train_path", train_path, TRAIN_DATA_NAME)
@@ -204,6 +237,7 @@ class Store:
             )
         self.checkpoint_filename = name
         self.temp_dir = None if temp_dir is None else _check_path("temp_dir", temp_dir)
+        self.timeout = store_timeout(timeout)
         self._fs: fsspec.AbstractFileSystem | None = None
 
     # -- construction ------------------------------------------------------------------------
@@ -691,6 +725,10 @@ class Store:
         """Why the filesystem could not be opened (``_explain`` unless a class knows more)."""
         return self._explain(error)
 
+    def address(self) -> str:
+        """Where the store's server is, for messages about reaching it."""
+        return f"`{self.prefix_path}` as the ranks' hosts see it"
+
     def _makedirs(self, path: str) -> None:
         if path:
             self.fs.makedirs(path, exist_ok=True)
@@ -898,9 +936,29 @@ class S3Store(Store):
     def _make_fs(self) -> fsspec.AbstractFileSystem:
         import s3fs
 
+        options = dict(self.storage_options)
+        # s3fs's limits per request (5 s to connect, 15 s without an answer; then it retries),
+        # never longer than a whole operation may take; `config_kwargs` given win.
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", min(5.0, self.timeout))
+        config.setdefault("read_timeout", min(15.0, self.timeout))
+        options["config_kwargs"] = config
         # A fresh instance: fsspec's instance cache would keep credentials from an older
         # environment.
-        return s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
+        return s3fs.S3FileSystem(skip_instance_cache=True, **options)
+
+    def address(self) -> str:
+        endpoint = self.storage_options.get("endpoint_url") or (
+            self.storage_options.get("client_kwargs") or {}
+        ).get("endpoint_url")
+        endpoint = (
+            endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        )
+        where = f"endpoint {endpoint}" if endpoint else "AWS's endpoint for the bucket's region"
+        return (
+            f"{where}; it is `endpoint_url` in `storage_options`, or AWS_ENDPOINT_URL where the "
+            f"ranks run"
+        )
 
     def _makedirs(self, path: str) -> None:
         pass  # S3 has no directories; a missing bucket shows up on the first write
@@ -1086,6 +1144,7 @@ class FilesystemStore(Store):
         storage_options: as for ``Store``.
         checkpoint_filename: as for ``Store``.
         temp_dir: as for ``Store``.
+        timeout: as for ``Store``.
         **kwargs: as for ``Store``.
 
     Raises:
@@ -1105,6 +1164,7 @@ class FilesystemStore(Store):
         storage_options: dict[str, Any] | None = None,  # fsspec's options for the filesystem
         checkpoint_filename: str | None = None,
         temp_dir: str | os.PathLike[str] | None = None,
+        timeout: float | None = None,
         **kwargs: Any,  # ``Store``'s other arguments, passed on
     ):
         path = _check_path("prefix_path", prefix_path)
@@ -1121,6 +1181,7 @@ class FilesystemStore(Store):
             storage_options=storage_options,
             checkpoint_filename=checkpoint_filename,
             temp_dir=temp_dir,
+            timeout=timeout,
             **kwargs,
         )
 
@@ -1332,26 +1393,81 @@ class RemoteStore:
     def fs_path(self, path: str) -> str:
         return self.store.fs_path(path)
 
+    # The operations of training (checkpoints, state, logs, reads to resume) each have a
+    # bounded time (the Store's `timeout`): a store that hangs fails the run, naming itself.
+
     def exists(self, path: str) -> bool:
-        return self.store.exists(path)
+        return self._bounded(("looking for", "in"), path, 0, self.store.exists, path)
 
     def read(self, path: str) -> bytes:
-        return self.store.read(path)
+        return self._bounded(("reading", "from"), path, 0, self.store.read, path)
 
     def write_bytes(self, path: str, data: bytes) -> None:
-        self.store.write_bytes(path, data)
+        self._bounded(("writing", "to"), path, len(data), self.store.write_bytes, path, data)
 
     def write_text(self, path: str, text: str) -> None:
-        self.store.write_text(path, text)
+        self.write_bytes(path, text.encode("utf-8"))
 
     def upload_file(self, local_path: str, remote_path: str) -> None:
-        self.store.upload_file(local_path, remote_path)
+        size = os.path.getsize(local_path)
+        self._bounded(("uploading", "to"), remote_path, size, self.store.upload_file,
+                      local_path, remote_path)  # fmt: skip
 
     def download_file(self, remote_path: str, local_path: str) -> None:
-        self.store.download_file(remote_path, local_path)
+        target = self.store.fs_path(remote_path)
+        size = self._bounded(("looking for", "in"), remote_path, 0, self.store.fs.size, target)
+        self._bounded(("downloading", "from"), remote_path, size or 0, self.store.download_file,
+                      remote_path, local_path)  # fmt: skip
 
     def upload_dir(self, local_dir: str, remote_dir: str) -> list[str]:
-        return self.store.upload_dir(local_dir, remote_dir)
+        written = []
+        for local, rel in _local_files(local_dir):
+            remote = self.store.join(remote_dir, rel)
+            self.upload_file(local, remote)
+            written.append(remote)
+        return written
+
+    def _bounded(self, verb: tuple[str, str], path: str, size: int,
+                 fn: Callable[..., Any], *args: Any) -> Any:  # fmt: skip
+        """``fn(*args)`` in a thread of its own, waited for up to the Store's timeout (plus
+        ``SECONDS_PER_MIB`` per MiB of ``size``). A hung store leaves that thread blocked;
+        the rank fails and its process ends with it."""
+        store = self.store
+        prefix = store.prefix_path
+        rel = path[len(prefix) :].lstrip("/") if path.startswith(prefix) else path
+        doing = f"{verb[0]} {rel} {verb[1]} {prefix}"
+        base = getattr(store, "timeout", DEFAULT_TIMEOUT_S)
+        limit = base + SECONDS_PER_MIB * size / (1 << 20)
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                outcome["value"] = fn(*args)
+            except BaseException as error:
+                outcome["error"] = error
+            finally:
+                done.set()
+
+        with stall.activity(doing):
+            threading.Thread(target=call, name="flyte-hvd-store", daemon=True).start()
+            finished = done.wait(limit)
+        if not finished:
+            raise StoreTimeoutError(
+                f"{doing} did not finish within {round(limit, 1):g}s: the store does not answer "
+                f"({store.address()}). Check that it is up and reachable from every executor; "
+                f"if the link is that slow, raise the Store's `timeout` or {TIMEOUT_ENV} "
+                f"(now {base:g}s, plus {SECONDS_PER_MIB:g}s per MiB moved)."
+            )
+        error = outcome.get("error")
+        if error is None:
+            return outcome.get("value")
+        if _unreachable(error):
+            raise StoreUnreachableError(
+                f"cannot reach the store at `{prefix}` while {doing}: {_brief(error)}. Check "
+                f"that the store is up and reachable from every executor ({store.address()})."
+            ) from None
+        raise error
 
     def _run(self) -> str:
         if self.run_id is None:
@@ -1496,6 +1612,47 @@ def _check_path(name: str, path: object) -> str:
     if not isinstance(path, str) or not path.strip():
         raise ValueError(f"`{name}` must be a non-empty path or URL; found {path!r}.")
     return path
+
+
+def store_timeout(timeout: Any = None) -> float:
+    """A Store's ``timeout``: the argument, else ``FLYTE_HVD_STORE_TIMEOUT_S``, else 50 s."""
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not raw:
+            return DEFAULT_TIMEOUT_S
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value < float("inf"):
+            raise ValueError(
+                f"{TIMEOUT_ENV}={raw!r}: expected the seconds one store operation of the ranks "
+                f"may take (> 0), e.g. 120."
+            )
+        return value
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not (0 < timeout < float("inf"))
+    ):
+        raise ValueError(
+            f"`timeout` must be the seconds one store operation of the ranks may take (> 0), "
+            f"e.g. 120; found {timeout!r}."
+        )
+    return float(timeout)
+
+
+def _unreachable(error: BaseException) -> bool:
+    """Whether ``error`` (or what it was raised from) says the store could not be reached."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        names = {c.__name__ for c in type(current).__mro__}
+        if isinstance(current, ConnectionError | TimeoutError) or names & _UNREACHABLE_ERRORS:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _check_run_id(run_id: object) -> str:

@@ -113,6 +113,8 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
 
     def execute(self, **kwargs: Any) -> LiteralMap:
         """Run the body on every rank and return rank 0's outputs as Flyte literals."""
+        from flyte_hvd.spark.pipeline import logged_interrupt
+
         ctx = FlyteContextManager.current_context()
         config = self.task_config
         connect = self.sess if config.connect_url is not None else None
@@ -129,6 +131,12 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
             spec = replace(RankSpec.of(self, ctx), mlflow_run=mlflow_run)
             result = launch_body(self.name, self._task_function, kwargs, spec, config, connect)
             failed = False
+        except KeyboardInterrupt as interrupt:
+            if not logged_interrupt(interrupt):
+                raise
+            # Ctrl-C stopped the ranks and said so: end as a command ends on Ctrl-C (130),
+            # where click (`pyflyte run`) would print "Aborted!" and exit 1.
+            raise SystemExit(130) from None
         finally:
             tracking.end_run(mlflow_run, failed)
         self._report(result, mlflow_run, time.monotonic() - started)

@@ -17,6 +17,7 @@ import traceback
 import cloudpickle
 
 from flyte_hvd.core import state
+from flyte_hvd.core.errors import ExplainedError
 from flyte_hvd.core.log import get_logger
 from flyte_hvd.launch import job as job_module
 from flyte_hvd.launch import messages, process_group, rendezvous, spare, stall
@@ -113,7 +114,10 @@ def _exited_early(rank: int, exit_: SystemExit) -> str:
 
 
 def _user_traceback(error: BaseException) -> str:
-    """The traceback from the first frame outside the bootstrap, so it starts in user code."""
+    """The traceback from the first frame outside the bootstrap, so it starts in user code;
+    an ``ExplainedError`` as its message alone."""
+    if isinstance(error, ExplainedError):
+        return f"{type(error).__name__}: {error}\n"
     tb = error.__traceback__
     ours = (__file__, job_module.__file__, "<frozen runpy>")
     while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in ours:

@@ -30,7 +30,8 @@ class RankOp(StrEnum):
     JOINED = "joined"  # the rank is in the run's communicator
     WARM = "warm"  # the rank imported what it needs: start the next run's spare now
     FAILED = "failed"  # traceback: the rank's error, from its first frame in user code
-    PROBE = "probe"  # coll, age, where: what the rank waits in (``stall``)
+    PROBE = "probe"  # coll, age, where, doing: what the rank waits in (``stall``)
+    SHM = "shm"  # names: the shared-memory segments MPI created for the rank (``/dev/shm``)
     DONE = "done"  # the rank returned normally; its result is in its result file
 
 
@@ -66,8 +67,15 @@ def rank_failed(traceback: str) -> Message:
     return {"op": RankOp.FAILED, "traceback": traceback}
 
 
-def probe(coll: str | None, age: float, where: str) -> Message:
-    return {"op": RankOp.PROBE, "coll": coll, "age": round(age, 3), "where": where}
+def probe(coll: str | None, age: float, where: str, doing: str | None = None) -> Message:
+    """``doing``: what the rank has been busy with outside collectives for a while (e.g.
+    "uploading runs/x/checkpoint.keras to s3://b/p"; ``stall.activity``), else None."""
+    return {"op": RankOp.PROBE, "coll": coll, "age": round(age, 3), "where": where,
+            "doing": doing}  # fmt: skip
+
+
+def shm(names: list[str]) -> Message:
+    return {"op": RankOp.SHM, "names": names}
 
 
 def secret_reply(secret: str) -> Message:

@@ -13,6 +13,7 @@ every rank proves it holds the run's secret before any user code runs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -36,6 +37,35 @@ RESULT_ENV = "FLYTE_HVD_RESULT"
 
 # Exit status of a rank whose supervisor went away: it must not outlive its launcher.
 ORPHANED_EXIT = 97
+
+SHM_DIR = "/dev/shm"
+# MPICH's intranode segments (``mpich_shm_<random>_<n>``): ``MPI_Finalize`` removes them, so a
+# rank that ends any other way (fails, is killed) would leave 1 MiB each in ``/dev/shm``.
+_MPICH_SHM_PREFIX = "mpich_shm_"
+
+
+def own_shm_segments() -> list[str]:
+    """Names of the MPICH segments in ``/dev/shm`` this process has mapped: its own, never
+    another run's."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[-1].strip() for line in f if SHM_DIR in line}
+    except OSError:
+        return []
+    folder = SHM_DIR + "/"
+    return sorted(
+        p[len(folder) :]
+        for p in paths
+        if p.startswith(folder + _MPICH_SHM_PREFIX) and not p.endswith("(deleted)")
+    )
+
+
+def remove_shm_segments(names: list[str]) -> None:
+    """Unlink ``names`` from ``/dev/shm`` (mappings still open stay valid); plain names only."""
+    for name in names:
+        if name.startswith(_MPICH_SHM_PREFIX) and "/" not in name:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, name))
 
 
 def encode(message: messages.Message) -> bytes:
@@ -96,6 +126,13 @@ def join(client: ControlClient, rank: int, size: int) -> MPI.Intracomm:
     """
     from mpi4py import MPI
 
+    # MPI made its shared-memory segments as it started. Only this process maps them (its MPI
+    # world is itself; the merged communicator does not use them), and MPI_Finalize does not
+    # mind their names gone: removed now, they go with the process however it ends (killed
+    # with its Spark task, say). The supervisor is told first, should the rank die before.
+    segments = own_shm_segments()
+    client.send(messages.shm(segments))
+    remove_shm_segments(segments)
     ports = [MPI.Open_port() for _ in range(size - 1)] if rank == 0 else []
     ports = client.all_gather("|".join(ports))[0].split("|")
     comm = MPI.COMM_SELF

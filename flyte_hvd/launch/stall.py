@@ -13,17 +13,19 @@ of a Spark run) decides:
   within seconds, naming the rank and how it ended;
 - ranks that waited longer than ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60) while others are
   elsewhere get one warning line naming the collective, the waiting ranks and the missing
-  ones and where they are; after ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (0: never) the run
+  ones and where they are (or what they are doing, when an ``activity`` says so: the Store
+  names each of its operations); after ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (0: never) the run
   fails with that line as its error. ``HOROVOD_STALL_CHECK_DISABLE=1`` turns both off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import FrameType
 
@@ -55,6 +57,7 @@ _INIT_FILE = os.path.join(_CORE, "state.py")
 # rank waiting in one is seen the same way, found by the file's path (torch is not imported).
 _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed", "")
 _TORCH_C10D = os.path.join(_TORCH_DISTRIBUTED, "distributed_c10d.py")
+_THREADING = threading.__file__
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,25 @@ def _seconds(env: Mapping[str, str], name: str, default: float, allow_zero: bool
 
 # -- the rank's side -------------------------------------------------------------------------
 
+_activities: list[str] = []  # what this process is busy with, innermost last
+
+
+@contextlib.contextmanager
+def activity(text: str) -> Iterator[None]:
+    """Says what this rank is doing during the block (e.g. "uploading runs/x/checkpoint.keras
+    to s3://bucket/exp"): when peers wait for it in a collective, the stall line names it. A
+    frame cannot tell that a thread waiting on a socket is talking to a store; the Store
+    says so around each of its operations."""
+    _activities.append(text)
+    try:
+        yield
+    finally:
+        _activities.remove(text)
+
+
+def current_activity() -> str | None:
+    return _activities[-1] if _activities else None
+
 
 def _collective_of(frame: FrameType | None) -> tuple[FrameType, str] | None:
     """The outermost frame of a collective the thread at ``frame`` is in, and its name."""
@@ -120,12 +142,16 @@ def _in_collective(path: str) -> bool:
 
 
 def _where(frame: FrameType | None) -> str:
-    """``file:line in function`` of the innermost frame outside flyte_hvd and
-    torch.distributed."""
+    """``file:line in function`` of the innermost frame outside flyte_hvd, torch.distributed
+    and ``threading`` (a thread waiting for another, as the Store's operations wait, is where
+    it waits from)."""
     innermost = frame
     while frame is not None:
         path = frame.f_code.co_filename
-        if not path.startswith((_PACKAGE, "<frozen")) and _TORCH_DISTRIBUTED not in path:
+        if (
+            not path.startswith((_PACKAGE, "<frozen", _THREADING))
+            and _TORCH_DISTRIBUTED not in path
+        ):
             break
         frame = frame.f_back
     frame = frame or innermost
@@ -138,7 +164,8 @@ def _where(frame: FrameType | None) -> str:
 class Probe:
     """Samples where this rank's threads are and sends changes with ``send(report)``.
 
-    A report is ``{"op": "probe", "coll": name or None, "age": seconds, "where": text}``.
+    A report is ``{"op": "probe", "coll": name or None, "age": seconds, "where": text,
+    "doing": text or None}`` (``doing``: an ``activity`` that has lasted a second).
     """
 
     def __init__(self, send: Callable[[messages.Message], None], main: int | None = None):
@@ -149,6 +176,9 @@ class Probe:
         self._reported = False
         self._where = ""
         self._where_sent_at = 0.0
+        self._doing: str | None = None  # the activity reported last
+        self._seen: str | None = None  # the activity seen last, and since when
+        self._seen_since = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="flyte-hvd-probe", daemon=True)
 
@@ -181,6 +211,12 @@ class Probe:
                 break
         main = frames.get(self._main) if self._main is not None else None
         where = _where(main) if main is not None else "?"
+        seen = current_activity()
+        if seen != self._seen:
+            self._seen, self._seen_since = seen, now
+        # Reported once it lasts (most store operations take milliseconds), and at once when
+        # it ends.
+        doing = seen if seen is not None and now - self._seen_since >= REPORT_AFTER_S else None
         # Same call as last time? Holding its frame would tell, but would keep the call's
         # locals (pooled result buffers) alive after it returns. Instead the frame is marked:
         # the running call owns its frame object, so a frame with the same id that carries
@@ -194,18 +230,21 @@ class Probe:
             return
         if self._reported:
             self._reported = False
-            self._report(None, 0.0, where, now)
+            self._report(None, 0.0, where, now, doing)
         if hit is not None:
             hit[0].f_trace_lines = False
             self._frame_id, self._since = id(hit[0]), now
         else:
             self._frame_id, self._since = 0, 0.0
-        if hit is None and where != self._where and now - self._where_sent_at >= 5.0:
-            self._report(None, 0.0, where, now)
+        if hit is None and (
+            doing != self._doing or (where != self._where and now - self._where_sent_at >= 5.0)
+        ):
+            self._report(None, 0.0, where, now, doing)
 
-    def _report(self, coll: str | None, age: float, where: str, now: float) -> None:
-        self._where, self._where_sent_at = where, now
-        self._send(messages.probe(coll, age, where))
+    def _report(self, coll: str | None, age: float, where: str, now: float,
+                doing: str | None = None) -> None:  # fmt: skip
+        self._where, self._where_sent_at, self._doing = where, now, doing
+        self._send(messages.probe(coll, age, where, doing))
 
 
 # -- where the ranks' reports meet -----------------------------------------------------------
@@ -216,6 +255,7 @@ class _RankView:
     coll: str | None = None
     since: float = 0.0
     where: str = ""
+    doing: str | None = None  # the rank's ``activity`` (a store operation...), if any
     ended: str | None = None  # how the rank ended: "returned (exit status 0)" ...
     ended_at: float = 0.0
 
@@ -255,6 +295,8 @@ class StallWatch:
             view.coll = report.get("coll")
             view.since = time.monotonic() - float(report.get("age", 0.0))
             view.where = str(report.get("where", ""))
+            doing = report.get("doing")
+            view.doing = str(doing) if doing else None
 
     def ended(self, rank: int, how: str) -> None:
         """The rank's job is over (``how`` says how, e.g. "returned (exit status 0)")."""
@@ -336,6 +378,8 @@ class StallWatch:
         view = self._ranks[rank]
         if view.ended:
             return f"rank {rank} ended: {view.ended}"
+        if view.doing:
+            return f"rank {rank} is {view.doing}" + (f" (at {view.where})" if view.where else "")
         return f"rank {rank} at {view.where}" if view.where else f"rank {rank}: not known"
 
 

@@ -141,6 +141,7 @@ class _Rank:
         self.command: list[str] = []
         self.spare_env: dict[str, str] = {}  # its environment without the run's own entries
         self.spare_started = False
+        self.shm: list[str] = []  # MPI's shared-memory segments of the rank (``/dev/shm``)
 
 
 def rank_start(extra_env: dict[str, str], single_host: bool) -> tuple[dict[str, str], list[str]]:
@@ -263,6 +264,8 @@ class RankSupervisor:
             self._stop_all()
             server.close()
             shutil.rmtree(workdir, ignore_errors=True)
+            for state in self.ranks.values():  # gone already, unless a rank died as MPI started
+                rendezvous.remove_shm_segments(state.shm)
             if self._own_output is not None:
                 self._own_output.close(keep=False)
         for state in self.ranks.values():  # the next run's ranks, if no rank asked earlier
@@ -440,6 +443,8 @@ class RankSupervisor:
                     state.times["failed"] = time.time()
                 elif op == RankOp.PROBE:
                     self.watch.probe(state.rank, message)
+                elif op == RankOp.SHM:
+                    state.shm = [str(n) for n in message["names"]]
                 elif op == RankOp.DONE:
                     state.done = True
                     self.watch.ended(state.rank, "returned normally")

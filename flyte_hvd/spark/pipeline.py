@@ -12,10 +12,14 @@ stage).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import sys
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
@@ -151,12 +155,27 @@ def launch(spec: LaunchSpec, backend: StageBackend) -> runner.RunReport:
         spec.job, num_proc, secret, server.address, rank_env, deadline - time.monotonic(),
         single_host=runner.is_local(backend.master), preload=spec.preload,
     )  # fmt: skip
+
+    def stop() -> None:  # the stage's tasks are killed; the link's end stops their ranks now
+        try:
+            backend.cancel(tag)
+        except Exception as error:  # the session is going away too: the link still ends
+            logger.debug("cancelling the stage: %s", error)
+        finally:
+            server.close()
+
     try:
-        collected = backend.run_stage(task, num_proc, max_attempts > 1, tag)
-    except Exception as error:
-        failure = runner.stage_failure(server, num_proc, error)
-        raise failure from (None if isinstance(failure, RanksFailedError) else error)
-    else:  # a failed run's last attempt ends its tasks with RUN_FAILED instead of failing
+        with stopped_by_signals(stop) as received:
+            try:
+                collected = backend.run_stage(task, num_proc, max_attempts > 1, tag)
+            except Exception as error:
+                if received:
+                    raise interrupted(received[0]) from None
+                failure = runner.stage_failure(server, num_proc, error)
+                raise failure from (None if isinstance(failure, RanksFailedError) else error)
+        if received:
+            raise interrupted(received[0])
+        # A failed run's last attempt ends its tasks with RUN_FAILED instead of failing.
         if any(payload == runner.RUN_FAILED for _, payload in collected):
             raise runner.stage_failure(server, num_proc)
         results = [runner.load_result(server, payload) for _, payload in collected]
@@ -164,3 +183,82 @@ def launch(spec: LaunchSpec, backend: StageBackend) -> runner.RunReport:
         server.close()
     logger.log(level, "%d ranks finished", num_proc)
     return runner.RunReport(results=results, submitted_at=submitted_at, events=dict(server.events))
+
+
+# -- Ctrl-C and SIGTERM ----------------------------------------------------------------------
+
+
+class RunTerminated(SystemExit):
+    """SIGTERM stopped a run on Spark: its stage was cancelled, every rank stopped; the
+    process exits with status 143 (128 + SIGTERM), as it would have without flyte_hvd, but
+    after cleaning up."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stopped_by_signals(stop: Callable[[], None]) -> Iterator[list[int]]:
+    """While the block runs in the main thread, SIGINT and SIGTERM call ``stop`` (in a thread
+    of its own: the main thread is inside a py4j or gRPC call that a handler must not
+    re-enter, which is what pyspark's own SIGINT handler does) and are recorded in the list
+    the block gets; the block then ends as the cancelled stage returns. A second signal
+    raises at once. Signals the process ignores stay ignored; the previous handlers come
+    back after the block."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if received:  # asked again while the stage winds down: stop waiting for it
+            raise interrupted(signum)
+        received.append(signum)
+        threading.Thread(target=stop, name="flyte-hvd-stop", daemon=True).start()
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        current = signal.getsignal(sig)
+        if current is not signal.SIG_IGN:
+            previous[sig] = current
+            signal.signal(sig, handler)
+    try:
+        yield received
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+def interrupted(signum: int) -> BaseException:
+    """The exception that ends a run stopped by ``signum``, its one line logged."""
+    name = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated (SIGTERM)"
+    line = f"{name}: the Spark stage was cancelled and every rank stopped"
+    logger.warning(line)
+    if signum != signal.SIGINT:
+        return RunTerminated()
+    # A plain KeyboardInterrupt: a notebook's cell stops and the kernel stays; a script that
+    # does not catch it ends as Ctrl-C ends Python (status 130), which Python does only for
+    # that exact type. Its line is logged: left uncaught, it prints no traceback.
+    error = KeyboardInterrupt(line)
+    error.flyte_hvd_logged = True  # type: ignore[attr-defined]
+    _quiet_uncaught()
+    return error
+
+
+def logged_interrupt(error: BaseException) -> bool:
+    """Whether ``error`` is the ``KeyboardInterrupt`` of a run that Ctrl-C stopped, its line
+    already logged."""
+    return getattr(error, "flyte_hvd_logged", False) is True
+
+
+def _quiet_uncaught() -> None:
+    previous = sys.excepthook
+    if getattr(previous, "flyte_hvd", False):
+        return
+
+    def hook(exc_type: type[BaseException], value: BaseException, tb: Any) -> None:
+        if not logged_interrupt(value):
+            previous(exc_type, value, tb)
+
+    hook.flyte_hvd = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

@@ -239,3 +239,6 @@ class ConnectBackend:
 
     def cancel(self, tag: str) -> None:
         self.spark.interruptTag(tag)
+
+    def settle(self, tag: str) -> None:
+        """Nothing to wait for: the server's SparkContext is not the client's to stop."""

@@ -63,6 +63,9 @@ class StageBackend(Protocol):
 
     def cancel(self, tag: str) -> None: ...
 
+    def settle(self, tag: str) -> None:
+        """After a failed stage: returns once its cancelled tasks have ended (bounded)."""
+
 
 def start_timeout_of(start_timeout: float | None) -> float:
     """``start_timeout`` checked, or ``HOROVOD_SPARK_START_TIMEOUT``, then 600 s."""
@@ -172,11 +175,13 @@ def launch(spec: LaunchSpec, backend: StageBackend) -> runner.RunReport:
                 if received:
                     raise interrupted(received[0]) from None
                 failure = runner.stage_failure(server, num_proc, error)
+                backend.settle(tag)
                 raise failure from (None if isinstance(failure, RanksFailedError) else error)
         if received:
             raise interrupted(received[0])
         # A failed run's last attempt ends its tasks with RUN_FAILED instead of failing.
         if any(payload == runner.RUN_FAILED for _, payload in collected):
+            backend.settle(tag)
             raise runner.stage_failure(server, num_proc)
         results = [runner.load_result(server, payload) for _, payload in collected]
     finally:

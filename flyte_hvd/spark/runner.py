@@ -324,6 +324,10 @@ def _spare_task(
     return task
 
 
+# How long a failed run waits for its stage's cancelled tasks to report their end.
+SETTLE_TIMEOUT_S = 5.0
+
+
 class ClassicBackend:
     """A classic session's barrier stage (``pipeline.StageBackend``): an RDD stage, task slots
     from the scheduler, cancelled by job tag."""
@@ -367,6 +371,28 @@ class ClassicBackend:
 
     def cancel(self, tag: str) -> None:
         self.sc.cancelJobsWithTag(tag)
+
+    def settle(self, tag: str, timeout: float = SETTLE_TIMEOUT_S) -> None:
+        """Waits until the stages of the jobs tagged ``tag`` have no running task (at most
+        ``timeout``): a cancelled task reports its end after the job failed, and a
+        SparkContext stopped meanwhile (a script's ``spark.stop()`` right after our error)
+        logs a Java stack for it."""
+        tracker = self.sc._jsc.sc().statusTracker()
+        deadline = time.monotonic() + timeout
+        try:
+            stages = [
+                stage
+                for job in tracker.getJobIdsForTag(tag)
+                for stage in (tracker.getJobInfo(job).get().stageIds() if tracker.getJobInfo(
+                    job).isDefined() else [])
+            ]  # fmt: skip
+            while time.monotonic() < deadline:
+                infos = [tracker.getStageInfo(stage) for stage in stages]
+                if not any(i.isDefined() and i.get().numActiveTasks() > 0 for i in infos):
+                    return
+                time.sleep(0.05)
+        except Exception as error:  # py4j or a stopped context: nothing to wait for
+            logger.debug("waiting for the stage's tasks to end: %s", error)
 
 
 def _last_line(text: str) -> str:

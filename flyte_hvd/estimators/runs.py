@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from flyte_hvd.core.log import get_logger
+from flyte_hvd.data.store import DEFAULT_TIMEOUT_S
 from flyte_hvd.estimators.training import (
     archive_problem,
     checkpoint_path,
@@ -157,10 +158,26 @@ class RunLease:
                                self.run_id, self.path, error)  # fmt: skip
 
     def release(self) -> None:
-        """Stop renewing and remove the lease, if it is still this fit's."""
+        """Stop renewing and remove the lease, if it is still this fit's. Bounded by the
+        Store's timeout: a store that does not answer (the fit may be failing for that very
+        reason) leaves the lease to expire by itself."""
         self._stop.set()
+        limit = float(getattr(self.store, "timeout", DEFAULT_TIMEOUT_S))
         if self._renewer is not None:
-            self._renewer.join()
+            self._renewer.join(limit)
+        remover = threading.Thread(
+            target=self._remove, name=f"flyte-hvd-lease-{self.run_id}-release", daemon=True
+        )
+        remover.start()
+        remover.join(limit)
+        if remover.is_alive():
+            logger.warning(
+                "run `%s`: its lease `%s` could not be removed within %gs (the store does not "
+                "answer); it expires by itself %ds after its last renewal",
+                self.run_id, self.path, limit, LEASE_SECONDS,
+            )  # fmt: skip
+
+    def _remove(self) -> None:
         with contextlib.suppress(Exception):  # the fit's own error matters more
             held = self._read()
             if held and held.get("token") == self.token:

@@ -286,3 +286,135 @@ def test_the_drivers_own_process_group_does_not_reach_the_ranks(monkeypatch):
     env = environment.driver_env()
     assert env["MLFLOW_TRACKING_URI"] == "file:/tmp/x"
     assert not {"RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & set(env)
+
+
+# -- our torch collectives through the process group ------------------------------------------
+
+
+def _collectives_on_both_routes():
+    """Every collective with a process-group route, run on each route over a gloo group;
+    the calls each route made to torch.distributed; the errors of mismatched calls."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import flyte_hvd.torch as hvd
+    from flyte_hvd.core.errors import CollectiveMismatchError
+    from flyte_hvd.torch.process_group import ROUTE_ENV
+
+    hvd.init()
+    dist.init_process_group("gloo")
+    rank = hvd.rank()
+    calls = {"count": 0}
+    for name in ("all_reduce", "all_gather", "broadcast"):
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, **kwargs):  # the real call, counted
+            calls["count"] += 1
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    own_sets = [hvd.add_process_set([r]) for r in range(hvd.size())]
+
+    def everything(route: str) -> tuple[dict, int]:
+        os.environ[ROUTE_ENV] = route
+        calls["count"] = 0
+        x = torch.arange(6, dtype=torch.float32).reshape(2, 3) * (rank + 1)
+        n = torch.tensor([7, -7, 9], dtype=torch.int32) * (rank + 1)
+        grad_in = x.clone().requires_grad_()
+        hvd.allreduce(grad_in, op=hvd.Sum).sum().backward()
+        out = {
+            "sum": hvd.allreduce(x, op=hvd.Sum),
+            "average": hvd.allreduce(x),
+            "min": hvd.allreduce(x, op=hvd.Min),
+            "max": hvd.allreduce(x, op=hvd.Max),
+            "product": hvd.allreduce(x, op=hvd.Product),
+            "scaled": hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0),
+            "int_average": hvd.allreduce(n),  # 7+14=21 -> 10: toward zero
+            "int_scaled": hvd.allreduce(n, op=hvd.Sum, prescale_factor=0.3),
+            "half": hvd.allreduce(x.half(), postscale_factor=0.1),
+            "in_place": hvd.allreduce_(x.clone(), op=hvd.Sum),
+            "grouped": hvd.grouped_allreduce([x, n, x.double()], op=hvd.Sum),
+            "grouped_in_place": hvd.grouped_allreduce_([x.clone(), n.clone()]),
+            "gather": hvd.allgather(torch.full((rank + 1, 2), float(rank))),  # ragged
+            "gather_scalar": hvd.allgather(torch.tensor(rank)),
+            "grouped_gather": hvd.grouped_allgather([n, x[: rank + 1]]),
+            "broadcast": hvd.broadcast(x, root_rank=1),
+            "broadcast_bool": hvd.broadcast(torch.tensor([rank == 1, False]), root_rank=1),
+            "broadcast_in_place": hvd.broadcast_(x.clone(), root_rank=0),
+            "grad": grad_in.grad,
+            "own_set": hvd.allreduce(x, op=hvd.Sum, process_set=own_sets[rank]),  # MPI
+        }
+        flat = {
+            k: [(str(t.dtype), t.tolist()) for t in (v if isinstance(v, list) else [v])]
+            for k, v in out.items()
+        }
+        return flat, calls["count"]
+
+    results = {route: everything(route) for route in ("mpi", "process_group", "auto")}
+    errors = []
+    for routes in (("process_group", "process_group"), ("mpi", "process_group")):
+        os.environ[ROUTE_ENV] = routes[rank]
+        try:
+            hvd.allreduce(torch.ones(3 + rank))
+        except CollectiveMismatchError as error:
+            errors.append(str(error))
+    dist.destroy_process_group()
+    return {"results": results, "errors": errors}
+
+
+@pytest.mark.mpi
+def test_torch_collectives_through_the_process_group_equal_the_mpi_route(no_leftover_ranks):
+    from flyte_hvd.launch.job import FunctionJob
+    from flyte_hvd.launch.supervisor import launch_local
+
+    for rank, seen in enumerate(launch_local(FunctionJob(_collectives_on_both_routes), 2)):
+        (mpi, mpi_calls), (forced, forced_calls), (auto, auto_calls) = (
+            seen["results"][route] for route in ("mpi", "process_group", "auto")
+        )  # fmt: skip
+        assert forced == mpi  # values and dtypes, exactly: two addends sum alike in any order
+        assert auto == mpi
+        # Forced, every call but the process-set one went through gloo: 2 for the gradient
+        # (forward, backward), 10 allreduces, 3 + 2 fusion buffers (one per dtype), 4 gathers
+        # (one per tensor), 3 broadcasts. Auto (gloo, CPU tensors) and mpi: none.
+        assert (mpi_calls, auto_calls) == (0, 0)
+        assert forced_calls == 24
+        # Closed forms: rank r holds x * (r + 1) and n * (r + 1).
+        x = [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+        assert mpi["sum"] == [("torch.float32", [[v * 3 for v in row] for row in x])]
+        assert mpi["int_average"] == [("torch.int32", [10, -10, 13])]
+        assert mpi["gather"] == [("torch.float32", [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]])]
+        assert mpi["broadcast_bool"] == [("torch.bool", [True, False])]
+        assert mpi["grad"] == [("torch.float32", [[2.0] * 3] * 2)]  # Sum's gradient: size
+        assert mpi["own_set"] == [("torch.float32", [[v * (rank + 1) for v in r] for r in x])]
+        # Mismatched calls raise on every rank, on the process-group route too, and a rank on
+        # the other route is a mismatch rather than a wait in another library.
+        same, mixed = seen["errors"]
+        assert "ranks called `allreduce` with different arguments" in same
+        assert "rank 0: allreduce(op=AVERAGE, dtype=float32, shape=(3,), route=process group)" in (
+            same
+        )
+        assert "rank 1: allreduce(op=AVERAGE, dtype=float32, shape=(4,), route=process group)" in (
+            same
+        )
+        assert "rank 0: allreduce(op=AVERAGE, dtype=float32, shape=(3,), compression=" in mixed
+        assert "rank 1: allreduce(op=AVERAGE, dtype=float32, shape=(4,), route=process group)" in (
+            mixed
+        )
+
+
+def test_an_unknown_collectives_route_is_refused(monkeypatch):
+    from flyte_hvd.torch.process_group import ROUTE_ENV, route_setting
+
+    monkeypatch.setenv(ROUTE_ENV, "nccl")
+    with pytest.raises(ValueError) as info:
+        route_setting()
+    assert str(info.value) == (
+        "FLYTE_HVD_TORCH_COLLECTIVES='nccl': expected 'auto' (the process group for GPU tensors "
+        "when its backend is NCCL), 'process_group' (whenever one is initialized) or 'mpi'."
+    )
+    monkeypatch.setenv(ROUTE_ENV, " Process_Group ")
+    assert route_setting() == "process_group"
+    monkeypatch.delenv(ROUTE_ENV)
+    assert route_setting() == "auto"

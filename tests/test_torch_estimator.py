@@ -215,6 +215,51 @@ class WorseOnValidation(Regressor):
         self.log("val_loss", loss + 1000.0, sync_dist=True)
 
 
+# -- distributed="ddp": torch's DistributedDataParallel instead of DistributedOptimizer -------
+
+
+def _weights(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_ddp_fit_and_resume_give_the_default_fits_weights(spark_local2, store, no_leftover_ranks):
+    df = _regression_df(spark_local2, rows=200)
+    default = _torch_estimator(store, epochs=2, run_id="default").fit(df)
+    # DDP for 1 epoch, then resumed to 2 from its checkpoint (model and Adam's state).
+    first = _torch_estimator(store, epochs=1, run_id="ddp", distributed="ddp").fit(df)
+    ddp = _torch_estimator(store, epochs=2, run_id="ddp", distributed="ddp").fit(df)
+    assert ddp.getHistory()["loss"][:1] == first.getHistory()["loss"]
+    # Exactly the same weights: on 2 ranks both average a gradient as g0 / 2 + g1 / 2 (or
+    # (g0 + g1) / 2), where halving is exact and a sum of two terms has one order. (On more
+    # ranks the two reductions may add in different orders: equal up to float rounding.)
+    expected, trained = _weights(default.getModel()), _weights(ddp.getModel())
+    assert trained.keys() == expected.keys()  # the plain module came back, not DDP's wrapper
+    for name, value in trained.items():
+        assert torch.equal(value, expected[name]), name
+    assert ddp.getHistory() == default.getHistory()  # the metrics, averaged over the ranks
+    assert ddp.getHistory()["loss"][-1] < ddp.getHistory()["loss"][0]
+    assert ddp.getOptimizer().param_groups[0]["lr"] == pytest.approx(0.02)
+    assert json.loads(store.read(store.get_state_path("ddp")))["epoch"] == 2
+
+
+def test_lightning_ddp_fit_trains_and_transforms(spark_local2, store, no_leftover_ranks):
+    df = _regression_df(spark_local2, rows=200)
+    fitted = LightningEstimator(
+        num_proc=2, store=store, model=Regressor(), feature_cols=["features"],
+        label_cols=["label"], validation="is_val", batch_size=16, epochs=3, verbose=0,
+        random_seed=2, run_id="lightning_ddp", partitions_per_process=2, distributed="ddp",
+    ).fit(df)  # fmt: skip
+    history = fitted.getHistory()
+    assert len(history["train_loss"]) == 3 and len(history["val_loss"]) == 3
+    assert history["train_loss"][-1] < history["train_loss"][0]
+    assert history["val_loss"][-1] < history["val_loss"][0]
+    assert json.loads(store.read(store.get_state_path("lightning_ddp")))["epoch"] == 3
+    out = fitted.transform(df)
+    rows = out.select("label", "label__output").collect()
+    truth, guess = np.array([(r[0], r[1]) for r in rows]).T
+    assert len(rows) == 200 and np.corrcoef(truth, guess)[0, 1] > 0.8
+
+
 # -- bad input: each fails before any rank starts --------------------------------------------
 
 
@@ -263,6 +308,15 @@ def _bad(store, case):
         return LightningEstimator(num_proc=2, store=store, model=Regressor(),
                                   trainer_args={"max_epochs": 3}, feature_cols=["features"],
                                   label_cols=["label"])  # fmt: skip
+    if case == "distributed":
+        return _torch_estimator(store, distributed="nccl")
+    if case == "ddp_compression":
+        from flyte_hvd.core.compression import Compression
+
+        return _torch_estimator(store, distributed="ddp", gradient_compression=Compression.fp16)
+    if case == "lightning_distributed":
+        return LightningEstimator(num_proc=2, store=store, model=Regressor(), distributed=None,
+                                  feature_cols=["features"], label_cols=["label"])  # fmt: skip
     if case == "lightning_not_a_module":
         return LightningEstimator(num_proc=2, store=store, model=model,
                                   feature_cols=["features"], label_cols=["label"])  # fmt: skip
@@ -289,6 +343,11 @@ def _bad(store, case):
         ("lightning_optimizer", "leave `optimizer` and `loss` unset"),
         ("lightning_trainer_args", r"`max_epochs`: set `epochs`"),
         ("lightning_not_a_module", "must be a LightningModule"),
+        ("distributed", r"^`distributed` must be 'horovod' \(flyte_hvd's DistributedOptimizer\) "
+                        r"or 'ddp' \(torch's DistributedDataParallel\); found 'nccl'\.$"),
+        ("ddp_compression", r"^`gradient_compression`=FP16Compressor applies to "
+                            r"distributed='horovod'; with distributed='ddp' torch reduces"),
+        ("lightning_distributed", r"^`distributed` must be .*; found None\.$"),
     ],
 )  # fmt: skip
 def test_bad_input_fails_before_ranks_start(spark_local2, store, case, match, monkeypatch):

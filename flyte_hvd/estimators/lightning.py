@@ -2,10 +2,11 @@
 ranks; ``fit`` returns a ``TorchModel``.
 
 Each rank runs a ``lightning.pytorch.Trainer`` with ``flyte_hvd.torch.HorovodStrategy``
-(gradients reduced during backward by the collective core), on this rank's shard of the
-prepared data. ``training_step`` and ``validation_step`` receive a dict of tensors keyed by
-column name: features reshaped by ``input_shapes``, labels as float32 (int64 for integer
-columns), the sample weight column as float32. Callbacks (``EarlyStopping``,
+(gradients reduced during backward by the collective core), or with ``distributed="ddp"``
+Lightning's own ``DDPStrategy`` (``flyte_hvd.torch.strategy.ddp_strategy``), on this rank's
+shard of the prepared data. ``training_step`` and ``validation_step`` receive a dict of
+tensors keyed by column name: features reshaped by ``input_shapes``, labels as float32
+(int64 for integer columns), the sample weight column as float32. Callbacks (``EarlyStopping``,
 ``ModelCheckpoint``, ...) and the logger work on every rank. Rank 0 records the run in the
 store after each epoch (``last.ckpt``, ``checkpoint.ckpt`` -- the best with a
 ``ModelCheckpoint`` that monitors a metric, else the last -- ``state.json`` and ``logs/``); a
@@ -28,12 +29,18 @@ import numpy as np
 from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import tracking, training
 from flyte_hvd.estimators.base import HorovodEstimator, Metadata, passed_params
-from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, with_params
+from flyte_hvd.estimators.params import (
+    DISTRIBUTED_PARAM,
+    ESTIMATOR_PARAMS,
+    check_distributed,
+    with_params,
+)
 from flyte_hvd.estimators.torch_model import (
     INPUT_SHAPES_PARAM,
     ShapedInputs,
     TorchModel,
     batch_tensors,
+    ddp_process_group,
     resolve_input_shapes,
     tensorboard_without_tensorflow,
 )
@@ -45,6 +52,7 @@ if TYPE_CHECKING:
 
 LIGHTNING_PARAMS: dict[str, tuple[Any, str]] = {
     **INPUT_SHAPES_PARAM,
+    **DISTRIBUTED_PARAM,
     "trainer_args": ({}, "more keyword arguments for lightning.pytorch.Trainer"),
     "logger": (None, "a Lightning logger (default: TensorBoard, else CSV, in the run's logs/)"),
     "profiler": (None, "Lightning's Trainer `profiler` (e.g. 'simple')"),
@@ -63,7 +71,8 @@ LIGHTNING_PARAMS: dict[str, tuple[Any, str]] = {
 
 # Trainer arguments the estimator sets itself, and the param to use instead.
 _RESERVED_TRAINER_ARGS = {
-    "strategy": "the estimator trains with flyte_hvd's HorovodStrategy",
+    "strategy": "set `distributed` ('horovod': flyte_hvd's HorovodStrategy, 'ddp': "
+    "Lightning's DDPStrategy)",
     "num_nodes": "set `num_proc` (or `backend`)",
     "devices": "set `num_proc` (or `backend`); each rank uses one device",
     "max_epochs": "set `epochs`",
@@ -182,6 +191,7 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
         transformation_edit_fields: list[Any] | None = None,
         transformation_removed_fields: list[str] | None = None,
         input_shapes: list[list[int]] | None = None,
+        distributed: str = "horovod",
         trainer_args: dict[str, Any] | None = None,
         logger: Any = None,
         profiler: Any = None,
@@ -233,6 +243,7 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
             hints = "; ".join(f"`{k}`: {_RESERVED_TRAINER_ARGS[k]}" for k in reserved)
             raise ValueError(f"`trainer_args` sets {reserved}, which the estimator sets: {hints}.")
         self._check_input_shapes(features)
+        check_distributed(self.getDistributed(), self.getGradientCompression())
 
     def _training_spec(
         self, remote_store: RemoteStore, features: list[str], metadata: Metadata, num_proc: int
@@ -371,10 +382,9 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
     import torch
 
     import flyte_hvd.torch as hvd
-    from flyte_hvd.torch.strategy import strategy_for
+    from flyte_hvd.torch.strategy import ddp_strategy, strategy_for
 
     pl = importlib.import_module(spec.lightning_package)
-    strategy = strategy_for(pl)(compression=spec.compression or hvd.Compression.none)
     seed = lambda value: pl.seed_everything(value, verbose=False)  # noqa: E731
     # Every rank restores from the same last.ckpt, with Lightning's own restore.
     with training.rank_run(spec, hvd, _EXTENSION, seed, resume_on_every_rank=True) as run:
@@ -400,12 +410,19 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
         recorder = _recorder_class(spec.lightning_package)(record, run, logs_dir)
         callbacks.append(recorder)
         use_gpu = spec.use_gpu and torch.cuda.is_available()
+        if spec.distributed == "ddp":
+            # Each rank a node of its own, with its own GPU (see `ddp_strategy`).
+            strategy = ddp_strategy(pl, use_gpu)
+            devices, nodes = ([hvd.local_rank()] if use_gpu else 1), run.size
+        else:
+            strategy = strategy_for(pl)(compression=spec.compression or hvd.Compression.none)
+            devices, nodes = 1, 1
         args: dict[str, Any] = dict(
             max_epochs=spec.epochs,
             strategy=strategy,
             accelerator="gpu" if use_gpu else "cpu",
-            devices=1,
-            num_nodes=1,
+            devices=devices,
+            num_nodes=nodes,
             logger=logger,
             callbacks=callbacks,
             default_root_dir=run.work,
@@ -419,13 +436,14 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
         )
         args.update(spec.trainer_args)
         trainer = pl.Trainer(**args)
-        trainer.fit(
-            module,
-            train_dataloaders=_TensorBatches(train, spec),
-            val_dataloaders=_TensorBatches(val, spec) if val is not None else None,
-            ckpt_path=run.resume_file,
-            weights_only=False,  # written by this run's rank 0 (it holds non-tensor state)
-        )
+        with ddp_process_group(spec.distributed, None):  # the strategy initializes it
+            trainer.fit(
+                module,
+                train_dataloaders=_TensorBatches(train, spec),
+                val_dataloaders=_TensorBatches(val, spec) if val is not None else None,
+                ckpt_path=run.resume_file,
+                weights_only=False,  # written by this run's rank 0 (it holds non-tensor state)
+            )
         best = _best_path(trainer, spec.lightning_package)
         if run.rank == 0 and best:
             saved = torch.load(best, map_location="cpu", weights_only=False)

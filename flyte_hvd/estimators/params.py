@@ -10,6 +10,8 @@ from typing import Any
 
 from pyspark.ml.param import Param, Params
 
+from flyte_hvd.core.compression import Compression
+
 # name -> (default, doc). Order is the order of Horovod's EstimatorParams.
 ESTIMATOR_PARAMS: dict[str, tuple[Any, str]] = {
     "num_proc": (None, "number of ranks; defaults to spark.default.parallelism"),
@@ -67,6 +69,35 @@ ESTIMATOR_PARAMS: dict[str, tuple[Any, str]] = {
     "transformation_edit_fields": (None, "Horovod's petastorm schema edit (no effect here)"),
     "transformation_removed_fields": (None, "Horovod's petastorm schema edit (no effect here)"),
 }
+
+# TorchEstimator's and LightningEstimator's choice of how gradients are averaged.
+DISTRIBUTED_CHOICES = ("horovod", "ddp")
+DISTRIBUTED_PARAM: dict[str, tuple[Any, str]] = {
+    "distributed": (
+        "horovod",
+        "'horovod': flyte_hvd's DistributedOptimizer (Lightning: HorovodStrategy); 'ddp': "
+        "torch's DistributedDataParallel over a torch.distributed process group, NCCL when "
+        "the rank has a GPU, else gloo (Lightning: its DDPStrategy)",
+    ),
+}
+
+
+def check_distributed(value: Any, compression: Any) -> None:
+    """``distributed`` is one of ``DISTRIBUTED_CHOICES``; with ``ddp``, no gradient
+    compression (torch's DDP reduces gradients in their own dtype)."""
+    if not isinstance(value, str) or value not in DISTRIBUTED_CHOICES:
+        raise ValueError(
+            f"`distributed` must be 'horovod' (flyte_hvd's DistributedOptimizer) or 'ddp' "
+            f"(torch's DistributedDataParallel); found {value!r}."
+        )
+    if value == "ddp" and compression not in (None, Compression.none):
+        name = getattr(compression, "__name__", repr(compression))
+        raise ValueError(
+            f"`gradient_compression`={name} applies to distributed='horovod'; "
+            f"with distributed='ddp' torch reduces the gradients in their own dtype. Leave "
+            f"`gradient_compression` unset, or use distributed='horovod'."
+        )
+
 
 # Params accepted for Horovod compatibility that change nothing here: name -> why.
 INERT_PARAMS: dict[str, str] = {

@@ -5,7 +5,8 @@ Everything but the training loop is the shared estimator machinery (``estimator.
 ``training.py``): params, data preparation, launch, the run's record in the store, resume,
 transform and save/load. On the ranks each batch becomes tensors (features reshaped by
 ``input_shapes``), ``train_minibatch_fn`` runs forward, loss and backward, and
-``flyte_hvd.torch.DistributedOptimizer`` averages the gradients. Rank 0 writes
+``flyte_hvd.torch.DistributedOptimizer`` averages the gradients (with ``distributed="ddp"``,
+torch's ``DistributedDataParallel`` over a ``torch.distributed`` process group). Rank 0 writes
 ``runs/<run_id>/last.pt`` and ``checkpoint.pt`` (model and optimizer ``state_dict``, learning
 rate as given) and ``state.json`` after each epoch; a ``fit`` with an existing ``run_id``, or
 a Spark retry, resumes after the last completed epoch.
@@ -13,6 +14,7 @@ a Spark retry, resumes after the last completed epoch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,13 +32,19 @@ from flyte_hvd.estimators.base import (
     check_learning_rate,
     passed_params,
 )
-from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, with_params
+from flyte_hvd.estimators.params import (
+    DISTRIBUTED_PARAM,
+    ESTIMATOR_PARAMS,
+    check_distributed,
+    with_params,
+)
 from flyte_hvd.estimators.torch_model import (
     INPUT_SHAPES_PARAM,
     ShapedInputs,
     TorchModel,
     _import_torch,
     batch_tensors,
+    ddp_process_group,
     resolve_input_shapes,
     tensorboard_without_tensorflow,
 )
@@ -48,6 +56,7 @@ if TYPE_CHECKING:
 
 TORCH_PARAMS: dict[str, tuple[Any, str]] = {
     **INPUT_SHAPES_PARAM,
+    **DISTRIBUTED_PARAM,
     "loss_constructors": (
         None,
         "functions that build the loss functions on the ranks (for losses that do not pickle)",
@@ -102,7 +111,9 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
     ``sample_weight_col`` the loss is called with ``reduction='none'``. ``metrics`` are
     functions ``metric(output, label)``, averaged over batches and ranks. The learning rate
     given is the single-rank rate: ranks scale it by ``size()``, and the returned optimizer
-    holds the rate given. ``fit(df)`` returns a ``TorchModel``.
+    holds the rate given. ``fit(df)`` returns a ``TorchModel``. With ``distributed="ddp"``
+    the model is trained inside ``DistributedDataParallel`` (``train_minibatch_fn`` gets the
+    wrapped model), and the returned model is the plain module.
     """
 
     def __init__(
@@ -151,6 +162,7 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
         transformation_edit_fields: list[Any] | None = None,
         transformation_removed_fields: list[str] | None = None,
         input_shapes: list[list[int]] | None = None,
+        distributed: str = "horovod",
         loss_constructors: list[Callable[[], Any]] | None = None,
         train_minibatch_fn: Callable[..., Any] | None = None,
     ) -> None:
@@ -191,6 +203,7 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
         _check_callables("metrics", self.getMetrics() or [])
         self._check_input_shapes(features)
         require_int("backward_passes_per_step", self.getBackwardPassesPerStep(), minimum=1)
+        check_distributed(self.getDistributed(), self.getGradientCompression())
         if self.getCallbacks() or self.getCheckpointCallback() is not None:
             raise ValueError(
                 "`callbacks` and `checkpoint_callback` apply to KerasEstimator and "
@@ -262,7 +275,8 @@ def _loss_function(spec: TorchTrainingSpec, losses: list[Any]) -> Callable:
 
 def _default_train_minibatch(backward_passes_per_step: int) -> Callable:
     """zero_grad, forward, loss, backward, step; with ``backward_passes_per_step`` = n > 1,
-    n batches' gradients (each loss divided by n) are summed before one step."""
+    n batches' gradients (each loss divided by n) are summed before one step (a DDP model
+    reduces only the last pass's: the others run in its ``no_sync()``)."""
     passes = {"count": 0}
     n = backward_passes_per_step
 
@@ -270,10 +284,13 @@ def _default_train_minibatch(backward_passes_per_step: int) -> Callable:
                         sample_weights):  # fmt: skip
         if passes["count"] % n == 0:
             optimizer.zero_grad()
-        outputs = model(*inputs)
-        outputs, labels = transform_outputs(outputs, labels)
-        loss = loss_fn(outputs, labels, sample_weights)
-        (loss / n if n > 1 else loss).backward()
+        stepping = (passes["count"] + 1) % n == 0
+        local = model.no_sync() if not stepping and hasattr(model, "no_sync") else None
+        with local or contextlib.nullcontext():
+            outputs = model(*inputs)
+            outputs, labels = transform_outputs(outputs, labels)
+            loss = loss_fn(outputs, labels, sample_weights)
+            (loss / n if n > 1 else loss).backward()
         passes["count"] += 1
         if passes["count"] % n == 0:
             optimizer.step()
@@ -302,11 +319,18 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
     import flyte_hvd.torch as hvd
     from flyte_hvd.torch.optimizer import unwrap
 
-    with training.rank_run(spec, hvd, _EXTENSION, seed=torch.manual_seed) as run:
+    with (
+        training.rank_run(spec, hvd, _EXTENSION, seed=torch.manual_seed) as run,
+        contextlib.ExitStack() as stack,
+    ):
         rank, size = run.rank, run.size
         device = torch.device(
             "cuda", hvd.local_rank()
         ) if spec.use_gpu and torch.cuda.is_available() else torch.device("cpu")  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL builds its communicator on the current GPU
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        stack.enter_context(ddp_process_group(spec.distributed, backend))
         packed = cloudpickle.loads(spec.model_bytes)
         model, optimizer = packed["model"].to(device), packed["optimizer"]
         losses = spec.losses or [build() for build in spec.loss_constructors or []]
@@ -318,12 +342,18 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
         _scale_lr(optimizer, size)  # scaled once, also on resume (checkpoints hold the rate given)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-        hvd.DistributedOptimizer(
-            optimizer,
-            named_parameters=model.named_parameters(),
-            compression=spec.compression or hvd.Compression.none,
-            backward_passes_per_step=spec.backward_passes_per_step,
-        )
+        net = model  # what the steps call: the model, or DDP's wrapper of it
+        if spec.distributed == "ddp":
+            net = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None
+            )
+        else:
+            hvd.DistributedOptimizer(
+                optimizer,
+                named_parameters=model.named_parameters(),
+                compression=spec.compression or hvd.Compression.none,
+                backward_passes_per_step=spec.backward_passes_per_step,
+            )
         train_loader, val_loader = training.make_loaders(spec, rank, size)
         minibatch = spec.train_minibatch_fn or _default_train_minibatch(
             spec.backward_passes_per_step
@@ -335,12 +365,12 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
         history: dict[str, list[float]] = {}
         for epoch in range(run.initial_epoch, spec.epochs):
             record.epoch_begin()
-            model.train()
+            net.train()
             sums: dict[str, float] = {}
             for batch in train_loader.iter_epoch(epoch):
                 record.step_begin()
                 inputs, labels, weights = batch_tensors(batch, spec, spec.input_shapes, device)
-                outputs, loss = minibatch(model, optimizer, _transform_outputs, loss_fn, inputs,
+                outputs, loss = minibatch(net, optimizer, _transform_outputs, loss_fn, inputs,
                                           labels, weights)  # fmt: skip
                 _add_metrics(sums, "", loss, outputs, labels, spec)
             logs = _mean(sums, len(train_loader))
@@ -367,7 +397,8 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
                 record.epoch_end(epoch, logs, last_local, None, logs_dir)
         if writer is not None:
             writer.close()
-        unwrap(optimizer)
+        if spec.distributed != "ddp":
+            unwrap(optimizer)
         optimizer.zero_grad(set_to_none=True)
         _scale_lr(optimizer, 1.0 / size)  # hand back the rate given
         model = model.cpu()

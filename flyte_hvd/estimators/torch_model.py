@@ -6,6 +6,8 @@ once on zeros before any rank starts, and loader batches turned into tensors on 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -221,6 +223,26 @@ def batch_tensors(
     if spec.sample_weight_col:
         weights = tensor(batch[spec.sample_weight_col], np.float32)
     return inputs, labels, weights
+
+
+@contextmanager
+def ddp_process_group(distributed: str, backend: str | None) -> Iterator[None]:
+    """With ``distributed="ddp"``, the rank's ``torch.distributed`` process group for the
+    block: initialized from the rank's ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``
+    with ``backend`` (None: Lightning's strategy initializes it), and destroyed when the block
+    ends, so the process holds no group (gloo's threads, NCCL's communicators) past its
+    training. After an error it is left to the process's end: the run is failing, and
+    tearing NCCL down while peers may still wait in a collective can block."""
+    if distributed != "ddp":
+        yield
+        return
+    import torch.distributed as dist
+
+    if backend is not None and not dist.is_initialized():
+        dist.init_process_group(backend)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def tensorboard_without_tensorflow() -> None:

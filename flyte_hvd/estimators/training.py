@@ -63,6 +63,7 @@ class TrainingSpec:
     inmemory_cache_all: bool | None = None
     data_loader: Any = None
     use_gpu: bool = True
+    distributed: str = "horovod"  # the PyTorch estimators' `distributed` ("horovod" or "ddp")
     mlflow_run: tracking.MlflowRun | None = None  # opened by the driver; rank 0 logs to it
 
 

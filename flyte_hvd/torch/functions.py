@@ -8,6 +8,10 @@ gradient of an allreduce is the allreduce of the gradient, of an allgather the a
 gradient's own rows, of a broadcast the averaged gradient on the root and zeros elsewhere).
 The ``*_async`` ops run on the core's background thread and return a handle for
 ``synchronize``/``poll``.
+
+Where the ranks have a ``torch.distributed`` process group, ``allreduce``, ``allgather``,
+``broadcast`` and their grouped, in-place and autograd forms can go through it instead of MPI
+(by default for GPU tensors on NCCL; ``FLYTE_HVD_TORCH_COLLECTIVES``, see ``process_group.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from flyte_hvd.core.process_sets import (
     global_process_set,
     translate_root,
 )
+from flyte_hvd.torch import process_group
 
 # How many rows go to each rank: a tensor or a list of ints (None: evenly).
 Splits: TypeAlias = "torch.Tensor | Sequence[int] | None"
@@ -85,7 +90,12 @@ def _grad_wanted(tensors: Sequence[object]) -> bool:
 # -- the plain (no autograd) forms ------------------------------------------------------------
 
 
+# Each of these four takes the process group's route when ``process_group.takes`` says so.
+
+
 def _allreduce(t, op, name, compression, pre, post, ps) -> torch.Tensor:
+    if process_group.takes([t], ps, compression=compression):
+        return process_group.allreduce(t, op, name, pre, post)
     out = collectives.allreduce(
         _array(t, "allreduce"), op, name, compression, pre, post, process_set=ps
     )
@@ -93,6 +103,8 @@ def _allreduce(t, op, name, compression, pre, post, ps) -> torch.Tensor:
 
 
 def _grouped_allreduce(ts, op, name, compression, pre, post, ps) -> list[torch.Tensor]:
+    if process_group.takes(ts, ps, compression=compression):
+        return process_group.grouped_allreduce(ts, op, name, pre, post)
     outs = collectives.grouped_allreduce(
         [_array(t, "grouped_allreduce") for t in ts], op, name, compression, pre, post,
         process_set=ps,
@@ -101,10 +113,14 @@ def _grouped_allreduce(ts, op, name, compression, pre, post, ps) -> list[torch.T
 
 
 def _allgather(t, name, ps) -> torch.Tensor:
+    if process_group.takes([t], ps):
+        return process_group.allgather(t, name)
     return _tensor(collectives.allgather(_array(t, "allgather"), name, process_set=ps), t)
 
 
 def _broadcast(t, root_rank, name, ps) -> torch.Tensor:
+    if process_group.takes([t], ps, process_group.BROADCAST_DTYPES):
+        return process_group.broadcast(t, root_rank, name)
     out = collectives.broadcast(_array(t, "broadcast"), root_rank, name, process_set=ps)
     return _tensor(out, t)
 
@@ -262,7 +278,11 @@ def allreduce(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
-    """Reduce ``tensor`` across ranks; returns a new tensor (``op`` defaults to Average)."""
+    """Reduce ``tensor`` across ranks; returns a new tensor (``op`` defaults to Average).
+
+    Through the torch process group where ``process_group.takes`` says so; a ``process_set``
+    other than every rank always goes through MPI.
+    """
     args = (_resolve_op(average, op), name, compression, prescale_factor, postscale_factor,
             process_set)  # fmt: skip
     if _grad_wanted([tensor]):
@@ -297,7 +317,11 @@ def grouped_allreduce(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
-    """Reduce many tensors with as few reductions as the fusion threshold allows."""
+    """Reduce many tensors with as few reductions as the fusion threshold allows.
+
+    Through the torch process group where ``process_group.takes`` says so; a ``process_set``
+    other than every rank always goes through MPI.
+    """
     args = (_resolve_op(average, op), name, compression, prescale_factor, postscale_factor,
             process_set)  # fmt: skip
     if _grad_wanted(tensors):
@@ -326,7 +350,11 @@ def grouped_allreduce_(
 def allgather(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> torch.Tensor:
-    """Concatenate every rank's tensor along the first dimension (which may differ)."""
+    """Concatenate every rank's tensor along the first dimension (which may differ).
+
+    Through the torch process group where ``process_group.takes`` says so; a ``process_set``
+    other than every rank always goes through MPI.
+    """
     if _grad_wanted([tensor]):
         return _AllgatherGrad.apply(tensor, name, process_set)
     return _allgather(tensor, name, process_set)
@@ -349,7 +377,11 @@ def broadcast(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
-    """Every rank gets ``root_rank``'s tensor (a global rank), as a new tensor."""
+    """Every rank gets ``root_rank``'s tensor (a global rank), as a new tensor.
+
+    Through the torch process group where ``process_group.takes`` says so; a ``process_set``
+    other than every rank always goes through MPI.
+    """
     if _grad_wanted([tensor]):
         return _BroadcastGrad.apply(tensor, root_rank, name, process_set)
     return _broadcast(tensor, root_rank, name, process_set)

@@ -12,6 +12,9 @@ from rank 0's weights and optimizer state, wraps each optimizer in ``Distributed
 A module written for the ``pytorch_lightning`` package (the same Lightning 2, installed under
 its older name) trains with that package's Trainer: ``strategy_for(pytorch_lightning)`` is the
 same strategy built on that package's classes.
+
+``ddp_strategy(package, use_gpu)`` is Lightning's own ``DDPStrategy`` instead, on the same
+ranks (``LightningEstimator(distributed="ddp")``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -211,6 +215,67 @@ def strategy_for(package: ModuleType) -> type:
     return type(
         "HorovodStrategy", (_HorovodStrategyMixin, base), {"__doc__": HorovodStrategy.__doc__}
     )
+
+
+def ddp_strategy(package: ModuleType, use_gpu: bool) -> Any:
+    """Lightning's ``DDPStrategy`` (of ``package``) on the ranks flyte-hvd started, with a
+    process group of backend NCCL (``use_gpu``) or gloo found through ``MASTER_ADDR`` and
+    ``MASTER_PORT``.
+
+    Lightning numbers a process ``node_rank * devices + local_rank``, which needs the same
+    number of ranks on every host; ours may differ. So each rank is shown to Lightning as a
+    node of its own: train with ``Trainer(devices=1, num_nodes=size())`` on CPUs, and with
+    ``devices=[local_rank()]`` (the rank's own GPU) on GPUs."""
+    fabric = "lightning.fabric" if package.__name__.startswith("lightning.") else "lightning_fabric"
+    base = importlib.import_module(f"{fabric}.plugins.environments").ClusterEnvironment
+    strategies = importlib.import_module(f"{package.__name__}.strategies")
+    return strategies.DDPStrategy(
+        cluster_environment=_rank_environment(base)(),
+        process_group_backend="nccl" if use_gpu else "gloo",
+    )
+
+
+@functools.cache
+def _rank_environment(base: type) -> type:
+    """A Lightning ``ClusterEnvironment`` (of ``base``'s package) answering from the core:
+    rank and size as they are, each rank a node of its own (see ``ddp_strategy``)."""
+
+    class RankEnvironment(base):  # type: ignore[misc,valid-type]
+        @property
+        def creates_processes_externally(self) -> bool:
+            return True  # the ranks exist: Lightning launches nothing
+
+        @property
+        def main_address(self) -> str:
+            return os.environ["MASTER_ADDR"]
+
+        @property
+        def main_port(self) -> int:
+            return int(os.environ["MASTER_PORT"])
+
+        @staticmethod
+        def detect() -> bool:
+            return core.is_initialized()
+
+        def world_size(self) -> int:
+            return core.size()
+
+        def set_world_size(self, size: int) -> None:
+            pass  # Lightning's num_nodes * devices, which the Trainer's arguments make size()
+
+        def global_rank(self) -> int:
+            return core.rank()
+
+        def set_global_rank(self, rank: int) -> None:
+            pass  # node_rank * 1 + 0: the rank itself
+
+        def local_rank(self) -> int:
+            return 0
+
+        def node_rank(self) -> int:
+            return core.rank()
+
+    return RankEnvironment
 
 
 def _set_rank_zero(rank: int) -> None:

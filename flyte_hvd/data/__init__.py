@@ -37,6 +37,8 @@ if TYPE_CHECKING:
         RemoteStore,
         S3Store,
         Store,
+        StoreTimeoutError,
+        StoreUnreachableError,
     )
 
 _LAZY = {

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
         RemoteStore,
         S3Store,
         Store,
+        StoreTimeoutError,
+        StoreUnreachableError,
         get_dataset_metadata,
         prepare_data,
         read_metadata,
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
         KerasEstimator,
         KerasModel,
         LightningEstimator,
+        MlflowConfig,
         TorchEstimator,
         TorchModel,
     )

@@ -538,6 +538,25 @@ except ImportError as error:
 """
 
 
+def test_a_filesystem_another_library_registered_does_not_replace_the_stores(monkeypatch):
+    """The Flyte 2 SDK, once imported, registers obstore's filesystems over gs, s3, abfs...
+    in fsspec's registry: a Store keeps the fsspec package of its scheme (gcsfs here), whose
+    options (``token``), checks and atomic writes it knows."""
+    import importlib
+
+    import gcsfs
+
+    registry = importlib.import_module("fsspec.registry")  # `fsspec.registry` is a mapping
+
+    class Other(fsspec.AbstractFileSystem):
+        protocol = "gs"
+
+    monkeypatch.setitem(registry._registry, "gs", Other)
+    assert fsspec.get_filesystem_class("gs") is Other
+    store = FilesystemStore("gs://bucket/prefix", storage_options={"token": "anon"})
+    assert isinstance(store.get_filesystem(), gcsfs.GCSFileSystem)
+
+
 @pytest.mark.parametrize(
     ("url", "package", "extra"),
     [("gs://bucket/x", "gcsfs", "gcs"), ("abfs://container/x", "adlfs", "azure")],

@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
+import importlib
 import os
 import pickle
 import posixpath
@@ -1556,12 +1557,23 @@ def _filesystem_class(protocol: str, path: str) -> type[fsspec.AbstractFileSyste
 
     if not _fsspec_knows(protocol):
         raise ValueError(_unknown_scheme(path, protocol))
+    spec = known_implementations.get(protocol, {})
     try:
+        if "class" in spec:
+            # fsspec's own package for the scheme (gcsfs, adlfs...), even where another
+            # library registered its filesystem over it (the Flyte 2 SDK puts obstore's over
+            # s3, gs, abfs...): the Store's options, checks and atomic writes are that
+            # package's.
+            module, _, name = spec["class"].rpartition(".")
+            return getattr(importlib.import_module(module), name)
         return fsspec.get_filesystem_class(protocol)
     except ImportError as error:
-        spec = known_implementations.get(protocol, {})
         # fsspec chains the import's own error, which names the missing module.
-        missing = getattr(error.__cause__, "name", None) or spec.get("class", "?").split(".")[0]
+        missing = (
+            getattr(error.__cause__, "name", None)
+            or error.name
+            or spec.get("class", "?").split(".")[0]
+        )
         extra = _PACKAGE_EXTRAS.get(missing)
         install = (
             f"`pip install 'flyte-hvd[{extra}]'` or `pip install {missing}`"

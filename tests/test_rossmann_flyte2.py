@@ -1,6 +1,6 @@
 """The Rossmann pipeline on Flyte 2 (``workflows/rossmann_flyte2.py``): its weekly retraining
-trigger and its train task's Spark settings as deployed, and the whole pipeline from its command
-line, measured against the same naive baseline as the flytekit run."""
+trigger and its train task's Spark settings as deployed, a bad ``work_dir`` refused first, and
+the whole pipeline from its command line against the same naive baseline as the flytekit run."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import asyncio
 import os
 import pathlib
 import sys
+import time
 
+import flyte
 import pytest
 
 pytest.importorskip("keras")
@@ -17,10 +19,11 @@ from flyte._internal.runtime.task_serde import translate_task_to_wire
 from flyte._internal.runtime.trigger_serde import to_task_trigger
 from flyte.models import SerializationContext
 from google.protobuf.json_format import MessageToDict
-from test_rossmann import run_main_job
 
 from workflows import rossmann_flyte2 as r2
 from workflows import rossmann_steps as steps
+
+from test_rossmann import run_main_job
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -58,6 +61,36 @@ def test_train_gets_an_executor_per_rank_from_the_hyperparameters():
     assert conf["spark.executor.memory"] == "4g" and conf["spark.sql.shuffle.partitions"] == "8"
     default = MessageToDict(_wire(r2.train).task_template.custom)["sparkConf"]
     assert default["spark.executor.instances"] == str(steps.Hyperparameters().num_proc)
+
+
+def _local_run(tmp_path, task, **inputs):
+    flyte.init()
+    context = flyte.with_runcontext(
+        mode="local", raw_data_path=str(tmp_path / "raw"), run_base_dir=str(tmp_path / "meta"),
+        disable_run_cache=True,
+    )  # fmt: skip
+    return context.run(task, **inputs).outputs()
+
+
+@pytest.mark.flyte
+def test_a_bad_work_dir_fails_the_pipeline_at_its_first_task(tmp_path, monkeypatch):
+    """Before any Spark work: a work_dir the Store cannot write, and on a cluster a local one
+    (it would vanish with the pod), stop ``rossmann`` in seconds, naming what to pass."""
+    blocker = tmp_path / "file"
+    blocker.write_text("a file, not a directory")
+    started = time.monotonic()
+    with pytest.raises(Exception, match="cannot write to the store") as raised:
+        _local_run(tmp_path, r2.rossmann, work_dir=str(blocker / "rossmann"))
+    assert str(blocker) in str(raised.value)
+    assert time.monotonic() - started < 20
+    assert not list(tmp_path.rglob("*.csv"))  # download_data never ran
+
+    monkeypatch.setattr(r2, "_on_cluster", lambda: True)  # what flyte.ctx() says in a pod
+    with pytest.raises(Exception, match=r"is a local path, .* --work_dir s3://"):
+        _local_run(tmp_path, r2.check_work_dir, work_dir=str(tmp_path / "work"))
+    monkeypatch.undo()
+    (prefix,) = _local_run(tmp_path, r2.check_work_dir, work_dir=str(tmp_path / "work"))
+    assert prefix == str(tmp_path / "work")
 
 
 @pytest.mark.spark

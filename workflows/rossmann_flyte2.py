@@ -267,8 +267,8 @@ def rossmann(dataset: str = SYNTHETIC, hp: Hyperparameters = DEFAULT_HP,
     """Rossmann end to end; see the module's docstring. ``train`` gets ``hp.num_proc`` ranks
     (and on a cluster an executor per rank)."""
     store_prefix = check_work_dir(work_dir=work_dir)
+    data = download_data(dataset=dataset)
     with _local_session(hp.num_proc):
-        data = download_data(dataset=dataset)
         prepared = prepare(data=data, hp=hp, work_dir=store_prefix)
         result = train.override(plugin_config=ranks_config(hp.num_proc))(
             prepared=prepared, hp=hp, work_dir=store_prefix, run_id=steps.new_run_id(),

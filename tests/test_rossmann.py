@@ -251,13 +251,15 @@ def test_remote_execution_refuses_a_pod_local_work_dir(tmp_path, monkeypatch):
 
 
 def test_registration_time_work_dir_becomes_the_default(tmp_path):
-    """FLYTE_HVD_WORK_DIR at import (what `pyflyte register` sees) is the workflow's and the
-    scheduled launch plan's default work_dir."""
+    """FLYTE_HVD_WORK_DIR at import (what `pyflyte register` and `flyte deploy` see) is the
+    default work_dir of the workflow, of the scheduled launch plan and of the Flyte 2 task
+    that the weekly trigger runs."""
     code = (
-        "from workflows import rossmann as r\n"
+        "from workflows import rossmann as r, rossmann_flyte2 as r2\n"
         "plan = r.rossmann_weekly_retrain.parameters.parameters['work_dir']\n"
         "wf = r.horovod_spark_wf.python_interface.default_inputs_as_kwargs['work_dir']\n"
-        "print(plan.default.scalar.primitive.string_value, wf)\n"
+        "task = r2.rossmann.native_interface.inputs['work_dir'][1]\n"
+        "print(plan.default.scalar.primitive.string_value, wf, task)\n"
     )
     env = {**os.environ, "FLYTE_HVD_WORK_DIR": "s3://bucket/rossmann"}
     out = subprocess.run(
@@ -265,7 +267,7 @@ def test_registration_time_work_dir_becomes_the_default(tmp_path):
         timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["s3://bucket/rossmann", "s3://bucket/rossmann"]
+    assert out.stdout.split() == ["s3://bucket/rossmann"] * 3
 
 
 # -- Spark features and the tasks on their own ---------------------------------------------

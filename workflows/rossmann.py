@@ -9,7 +9,8 @@ on ``hp.num_proc`` ranks, an executor per rank through ``train_on_ranks``) -> ``
 ``transform``) -> ``summarize``. ``work_dir`` is the Store prefix: prepared data, checkpoints,
 TensorBoard logs, the model and the submission land under it (``<work_dir>/runs/<run_id>/``).
 The launch plan ``rossmann_weekly_retrain`` retrains every Monday, warm-starting from the newest
-run's checkpoint under ``work_dir``.
+run's checkpoint under ``work_dir``. The tasks wrap ``workflows/rossmann_steps.py``, which the
+Flyte 2 pipeline (``workflows/rossmann_flyte2.py``) wraps too.
 """
 
 from __future__ import annotations

@@ -52,6 +52,8 @@ def test_ship_package_makes_a_driver_only_package_importable_on_executors(
 
 
 def test_ship_package_refuses_what_it_cannot_ship():
+    import pyspark.sql  # noqa: F401 - an installed package, imported (ship_package imports none)
+
     with pytest.raises(ValueError, match=r"`module`='no_such_package_x': expected an imported"):
         ship_package(None, "no_such_package_x")
     with pytest.raises(ValueError, match=r"`module`='pyspark.sql' is installed"):

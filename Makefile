@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup lock test test-fast check docs run demo lint format bench cluster
+.PHONY: setup lock test test-fast check docs run run-flyte2 demo lint format bench cluster
 
 # lock/dev.txt pins every package of this install (`make lock` regenerates it from
 # pyproject.toml). Its torch is the CPU build (2.13.0+cpu), which PyPI does not carry:
@@ -47,6 +47,11 @@ check: setup
 # where the model and submission were written.
 run: setup
 	TF_CPP_MIN_LOG_LEVEL=3 $(VENV)/bin/pyflyte run workflows/rossmann.py horovod_spark_wf
+
+# The same job on Flyte 2 (the `flyte` SDK; workflows/rossmann_flyte2.py, tasks calling tasks,
+# training in a HorovodSpark task), locally: the same data, model and printed lines.
+run-flyte2: setup
+	TF_CPP_MIN_LOG_LEVEL=3 $(VENV)/bin/flyte run --local workflows/rossmann_flyte2.py rossmann
 
 # The smaller demos: 2 ranks by flyte-hvd-run, and ranks inside a Spark barrier stage.
 demo: setup

@@ -1,5 +1,5 @@
 """How a workflow's code and data reach Spark executors that share nothing with the driver:
-its package as a shipped zip (``flyte_hvd.flyte.shipping``), its CSV files read on the driver
+its package as a shipped zip (``flyte_hvd.spark.shipping``), its CSV files read on the driver
 (``workflows.driver_csv``)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from flyte_hvd.flyte.shipping import ship_package
+from flyte_hvd.spark.shipping import ship_package
 
 
 @pytest.fixture
@@ -52,6 +52,8 @@ def test_ship_package_makes_a_driver_only_package_importable_on_executors(
 
 
 def test_ship_package_refuses_what_it_cannot_ship():
+    import pyspark.sql  # noqa: F401 - an installed package, imported (ship_package imports none)
+
     with pytest.raises(ValueError, match=r"`module`='no_such_package_x': expected an imported"):
         ship_package(None, "no_such_package_x")
     with pytest.raises(ValueError, match=r"`module`='pyspark.sql' is installed"):

@@ -3,11 +3,12 @@
 A UDF that a Spark task defines, and a function or model it hands to the ranks, is pickled by
 reference to its module (``workflows.rossmann_features.…``). Spark's Python workers, and the
 ranks they start, import that module again, so the module's package must be importable
-there. On a cluster it is importable only through what the Spark job ships:
-flytekitplugins-spark adds the fast-registered code as a zip (``SparkContext.addPyFile``).
-``pyflyte run`` started from another directory puts the package on the driver's ``sys.path``
-alone, and executors on other hosts never see the checkout. ``ship_package`` ships the
-package the same way in every case: a zip of its source, added with ``addPyFile``.
+there. On a cluster it is importable only through what the Spark job ships: the Spark
+plugins of both Flyte SDKs add the task's code as a zip (``SparkContext.addPyFile``).
+``pyflyte run`` or ``flyte run --local`` started from another directory puts the package on
+the driver's ``sys.path`` alone, and executors on other hosts never see the checkout.
+``ship_package`` ships the package the same way in every case: a zip of its source, added
+with ``addPyFile``.
 """
 
 from __future__ import annotations

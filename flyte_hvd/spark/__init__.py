@@ -54,6 +54,7 @@ if TYPE_CHECKING:
         KerasEstimator,
         KerasModel,
         LightningEstimator,
+        MlflowConfig,
         TorchEstimator,
         TorchModel,
     )

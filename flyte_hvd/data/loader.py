@@ -139,7 +139,7 @@ class BaseDataLoader(abc.ABC):
         sample_weight_col: str | None = None,
         prefetch: int | None = 2,
         float64_as: str | None = None,
-        shapes: dict[str, Sequence[int]] | None = None,
+        shapes: Mapping[str, Sequence[int]] | None = None,
     ) -> tf.data.Dataset:
         """A ``tf.data.Dataset`` of ``x``, ``(x, y)`` or ``(x, y, w)`` for ``model.fit``.
 

@@ -45,6 +45,7 @@ from flyte_hvd.spark.dispatch import (
 if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark.sql import DataFrame
+    from pyspark.sql.types import DataType
 
     from flyte_hvd.data.dataset import DatasetMetadata
     from flyte_hvd.data.store import RemoteStore
@@ -374,7 +375,7 @@ class HorovodEstimator(Estimator):
             **model_params,
         )
 
-    def _add_report(self, results: list[Any], remote_store: RemoteStore, run_id: str,
+    def _add_report(self, results: list[dict], remote_store: RemoteStore, run_id: str,
                     mlflow_run: tracking.MlflowRun | None) -> None:  # fmt: skip
         """Inside a Flyte task, the fit's report as a Deck: its facts, epochs and curves."""
         from flyte_hvd.estimators.training import read_run_state
@@ -593,7 +594,7 @@ class HorovodModel(Model, MLWritable, MLReadable):
     def _load_model(self, data: bytes) -> FrameworkModel:
         raise NotImplementedError
 
-    def _output_types(self) -> list[Any]:
+    def _output_types(self) -> list[DataType]:
         raise NotImplementedError
 
     def _batch_predictor(self, sc: Broadcaster) -> BatchPredictor:

@@ -41,16 +41,19 @@ from flyte_hvd.estimators.training import TrainingSpec
 if TYPE_CHECKING:
     import pyarrow as pa
     import tensorflow as tf
+    from pyspark.sql.types import DataType
 
     from flyte_hvd.core.compression import Compressor
     from flyte_hvd.data.dataset import DatasetMetadata
-    from flyte_hvd.data.loader import BaseDataLoader
+    from flyte_hvd.data.loader import BaseDataLoader, Batch
     from flyte_hvd.data.store import RemoteStore
 
 # What Keras' ``compile`` takes as one output's loss, and as the model's: one for every
 # output, a list by output, or a dict by output name.
 KerasLoss: TypeAlias = "str | Callable[..., Any] | keras.losses.Loss"
 KerasLosses: TypeAlias = "KerasLoss | list[KerasLoss] | dict[str, KerasLoss]"
+# A metric as ``compile`` takes it: its name, a function, or a ``keras.metrics.Metric``.
+KerasMetric: TypeAlias = "str | Callable[..., Any] | keras.metrics.Metric"
 
 LAST_MODEL_FILENAME = "last.keras"  # the latest epoch, for resuming
 BEST_MODEL_FILENAME = "best.keras"  # where a checkpoint callback writes, on rank 0
@@ -65,7 +68,7 @@ class KerasTrainingSpec(TrainingSpec):
 
     custom_objects: dict[str, Any]
     learning_rate: float | None
-    callbacks: list[Any] = field(default_factory=list)
+    callbacks: list[keras.callbacks.Callback] = field(default_factory=list)
     checkpoint_callback: keras.callbacks.ModelCheckpoint | None = None
     compression: type[Compressor] | None = None
     # feature column -> the model input's shape per row, where it differs from the column's
@@ -103,13 +106,13 @@ class KerasEstimator(HorovodEstimator):
         optimizer: keras.optimizers.Optimizer | str | None = None,
         loss: KerasLosses | None = None,
         loss_weights: list[float] | dict[str, float] | None = None,
-        metrics: list[Any] | None = None,
+        metrics: list[KerasMetric] | None = None,
         custom_objects: dict[str, Any] | None = None,
         feature_cols: list[str] | None = None,
         label_cols: list[str] | None = None,
         validation: float | str | None = None,
         sample_weight_col: str | None = None,
-        callbacks: list[Any] | None = None,
+        callbacks: list[keras.callbacks.Callback] | None = None,
         batch_size: int = 32,
         val_batch_size: int | None = None,
         epochs: int = 1,
@@ -123,9 +126,9 @@ class KerasEstimator(HorovodEstimator):
         run_id: str | None = None,
         checkpoint_callback: keras.callbacks.ModelCheckpoint | None = None,
         gradient_compression: type[Compressor] | None = None,
-        transformation_fn: Callable[..., Any] | None = None,
+        transformation_fn: Callable[[Batch], Batch] | None = None,
         inmemory_cache_all: bool | None = None,
-        data_loader: type | None = None,
+        data_loader: type[BaseDataLoader] | None = None,
         use_gpu: bool = True,
         mlflow: bool | MlflowConfig | None = None,
         backward_passes_per_step: int = 1,
@@ -274,10 +277,10 @@ class KerasModel(HorovodModel):
     def _load_model(self, data: bytes) -> keras.Model:
         return model_from_bytes(data, self.getCustomObjects())
 
-    def _output_types(self) -> list[Any]:
+    def _output_types(self) -> list[DataType]:
         from pyspark.sql.types import ArrayType, DoubleType, FloatType
 
-        types = []
+        types: list[DataType] = []
         for output in self.getModel().outputs:
             width = math.prod(d for d in output.shape[1:] if d is not None)
             types.append(DoubleType() if width == 1 else ArrayType(FloatType()))
@@ -374,7 +377,7 @@ def train_on_rank(spec: KerasTrainingSpec) -> dict:
 _COMPILE_METRIC_NAMES = {"accuracy", "acc", "crossentropy", "ce"}
 
 
-def _check_identifiers(loss: KerasLosses | None, metrics: list[KerasLoss] | None,
+def _check_identifiers(loss: KerasLosses | None, metrics: list[KerasMetric] | None,
                        custom_objects: dict[str, Any] | None) -> None:  # fmt: skip
     """Loss and metric names must resolve on the driver, before any rank starts (a typo
     otherwise surfaces as a traceback from every rank after start-up)."""

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.profilers import Profiler
 
     from flyte_hvd.core.compression import Compressor
-    from flyte_hvd.data.loader import BaseDataLoader
+    from flyte_hvd.data.loader import BaseDataLoader, Batch
     from flyte_hvd.data.store import RemoteStore
 
 LIGHTNING_PARAMS: dict[str, tuple[Any, str]] = {
@@ -178,9 +178,9 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
         run_id: str | None = None,
         checkpoint_callback: ModelCheckpoint | None = None,
         gradient_compression: type[Compressor] | None = None,
-        transformation_fn: Callable[..., Any] | None = None,
+        transformation_fn: Callable[[Batch], Batch] | None = None,
         inmemory_cache_all: bool | None = None,
-        data_loader: type | None = None,
+        data_loader: type[BaseDataLoader] | None = None,
         use_gpu: bool = True,
         mlflow: bool | MlflowConfig | None = None,
         backward_passes_per_step: int = 1,

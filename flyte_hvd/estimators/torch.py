@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
     from flyte_hvd.core.compression import Compressor
+    from flyte_hvd.data.loader import BaseDataLoader, Batch
     from flyte_hvd.data.store import RemoteStore
 
 # The step: fn(model, optimizer, transform_outputs, loss_fn, inputs, labels, sample_weights)
@@ -151,9 +152,9 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
         run_id: str | None = None,
         checkpoint_callback: object = None,  # refused: Keras' and Lightning's param
         gradient_compression: type[Compressor] | None = None,
-        transformation_fn: Callable[..., Any] | None = None,
+        transformation_fn: Callable[[Batch], Batch] | None = None,
         inmemory_cache_all: bool | None = None,
-        data_loader: type | None = None,
+        data_loader: type[BaseDataLoader] | None = None,
         use_gpu: bool = True,
         mlflow: bool | MlflowConfig | None = None,
         backward_passes_per_step: int = 1,

@@ -21,6 +21,7 @@ from flyte_hvd.estimators.training import TrainingSpec
 if TYPE_CHECKING:
     import pyarrow as pa
     import torch
+    from pyspark.sql.types import DataType
 
     from flyte_hvd.data.dataset import DatasetMetadata
 
@@ -174,7 +175,7 @@ class TorchModel(HorovodModel):
         _import_torch()
         return cloudpickle.loads(data)
 
-    def _output_types(self) -> list[Any]:
+    def _output_types(self) -> list[DataType]:
         from pyspark.sql.types import ArrayType, DoubleType, FloatType
 
         return [

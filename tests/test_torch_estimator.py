@@ -403,6 +403,17 @@ class Celsius(torch.nn.Module):
         return self.net(x)
 
 
+def test_a_model_without_trained_bytes_refuses_transform_on_the_driver(spark_local2):
+    # No Spark job starts: the model bytes are checked when the prediction UDF is built.
+    df = _regression_df(spark_local2, rows=4)
+    model = TorchModel(
+        feature_columns=["features"], label_columns=["label"], input_shapes=[[-1, 3]],
+        output_shapes=[[1]],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"holds no trained model; get one from an estimator"):
+        model.transform(df)
+
+
 def test_torch_default_verbose_with_non_ascii_model_output(spark_local2, store, capfd):
     df = _regression_df(spark_local2, rows=200)
     model = Celsius()

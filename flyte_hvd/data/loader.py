@@ -139,7 +139,7 @@ class BaseDataLoader(abc.ABC):
         sample_weight_col: str | None = None,
         prefetch: int | None = 2,
         float64_as: str | None = None,
-        shapes: dict[str, Sequence[int]] | None = None,
+        shapes: Mapping[str, Sequence[int]] | None = None,
     ) -> tf.data.Dataset:
         """A ``tf.data.Dataset`` of ``x``, ``(x, y)`` or ``(x, y, w)`` for ``model.fit``.
 
@@ -180,7 +180,7 @@ class BaseDataLoader(abc.ABC):
             parts.append(_column_list("sample_weight_col", sample_weight_col, specs))
 
         # A column's value, or a tuple of them: numpy arrays, or their ``tf.TensorSpec``s.
-        def pack(values: dict[str, Any], names: list[str]) -> Any:
+        def pack(values: dict[str, T], names: list[str]) -> T | tuple[T, ...]:
             return values[names[0]] if len(names) == 1 else tuple(values[n] for n in names)
 
         columns = [c for names in parts for c in names]

@@ -16,7 +16,7 @@ import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias
 
 import cloudpickle
 from pyspark.ml import Estimator, Model
@@ -43,19 +43,55 @@ from flyte_hvd.spark.dispatch import (
 )
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from pyspark.sql import DataFrame
+    from pyspark.sql.types import DataType
 
     from flyte_hvd.data.dataset import DatasetMetadata
     from flyte_hvd.data.store import RemoteStore
+    from flyte_hvd.estimators.training import TrainingSpec
+    from flyte_hvd.spark.dispatch import AnySparkSession
 
 # The prepared dataset's metadata: the train split's, and the validation split's (or None).
 Metadata = tuple["DatasetMetadata", "DatasetMetadata | None"]
+
+# The trained model as its framework holds it: a ``keras.Model``, the torch estimator's
+# ``{"model": torch.nn.Module, "optimizer": ...}``, a ``LightningModule``.
+FrameworkModel: TypeAlias = Any
+
+# A prediction function on a Python worker: the feature columns of an Arrow batch in, one
+# result column per label out.
+BatchPredictor: TypeAlias = "Callable[[list[pa.Array]], list[pa.Array]]"
+
+
+class Shipped(Protocol):
+    """Model bytes on their way to the workers: a Spark ``Broadcast`` or ``_Inline``."""
+
+    @property
+    def value(self) -> bytes: ...
+
+
+class Broadcaster(Protocol):
+    """Ships model bytes to the workers: a ``SparkContext`` or ``_InlineBroadcast``."""
+
+    def broadcast(self, value: bytes) -> Shipped: ...
+
 
 # Horovod's `run` arguments a SparkBackend passes on (`horovod.spark.common.backend`).
 _RUN_ARGS = frozenset({
     "start_timeout", "use_mpi", "use_gloo", "extra_mpi_args", "stdout", "stderr", "verbose",
     "nics", "prefix_output_with_timestamp", "executable",
 })  # fmt: skip
+
+
+class Backend(Protocol):
+    """What ``fit`` needs of a backend (Horovod's ``horovod.spark.common.backend.Backend``):
+    ``SparkBackend`` or a user's own."""
+
+    def num_processes(self) -> int: ...
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+            env: dict[str, str] | None = None) -> list[Any]: ...  # fmt: skip
 
 
 class SparkBackend:
@@ -72,8 +108,13 @@ class SparkBackend:
             (accepted; each says once that it does nothing here).
     """
 
-    def __init__(self, num_proc: int | None = None, env: dict[str, str] | None = None,
-                 preload: tuple[str, ...] = (), **kwargs: Any):  # fmt: skip
+    def __init__(
+        self,
+        num_proc: int | None = None,
+        env: dict[str, str] | None = None,
+        preload: tuple[str, ...] = (),
+        **kwargs: Any,  # ``flyte_hvd.spark.run``'s arguments, passed on
+    ):
         unknown = sorted(set(kwargs) - _RUN_ARGS)
         if unknown:
             raise ValueError(
@@ -122,9 +163,11 @@ class HorovodEstimator(Estimator):
     if TYPE_CHECKING:  # ``with_params`` adds a ``getX``/``setX`` pair per param
         _param_defaults: ClassVar[dict[str, Any]]
 
+        # The accessors are generated from the params table: each param's value is whatever
+        # that param holds (a model, a Store, a list of column names...).
         def __getattr__(self, name: str) -> Any: ...
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+    def __new__(cls, *args: object, **kwargs: object) -> HorovodEstimator:
         # Before the keyword-only `__init__` refuses it with Python's bare TypeError: say
         # which names are unknown, the likely intended one, and where the list is.
         unknown = sorted(set(kwargs) - set(cls._param_defaults))
@@ -140,7 +183,7 @@ class HorovodEstimator(Estimator):
             )
         return super().__new__(cls)
 
-    def __init__(self, **kwargs: Any):
+    def __init__(self, **kwargs: object):  # the params' values, checked by `fit`
         super().__init__()
         self._setDefault(**_fresh(self._param_defaults))
         self._set(**kwargs)
@@ -205,7 +248,7 @@ class HorovodEstimator(Estimator):
         skip = {*self.getLabelCols(), self.getSampleWeightCol(), self.getValidation()}
         return [c for c in columns if c not in skip]
 
-    def _backend(self) -> Any:
+    def _backend(self) -> Backend:
         backend = self.getBackend()
         # Spare ranks import MLflow too when rank 0 will log to it (seconds of imports).
         preload = (*self._preload, "mlflow") if self.getMlflow() else self._preload
@@ -215,7 +258,7 @@ class HorovodEstimator(Estimator):
             backend._preload = preload  # a user's backend gets spares too
         return backend
 
-    def _check_slots(self, backend: Any) -> None:
+    def _check_slots(self, backend: Backend) -> None:
         """The cluster can hold the ranks: checked before the data is prepared and spare rank
         processes start (a backend of the user's is left to its own checks)."""
         if isinstance(backend, SparkBackend):
@@ -281,7 +324,7 @@ class HorovodEstimator(Estimator):
                                          mlflow_run)  # fmt: skip
 
     @contextlib.contextmanager
-    def _mlflow_run(self, backend: Any, run_id: str) -> Iterator[tracking.MlflowRun | None]:
+    def _mlflow_run(self, backend: Backend, run_id: str) -> Iterator[tracking.MlflowRun | None]:
         """With ``mlflow``: the MLflow run, opened before the data is prepared or any rank
         starts, with the estimator's params; marked FAILED if the fit fails."""
         config = tracking.resolve_config(self.getMlflow())
@@ -300,8 +343,14 @@ class HorovodEstimator(Estimator):
         finally:
             tracking.end_run(run, failed)
 
-    def _fit_on_prepared(self, backend: Any, dataset_idx: Any, features: list[str], run_id: str,
-                         mlflow_run: tracking.MlflowRun | None = None) -> Model:  # fmt: skip
+    def _fit_on_prepared(
+        self,
+        backend: Backend,
+        dataset_idx: str | None,
+        features: list[str],
+        run_id: str,
+        mlflow_run: tracking.MlflowRun | None = None,
+    ) -> Model:
         from flyte_hvd.data.prepare import get_dataset_metadata
 
         store = self.getStore()
@@ -326,7 +375,7 @@ class HorovodEstimator(Estimator):
             **model_params,
         )
 
-    def _add_report(self, results: list[Any], remote_store: RemoteStore, run_id: str,
+    def _add_report(self, results: list[dict], remote_store: RemoteStore, run_id: str,
                     mlflow_run: tracking.MlflowRun | None) -> None:  # fmt: skip
         """Inside a Flyte task, the fit's report as a Deck: its facts, epochs and curves."""
         from flyte_hvd.estimators.training import read_run_state
@@ -387,17 +436,17 @@ class HorovodEstimator(Estimator):
         """Checks that need only the params (before the data is prepared)."""
         raise NotImplementedError
 
-    def _check_data(self, features: list[str], metadata: Any) -> dict[str, Any]:
+    def _check_data(self, features: list[str], metadata: Metadata) -> dict[str, Any]:
         """Checks against the prepared columns (still before any rank starts); returns extra
         params for the trained model."""
         return {}
 
     def _training_spec(
         self, remote_store: RemoteStore, features: list[str], metadata: Metadata, num_proc: int
-    ) -> Any:
+    ) -> TrainingSpec:
         raise NotImplementedError
 
-    def _remote_trainer(self) -> Callable[[Any], dict]:
+    def _remote_trainer(self) -> Callable[..., dict]:
         """The function every rank runs: ``fn(spec) -> dict``; rank 0 returns ``model``
         (bytes) and ``history``."""
         raise NotImplementedError
@@ -413,19 +462,20 @@ class HorovodModel(Model, MLWritable, MLReadable):
     if TYPE_CHECKING:  # ``with_params`` adds a ``getX``/``setX`` pair per param
         _param_defaults: ClassVar[dict[str, Any]]
 
+        # The accessors are generated from the params table (see ``HorovodEstimator``).
         def __getattr__(self, name: str) -> Any: ...
 
     _archive_name = "model.zip"  # what save() writes: params and model bytes
     _model_file = "model.bin"
 
-    def __init__(self, model_bytes: bytes | None = None, **kwargs: Any):
+    def __init__(self, model_bytes: bytes | None = None, **kwargs: object):  # params
         super().__init__()
         self._setDefault(**_fresh(self._param_defaults))
         self._set(**kwargs)
         self._model_bytes = model_bytes
-        self._model: Any = None
+        self._model: FrameworkModel | None = None
 
-    def getModel(self) -> Any:
+    def getModel(self) -> FrameworkModel:
         """The trained framework model, usable outside Spark."""
         if self._model is None:
             self._model = self._load_model(self._trained_bytes())
@@ -454,7 +504,7 @@ class HorovodModel(Model, MLWritable, MLReadable):
     def setTransformPartitionBytes(self, value: int | None) -> HorovodModel:
         return self._set(transform_partition_bytes=_partition_bytes(value))
 
-    def _transform(self, df: Any) -> Any:
+    def _transform(self, df: DataFrame) -> DataFrame:
         import pyarrow as pa
         from pyspark.ml.functions import array_to_vector, vector_to_array
         from pyspark.ml.linalg import VectorUDT
@@ -541,13 +591,13 @@ class HorovodModel(Model, MLWritable, MLReadable):
 
     # -- framework hooks ----------------------------------------------------------------------
 
-    def _load_model(self, data: bytes) -> Any:
+    def _load_model(self, data: bytes) -> FrameworkModel:
         raise NotImplementedError
 
-    def _output_types(self) -> list[Any]:
+    def _output_types(self) -> list[DataType]:
         raise NotImplementedError
 
-    def _batch_predictor(self, sc: Any) -> Callable[[Any], list[Any]]:
+    def _batch_predictor(self, sc: Broadcaster) -> BatchPredictor:
         raise NotImplementedError
 
     # -- persistence --------------------------------------------------------------------------
@@ -617,12 +667,12 @@ class ModelReader:
         return cls(model_bytes=model_bytes, **params)
 
 
-def _partition_bytes(value: Any) -> int | None:
+def _partition_bytes(value: object) -> int | None:
     """A ``transform_partition_bytes`` value: bytes (an int >= 1), or None."""
     return None if value is None else require_int("transform_partition_bytes", value, 1)
 
 
-def _merge_small_partitions(df: Any, partition_bytes: int | None) -> Any:
+def _merge_small_partitions(df: DataFrame, partition_bytes: int | None) -> DataFrame:
     """``df`` coalesced into partitions of about ``partition_bytes`` (Spark's size estimate),
     and no fewer than the cluster's default parallelism, so that every core still predicts.
 
@@ -644,7 +694,7 @@ def _merge_small_partitions(df: Any, partition_bytes: int | None) -> Any:
     return df.coalesce(partitions)
 
 
-def _broadcaster(spark: Any) -> Any:
+def _broadcaster(spark: AnySparkSession) -> Broadcaster:
     """What ``_batch_predictor`` ships the model bytes with: the SparkContext's broadcast on a
     classic session; on Spark Connect, which has no broadcast, the bytes travel inside the
     UDF's pickled closure, sent once with the query plan (mind Connect's message size limit,
@@ -691,11 +741,15 @@ def _warn_inert(estimator: str, inert: dict[str, str], given: dict[str, Any]) ->
             )
 
 
-def check_learning_rate(rate: Any, where: str) -> None:
+def check_learning_rate(rate: object, where: str) -> None:
     """A plain learning rate must be a finite number >= 0: a negative one trains without an
     error, climbing the loss (gradient ascent), and NaN or infinity fill the weights with NaN."""
-    number = isinstance(rate, int | float) and not isinstance(rate, bool)
-    if not number or not math.isfinite(rate) or rate < 0:
+    if (
+        isinstance(rate, bool)
+        or not isinstance(rate, int | float)
+        or not math.isfinite(rate)
+        or rate < 0
+    ):
         shown = f"{rate:.6g}" if isinstance(rate, float) else repr(rate)  # float32's digits
         raise ValueError(
             f"{where} has learning rate {shown}; it must be a finite number >= 0 (a negative "

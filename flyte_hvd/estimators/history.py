@@ -14,15 +14,18 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 from flyte_hvd.core.log import get_logger
 from flyte_hvd.estimators import report
 
+if TYPE_CHECKING:
+    from flyte_hvd.data.store import Store
+
 logger = get_logger(__name__)
 
 
-def read_history(store: Any, run_id: str) -> dict[str, list[float]] | None:
+def read_history(store: Store, run_id: str) -> dict[str, list[float]] | None:
     """The metric history in ``run_id``'s ``state.json``, or None before its first epoch."""
     path = store.get_state_path(run_id)
     store.fs.invalidate_cache(store.fs_path(path))  # a cached listing would hide new epochs
@@ -35,7 +38,7 @@ def read_history(store: Any, run_id: str) -> dict[str, list[float]] | None:
 
 @contextmanager
 def watch_history(
-    store: Any,
+    store: Store,
     run_id: str,
     on_epoch: Callable[[dict[str, list[float]]], None],
     poll_s: float = 2.0,

@@ -15,7 +15,8 @@ import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import keras
 import numpy as np
@@ -24,6 +25,9 @@ from flyte_hvd.data.loader import TransformedLoader
 from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import prediction, tracking, training
 from flyte_hvd.estimators.base import (
+    Backend,
+    BatchPredictor,
+    Broadcaster,
     HorovodEstimator,
     HorovodModel,
     Metadata,
@@ -35,7 +39,21 @@ from flyte_hvd.estimators.tracking import MlflowConfig
 from flyte_hvd.estimators.training import TrainingSpec
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+    import tensorflow as tf
+    from pyspark.sql.types import DataType
+
+    from flyte_hvd.core.compression import Compressor
+    from flyte_hvd.data.dataset import DatasetMetadata
+    from flyte_hvd.data.loader import BaseDataLoader, Batch
     from flyte_hvd.data.store import RemoteStore
+
+# What Keras' ``compile`` takes as one output's loss, and as the model's: one for every
+# output, a list by output, or a dict by output name.
+KerasLoss: TypeAlias = "str | Callable[..., Any] | keras.losses.Loss"
+KerasLosses: TypeAlias = "KerasLoss | list[KerasLoss] | dict[str, KerasLoss]"
+# A metric as ``compile`` takes it: its name, a function, or a ``keras.metrics.Metric``.
+KerasMetric: TypeAlias = "str | Callable[..., Any] | keras.metrics.Metric"
 
 LAST_MODEL_FILENAME = "last.keras"  # the latest epoch, for resuming
 BEST_MODEL_FILENAME = "best.keras"  # where a checkpoint callback writes, on rank 0
@@ -50,9 +68,9 @@ class KerasTrainingSpec(TrainingSpec):
 
     custom_objects: dict[str, Any]
     learning_rate: float | None
-    callbacks: list[Any] = field(default_factory=list)
-    checkpoint_callback: Any = None
-    compression: Any = None
+    callbacks: list[keras.callbacks.Callback] = field(default_factory=list)
+    checkpoint_callback: keras.callbacks.ModelCheckpoint | None = None
+    compression: type[Compressor] | None = None
     # feature column -> the model input's shape per row, where it differs from the column's
     feature_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
@@ -82,19 +100,19 @@ class KerasEstimator(HorovodEstimator):
         self,
         *,
         num_proc: int | None = None,
-        backend: Any = None,
+        backend: Backend | None = None,
         store: Store | None = None,
-        model: Any = None,
-        optimizer: Any = None,
-        loss: Any = None,
-        loss_weights: Any = None,
-        metrics: list[Any] | None = None,
+        model: keras.Model | None = None,
+        optimizer: keras.optimizers.Optimizer | str | None = None,
+        loss: KerasLosses | None = None,
+        loss_weights: list[float] | dict[str, float] | None = None,
+        metrics: list[KerasMetric] | None = None,
         custom_objects: dict[str, Any] | None = None,
         feature_cols: list[str] | None = None,
         label_cols: list[str] | None = None,
         validation: float | str | None = None,
         sample_weight_col: str | None = None,
-        callbacks: list[Any] | None = None,
+        callbacks: list[keras.callbacks.Callback] | None = None,
         batch_size: int = 32,
         val_batch_size: int | None = None,
         epochs: int = 1,
@@ -106,11 +124,11 @@ class KerasEstimator(HorovodEstimator):
         validation_steps_per_epoch: int | None = None,
         partitions_per_process: int = 10,
         run_id: str | None = None,
-        checkpoint_callback: Any = None,
-        gradient_compression: Any = None,
-        transformation_fn: Callable[..., Any] | None = None,
+        checkpoint_callback: keras.callbacks.ModelCheckpoint | None = None,
+        gradient_compression: type[Compressor] | None = None,
+        transformation_fn: Callable[[Batch], Batch] | None = None,
         inmemory_cache_all: bool | None = None,
-        data_loader: type | None = None,
+        data_loader: type[BaseDataLoader] | None = None,
         use_gpu: bool = True,
         mlflow: bool | MlflowConfig | None = None,
         backward_passes_per_step: int = 1,
@@ -172,7 +190,7 @@ class KerasEstimator(HorovodEstimator):
         )
         return {**found, **(self.getCustomObjects() or {})}
 
-    def _compiled_model(self) -> Any:
+    def _compiled_model(self) -> keras.Model:
         model = self.getModel()
         if self.getOptimizer() is not None or self.getLoss() is not None:
             with keras.saving.custom_object_scope(self._custom_objects()):
@@ -187,7 +205,7 @@ class KerasEstimator(HorovodEstimator):
             return clone
         return model
 
-    def _check_data(self, features: list[str], metadata: Any) -> dict[str, Any]:
+    def _check_data(self, features: list[str], metadata: Metadata) -> dict[str, Any]:
         columns = {c.name: c for c in metadata[0].columns}
         for tensor, name in zip(self.getModel().inputs, features, strict=True):
             want = tuple(tensor.shape[1:])
@@ -252,27 +270,27 @@ class KerasModel(HorovodModel):
     _archive_name = "keras_model.zip"
     _model_file = "model.keras"
 
-    def getModel(self) -> Any:
+    def getModel(self) -> keras.Model:
         """The compiled Keras model, usable outside Spark."""
         return super().getModel()
 
-    def _load_model(self, data: bytes) -> Any:
+    def _load_model(self, data: bytes) -> keras.Model:
         return model_from_bytes(data, self.getCustomObjects())
 
-    def _output_types(self) -> list[Any]:
+    def _output_types(self) -> list[DataType]:
         from pyspark.sql.types import ArrayType, DoubleType, FloatType
 
-        types = []
+        types: list[DataType] = []
         for output in self.getModel().outputs:
             width = math.prod(d for d in output.shape[1:] if d is not None)
             types.append(DoubleType() if width == 1 else ArrayType(FloatType()))
         return types
 
-    def _batch_predictor(self, sc: Any):
-        model_bytes = sc.broadcast(self._model_bytes)
+    def _batch_predictor(self, sc: Broadcaster) -> BatchPredictor:
+        model_bytes = sc.broadcast(self._trained_bytes())
         custom_objects = self.getCustomObjects()
 
-        def predict(columns: list[Any]) -> list[Any]:
+        def predict(columns: list[pa.Array]) -> list[pa.Array]:
             model = _worker_model(model_bytes.value, custom_objects)
             inputs = [
                 prediction.column_array(column, tensor.shape[1:])
@@ -359,7 +377,8 @@ def train_on_rank(spec: KerasTrainingSpec) -> dict:
 _COMPILE_METRIC_NAMES = {"accuracy", "acc", "crossentropy", "ce"}
 
 
-def _check_identifiers(loss: Any, metrics: Any, custom_objects: Any) -> None:
+def _check_identifiers(loss: KerasLosses | None, metrics: list[KerasMetric] | None,
+                       custom_objects: dict[str, Any] | None) -> None:  # fmt: skip
     """Loss and metric names must resolve on the driver, before any rank starts (a typo
     otherwise surfaces as a traceback from every rank after start-up)."""
     losses = loss.values() if isinstance(loss, dict) else loss if isinstance(loss, list) else [loss]
@@ -386,12 +405,12 @@ def _check_identifiers(loss: Any, metrics: Any, custom_objects: Any) -> None:
                     ) from None
 
 
-def _plain_functions(*values: Any) -> dict[str, Any]:
+def _plain_functions(*values: object) -> dict[str, Callable[..., Any]]:
     """The Python functions among ``values`` (nested in lists and dicts) that Keras cannot
     find by name on its own (neither Keras' nor registered), by name."""
-    found: dict[str, Any] = {}
+    found: dict[str, Callable[..., Any]] = {}
 
-    def walk(value: Any) -> None:
+    def walk(value: object) -> None:
         if isinstance(value, dict):
             value = list(value.values())
         if isinstance(value, list | tuple):
@@ -415,7 +434,8 @@ def _plain_functions(*values: Any) -> dict[str, Any]:
     return found
 
 
-def _output_loss(losses: Any, index: int, name: str, model: Any) -> Any:
+def _output_loss(losses: KerasLosses | None, index: int, name: str,
+                 model: keras.Model) -> KerasLoss | None:  # fmt: skip
     """The loss of output ``index`` (named ``name``) of a one-loss, list or dict ``loss``."""
     if isinstance(losses, dict):
         names = list(getattr(model, "output_names", None) or [])
@@ -426,13 +446,13 @@ def _output_loss(losses: Any, index: int, name: str, model: Any) -> Any:
     return losses
 
 
-def _loss_name(loss: Any) -> str:
+def _loss_name(loss: KerasLoss | None) -> str:
     if isinstance(loss, str):
         return loss
     return str(getattr(loss, "name", None) or getattr(loss, "__name__", type(loss).__name__))
 
 
-def _may_take_class_indices(loss: Any) -> bool:
+def _may_take_class_indices(loss: KerasLoss | None) -> bool:
     """Whether ``loss`` may take a label of one value per row for a wider output: Keras'
     sparse losses (class indices), and any loss of the user's, whose rule we cannot know."""
     if loss is None:
@@ -443,7 +463,7 @@ def _may_take_class_indices(loss: Any) -> bool:
     return not builtin or "sparse" in _loss_name(loss).lower()
 
 
-def _pin_gpu(tf: Any, local_rank: int) -> None:
+def _pin_gpu(tf: ModuleType, local_rank: int) -> None:
     """One GPU per rank, as Horovod's scripts do: when a rank sees several (Spark assigned
     none, or more than one), it keeps the one at its local rank."""
     gpus = tf.config.list_physical_devices("GPU")
@@ -475,7 +495,8 @@ class RunRecorder(keras.callbacks.Callback):
     """Rank 0, after each epoch: save the last model and hand it (and the best one, with a
     checkpoint callback) to the run's ``training.RunRecord``."""
 
-    def __init__(self, record: training.RunRecord, work: str, checkpoint: Any = None):
+    def __init__(self, record: training.RunRecord, work: str,
+                 checkpoint: keras.callbacks.ModelCheckpoint | None = None):  # fmt: skip
         super().__init__()
         self.record, self.work, self.checkpoint = record, work, checkpoint
 
@@ -498,14 +519,14 @@ class RunRecorder(keras.callbacks.Callback):
 
 @dataclass
 class _Data:
-    dataset: Any
+    dataset: tf.data.Dataset
     steps_per_epoch: int
 
 
 def _datasets(spec: KerasTrainingSpec, rank: int, size: int) -> tuple[_Data, _Data | None]:
     train, val = training.make_loaders(spec, rank, size)
 
-    def as_data(loader: Any) -> _Data:
+    def as_data(loader: BaseDataLoader) -> _Data:
         # Spark's doubles arrive as float64; Keras computes in float32, and custom metrics
         # (which Keras does not cast for) would mix the two.
         dataset = loader.to_tf_dataset(
@@ -517,7 +538,8 @@ def _datasets(spec: KerasTrainingSpec, rank: int, size: int) -> tuple[_Data, _Da
     return as_data(train), (as_data(val) if val is not None else None)
 
 
-def _feature_shapes(model: Any, features: list[str], metadata: Any) -> dict[str, tuple[int, ...]]:
+def _feature_shapes(model: keras.Model, features: list[str],
+                    metadata: DatasetMetadata) -> dict[str, tuple[int, ...]]:  # fmt: skip
     """The model inputs' shapes per row where a feature column's differs (a flat vector of 784
     for an input of 28 x 28 x 1): the ranks reshape those batches, as Horovod does."""
     shapes = {}
@@ -531,7 +553,7 @@ def _feature_shapes(model: Any, features: list[str], metadata: Any) -> dict[str,
 # -- model bytes and prediction --------------------------------------------------------------
 
 
-def model_to_bytes(model: Any) -> bytes:
+def model_to_bytes(model: keras.Model) -> bytes:
     """The model in Keras' native ``.keras`` format, as bytes."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "model.keras")
@@ -540,7 +562,7 @@ def model_to_bytes(model: Any) -> bytes:
             return f.read()
 
 
-def model_from_bytes(data: bytes, custom_objects: dict[str, Any] | None = None) -> Any:
+def model_from_bytes(data: bytes, custom_objects: dict[str, Any] | None = None) -> keras.Model:
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "model.keras")
         with open(path, "wb") as f:
@@ -548,12 +570,12 @@ def model_from_bytes(data: bytes, custom_objects: dict[str, Any] | None = None) 
         return keras.models.load_model(path, custom_objects=custom_objects or {})
 
 
-def _worker_model(data: bytes, custom_objects: dict[str, Any]) -> Any:
+def _worker_model(data: bytes, custom_objects: dict[str, Any]) -> keras.Model:
     """One loaded model per Python worker and model: Spark reuses workers across tasks."""
     return prediction.worker_model(data, lambda d: model_from_bytes(d, custom_objects))
 
 
-def _learning_rate(optimizer: Any) -> float | None:
+def _learning_rate(optimizer: keras.optimizers.Optimizer) -> float | None:
     """The optimizer's rate when it is a plain number (a schedule is left alone)."""
     rate = getattr(optimizer, "_learning_rate", None)
     try:

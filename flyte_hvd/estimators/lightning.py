@@ -21,6 +21,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import cloudpickle
@@ -28,7 +29,7 @@ import numpy as np
 
 from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import tracking, training
-from flyte_hvd.estimators.base import HorovodEstimator, Metadata, passed_params
+from flyte_hvd.estimators.base import Backend, HorovodEstimator, Metadata, passed_params
 from flyte_hvd.estimators.params import (
     DISTRIBUTED_PARAM,
     ESTIMATOR_PARAMS,
@@ -38,6 +39,7 @@ from flyte_hvd.estimators.params import (
 from flyte_hvd.estimators.torch_model import (
     INPUT_SHAPES_PARAM,
     ShapedInputs,
+    TorchLoss,
     TorchModel,
     batch_tensors,
     ddp_process_group,
@@ -48,6 +50,16 @@ from flyte_hvd.estimators.tracking import MlflowConfig
 from flyte_hvd.estimators.training import TrainingSpec
 
 if TYPE_CHECKING:
+    # Lightning's types are named by ``lightning.pytorch``; ``pytorch_lightning``'s twins are
+    # taken alike (a module trains with its own package's Trainer).
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import Logger
+    from lightning.pytorch.profilers import Profiler
+
+    from flyte_hvd.core.compression import Compressor
+    from flyte_hvd.data.loader import BaseDataLoader, Batch
     from flyte_hvd.data.store import RemoteStore
 
 LIGHTNING_PARAMS: dict[str, tuple[Any, str]] = {
@@ -84,7 +96,7 @@ _EXTENSION = ".ckpt"
 LAST_MODEL_FILENAME = "last.ckpt"
 
 
-def _import_lightning() -> Any:
+def _import_lightning() -> ModuleType:
     try:
         import lightning.pytorch as pl
     except ImportError as error:  # pragma: no cover - depends on the environment
@@ -99,7 +111,7 @@ def _import_lightning() -> Any:
 LIGHTNING_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
 
-def lightning_package(model: Any) -> str | None:
+def lightning_package(model: object) -> str | None:
     """The Lightning package whose ``LightningModule`` ``model`` is (None if neither's)."""
     for name in LIGHTNING_PACKAGES:
         package = sys.modules.get(name)
@@ -114,13 +126,13 @@ class LightningTrainingSpec(TrainingSpec):
 
     input_shapes: list[list[int]]
     trainer_args: dict[str, Any] = field(default_factory=dict)
-    logger: Any = None
-    callbacks: list[Any] = field(default_factory=list)
-    profiler: Any = None
+    logger: Logger | None = None
+    callbacks: list[pl.Callback] = field(default_factory=list)
+    profiler: Profiler | str | None = None
     log_every_n_steps: int | None = None
     lightning_package: str = LIGHTNING_PACKAGES[0]
-    checkpoint_callback: Any = None
-    compression: Any = None
+    checkpoint_callback: ModelCheckpoint | None = None
+    compression: type[Compressor] | None = None
 
 
 @with_params({**ESTIMATOR_PARAMS, **LIGHTNING_PARAMS})
@@ -149,19 +161,19 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
         self,
         *,
         num_proc: int | None = None,
-        backend: Any = None,
+        backend: Backend | None = None,
         store: Store | None = None,
-        model: Any = None,
-        optimizer: Any = None,
-        loss: Any = None,
-        loss_weights: Any = None,
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,  # legacy mode (a plain nn.Module)
+        loss: TorchLoss | list[TorchLoss] | None = None,  # legacy mode (a plain nn.Module)
+        loss_weights: list[float] | None = None,
         metrics: list[Any] | None = None,
         custom_objects: dict[str, Any] | None = None,
         feature_cols: list[str] | None = None,
         label_cols: list[str] | None = None,
         validation: float | str | None = None,
         sample_weight_col: str | None = None,
-        callbacks: list[Any] | None = None,
+        callbacks: list[pl.Callback] | None = None,
         batch_size: int = 32,
         val_batch_size: int | None = None,
         epochs: int = 1,
@@ -173,11 +185,11 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
         validation_steps_per_epoch: int | None = None,
         partitions_per_process: int = 10,
         run_id: str | None = None,
-        checkpoint_callback: Any = None,
-        gradient_compression: Any = None,
-        transformation_fn: Callable[..., Any] | None = None,
+        checkpoint_callback: ModelCheckpoint | None = None,
+        gradient_compression: type[Compressor] | None = None,
+        transformation_fn: Callable[[Batch], Batch] | None = None,
         inmemory_cache_all: bool | None = None,
-        data_loader: type | None = None,
+        data_loader: type[BaseDataLoader] | None = None,
         use_gpu: bool = True,
         mlflow: bool | MlflowConfig | None = None,
         backward_passes_per_step: int = 1,
@@ -193,15 +205,15 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
         input_shapes: list[list[int]] | None = None,
         distributed: str = "horovod",
         trainer_args: dict[str, Any] | None = None,
-        logger: Any = None,
-        profiler: Any = None,
+        logger: Logger | None = None,
+        profiler: Profiler | str | None = None,
         log_every_n_steps: int | None = None,
         terminate_on_nan: bool = False,
         num_gpus: int | None = None,
         loss_constructors: list[Callable[[], Any]] | None = None,
         train_minibatch_fn: Callable[..., Any] | None = None,
         debug_data_loader: bool = False,
-        data_module: Any = None,
+        data_module: type | None = None,  # Horovod's data module class: no effect here
     ) -> None:
         super().__init__(**passed_params(locals()))
 
@@ -262,7 +274,7 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
             compression=self.getGradientCompression(),
         )
 
-    def _lightning_module(self, features: list[str]) -> Any:
+    def _lightning_module(self, features: list[str]) -> pl.LightningModule:
         """The module the ranks train: the model, or for a plain ``torch.nn.Module`` (Horovod's
         legacy mode) a LightningModule built around it with the optimizer and loss."""
         model = self.getModel()
@@ -285,19 +297,19 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
 class _TensorBatches:
     """A loader as the iterable Lightning reads: dicts of tensors, ``len`` batches an epoch."""
 
-    def __init__(self, loader: Any, spec: LightningTrainingSpec):
+    def __init__(self, loader: BaseDataLoader, spec: LightningTrainingSpec):
         self.loader, self.spec = loader, spec
 
     def __len__(self) -> int:
         return len(self.loader)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         spec = self.spec
         for batch in self.loader:
             inputs, labels, weights = batch_tensors(batch, spec, spec.input_shapes, "cpu")
             out = dict(zip(spec.features, inputs, strict=True))
             out.update(zip(spec.labels, labels, strict=True))
-            if spec.sample_weight_col is not None:
+            if spec.sample_weight_col is not None and weights is not None:
                 out[spec.sample_weight_col] = weights
             yield out
 
@@ -366,7 +378,7 @@ def _recorder_class(package: str) -> type:
     return RunRecorder
 
 
-def _default_logger(work: str, package: str) -> Any:
+def _default_logger(work: str, package: str) -> Logger:
     loggers = importlib.import_module(f"{package}.loggers")
     CSVLogger, TensorBoardLogger = loggers.CSVLogger, loggers.TensorBoardLogger
 
@@ -458,7 +470,7 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
         )
 
 
-def _best_path(trainer: Any, package: str) -> str | None:
+def _best_path(trainer: pl.Trainer, package: str) -> str | None:
     """The best checkpoint a monitoring ``ModelCheckpoint`` holds on this rank, if any."""
     ModelCheckpoint = importlib.import_module(f"{package}.callbacks").ModelCheckpoint
 

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
 
-_WORKER_MODELS: dict[int, Any] = {}
+M = TypeVar("M")  # the framework's model
+
+_WORKER_MODELS: dict[int, Any] = {}  # model bytes' hash -> the model ``load`` made of them
 
 
-def worker_model(data: bytes, load: Callable[[bytes], Any]) -> Any:
+def worker_model(data: bytes, load: Callable[[bytes], M]) -> M:
     """One loaded model per Python worker and model bytes: Spark reuses workers across tasks.
 
     PySpark's worker runs a full ``gc.collect()`` after every task; with TensorFlow or torch

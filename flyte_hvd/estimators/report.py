@@ -124,7 +124,7 @@ def best_epoch(history: Mapping[str, Sequence[float]]) -> int:
     return max((len(v) for v in history.values()), default=1) - 1
 
 
-def _fact(value: Any) -> str:
+def _fact(value: object) -> str:
     if isinstance(value, list | tuple):
         return ", ".join(str(v) for v in value)
     return str(value)

@@ -18,7 +18,8 @@ import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import cloudpickle
 import numpy as np
@@ -27,6 +28,7 @@ from flyte_hvd.core.checks import require_int
 from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import tracking, training
 from flyte_hvd.estimators.base import (
+    Backend,
     HorovodEstimator,
     Metadata,
     check_learning_rate,
@@ -40,7 +42,9 @@ from flyte_hvd.estimators.params import (
 )
 from flyte_hvd.estimators.torch_model import (
     INPUT_SHAPES_PARAM,
+    ModelOutput,
     ShapedInputs,
+    TorchLoss,
     TorchModel,
     _import_torch,
     batch_tensors,
@@ -52,7 +56,20 @@ from flyte_hvd.estimators.tracking import MlflowConfig
 from flyte_hvd.estimators.training import TrainingSpec
 
 if TYPE_CHECKING:
+    import torch
+    from torch.utils.tensorboard import SummaryWriter
+
+    from flyte_hvd.core.compression import Compressor
+    from flyte_hvd.data.loader import BaseDataLoader, Batch
     from flyte_hvd.data.store import RemoteStore
+
+# The step: fn(model, optimizer, transform_outputs, loss_fn, inputs, labels, sample_weights)
+# -> (outputs, loss), Horovod's ``train_minibatch_fn``.
+MinibatchFn: TypeAlias = "Callable[..., tuple[list[torch.Tensor], torch.Tensor]]"
+# The losses of a batch: (outputs, labels, sample weights or None) -> their weighted sum.
+LossFn: TypeAlias = (
+    "Callable[[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None], torch.Tensor]"
+)
 
 TORCH_PARAMS: dict[str, tuple[Any, str]] = {
     **INPUT_SHAPES_PARAM,
@@ -79,20 +96,20 @@ class TorchTrainingSpec(TrainingSpec):
     """The common spec plus what a PyTorch rank needs."""
 
     input_shapes: list[list[int]]
-    losses: list[Any] | None = None
-    loss_constructors: list[Any] | None = None
+    losses: list[TorchLoss] | None = None
+    loss_constructors: list[Callable[[], TorchLoss]] | None = None
     loss_weights: list[float] | None = None
-    metrics: list[Any] = field(default_factory=list)
-    train_minibatch_fn: Any = None
+    metrics: list[TorchLoss] = field(default_factory=list)
+    train_minibatch_fn: MinibatchFn | None = None
     backward_passes_per_step: int = 1
-    compression: Any = None
+    compression: type[Compressor] | None = None
 
 
 # -- checks shared with LightningEstimator ---------------------------------------------------
 
 
-def _check_callables(name: str, value: Any) -> list[Any]:
-    items = list(value) if isinstance(value, list | tuple) else [value]
+def _check_callables(name: str, value: object) -> list[TorchLoss]:
+    items: list = list(value) if isinstance(value, list | tuple) else [value]
     bad = [v for v in items if not callable(v)]
     if bad:
         raise ValueError(f"`{name}` must be a function or a list of functions; found {bad[0]!r}.")
@@ -120,13 +137,13 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
         self,
         *,
         num_proc: int | None = None,
-        backend: Any = None,
+        backend: Backend | None = None,
         store: Store | None = None,
-        model: Any = None,
-        optimizer: Any = None,
-        loss: Any = None,
-        loss_weights: Any = None,
-        metrics: list[Any] | None = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        loss: TorchLoss | list[TorchLoss] | None = None,
+        loss_weights: list[float] | None = None,
+        metrics: list[TorchLoss] | None = None,
         custom_objects: dict[str, Any] | None = None,
         feature_cols: list[str] | None = None,
         label_cols: list[str] | None = None,
@@ -144,11 +161,11 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
         validation_steps_per_epoch: int | None = None,
         partitions_per_process: int = 10,
         run_id: str | None = None,
-        checkpoint_callback: Any = None,
-        gradient_compression: Any = None,
-        transformation_fn: Callable[..., Any] | None = None,
+        checkpoint_callback: object = None,  # refused: Keras' and Lightning's param
+        gradient_compression: type[Compressor] | None = None,
+        transformation_fn: Callable[[Batch], Batch] | None = None,
         inmemory_cache_all: bool | None = None,
-        data_loader: type | None = None,
+        data_loader: type[BaseDataLoader] | None = None,
         use_gpu: bool = True,
         mlflow: bool | MlflowConfig | None = None,
         backward_passes_per_step: int = 1,
@@ -163,8 +180,8 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
         transformation_removed_fields: list[str] | None = None,
         input_shapes: list[list[int]] | None = None,
         distributed: str = "horovod",
-        loss_constructors: list[Callable[[], Any]] | None = None,
-        train_minibatch_fn: Callable[..., Any] | None = None,
+        loss_constructors: list[Callable[[], TorchLoss]] | None = None,
+        train_minibatch_fn: MinibatchFn | None = None,
     ) -> None:
         super().__init__(**passed_params(locals()))
 
@@ -240,7 +257,9 @@ TorchEstimator._model_class = TorchModel
 # -- on the ranks --------------------------------------------------------------------------
 
 
-def _transform_outputs(outputs: Any, labels: list) -> tuple[list, list]:
+def _transform_outputs(
+    outputs: ModelOutput, labels: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Outputs as a list; each label reshaped to its output's shape when the sizes agree."""
     outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
     labels = [
@@ -250,12 +269,14 @@ def _transform_outputs(outputs: Any, labels: list) -> tuple[list, list]:
     return outputs, labels
 
 
-def _loss_function(spec: TorchTrainingSpec, losses: list[Any]) -> Callable:
+def _loss_function(spec: TorchTrainingSpec, losses: list[TorchLoss]) -> LossFn:
     n = len(spec.labels)
     fns = losses if len(losses) > 1 else losses * n
     weights = spec.loss_weights or [1.0 / n] * n
 
-    def loss_fn(outputs: list, labels: list, sample_weights: Any) -> Any:
+    def loss_fn(
+        outputs: list[torch.Tensor], labels: list[torch.Tensor], sample_weights: torch.Tensor | None
+    ) -> torch.Tensor:
         # Each step runs this: a lone loss of weight 1 is returned as it is, without the two
         # graph nodes (x * 1.0, 0 + x) that would change nothing but the step's time.
         total = None
@@ -268,12 +289,12 @@ def _loss_function(spec: TorchTrainingSpec, losses: list[Any]) -> Callable:
             if w != 1.0:
                 term = term * w
             total = term if total is None else total + term
-        return total
+        return cast("torch.Tensor", total)  # a term per label, and there is at least one
 
     return loss_fn
 
 
-def _default_train_minibatch(backward_passes_per_step: int) -> Callable:
+def _default_train_minibatch(backward_passes_per_step: int) -> MinibatchFn:
     """zero_grad, forward, loss, backward, step; with ``backward_passes_per_step`` = n > 1,
     n batches' gradients (each loss divided by n) are summed before one step (a DDP model
     reduces only the last pass's: the others run in its ``no_sync()``)."""
@@ -299,12 +320,12 @@ def _default_train_minibatch(backward_passes_per_step: int) -> Callable:
     return train_minibatch
 
 
-def _scale_lr(optimizer: Any, factor: float) -> None:
+def _scale_lr(optimizer: torch.optim.Optimizer, factor: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = group["lr"] * factor
 
 
-def _state_dicts(model: Any, optimizer: Any, size: int) -> dict:
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, size: int) -> dict:
     """Model and optimizer state with the learning rate as the user gave it."""
     optimizer_state = optimizer.state_dict()
     for group in optimizer_state["param_groups"]:
@@ -411,7 +432,8 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
         )
 
 
-def _add_metrics(sums: dict[str, float], prefix: str, loss: Any, outputs: list, labels: list,
+def _add_metrics(sums: dict[str, float], prefix: str, loss: torch.Tensor,
+                 outputs: list[torch.Tensor], labels: list[torch.Tensor],
                  spec: TorchTrainingSpec) -> None:  # fmt: skip
     sums[f"{prefix}loss"] = sums.get(f"{prefix}loss", 0.0) + float(loss.detach())
     if not spec.metrics:  # runs every step: the outputs are shaped only for metrics
@@ -428,14 +450,14 @@ def _mean(sums: dict[str, float], steps: int) -> dict[str, float]:
     return {k: v / max(steps, 1) for k, v in sums.items()}
 
 
-def _average_over_ranks(hvd: Any, logs: dict[str, float]) -> dict[str, float]:
+def _average_over_ranks(hvd: ModuleType, logs: dict[str, float]) -> dict[str, float]:
     """Every rank runs the same steps, so the mean of the ranks' means is the global mean."""
     keys = sorted(logs)
     values = hvd.allreduce(np.array([logs[k] for k in keys], dtype=np.float64))
     return {k: float(v) for k, v in zip(keys, np.asarray(values), strict=True)}
 
 
-def _summary_writer(logs_dir: str) -> Any:
+def _summary_writer(logs_dir: str) -> SummaryWriter | None:
     tensorboard_without_tensorflow()
     try:
         from torch.utils.tensorboard import SummaryWriter

@@ -6,17 +6,31 @@ once on zeros before any rank starts, and loader batches turned into tensors on 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import cloudpickle
 import numpy as np
 
 from flyte_hvd.estimators import prediction
-from flyte_hvd.estimators.base import HorovodModel
+from flyte_hvd.estimators.base import BatchPredictor, Broadcaster, HorovodModel, Metadata
 from flyte_hvd.estimators.params import MODEL_PARAMS, with_params
 from flyte_hvd.estimators.training import TrainingSpec
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import torch
+    from pyspark.sql.types import DataType
+
+    from flyte_hvd.data.dataset import DatasetMetadata
+
+# A loss or metric function: ``fn(output, label)`` (a loss also takes ``reduction='none'``
+# with sample weights) -> a tensor.
+TorchLoss: TypeAlias = "Callable[..., torch.Tensor]"
+# What a model's forward returns: one output, or one per label.
+ModelOutput: TypeAlias = "torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]"
 
 INPUT_SHAPES_PARAM: dict[str, tuple[Any, str]] = {
     "input_shapes": (
@@ -35,7 +49,7 @@ TORCH_MODEL_PARAMS: dict[str, tuple[Any, str]] = {
 }
 
 
-def _import_torch() -> Any:
+def _import_torch() -> ModuleType:
     try:
         import torch
     except ImportError as error:  # pragma: no cover - depends on the environment
@@ -45,7 +59,9 @@ def _import_torch() -> Any:
     return torch
 
 
-def resolve_input_shapes(given: Any, features: list[str], metadata: Any) -> list[list[int]]:
+def resolve_input_shapes(
+    given: list[list[int]] | None, features: list[str], metadata: DatasetMetadata
+) -> list[list[int]]:
     """One input shape per feature column (batch dimension -1), checked against the number of
     values per row the column holds."""
     if given is None:
@@ -66,7 +82,9 @@ def resolve_input_shapes(given: Any, features: list[str], metadata: Any) -> list
     return shapes
 
 
-def probe_outputs(model: Any, input_shapes: list[list[int]], labels: list[str]) -> list[list[int]]:
+def probe_outputs(
+    model: torch.nn.Module, input_shapes: list[list[int]], labels: list[str]
+) -> list[list[int]]:
     """Run the model once on zeros shaped by ``input_shapes`` (on a copy, in eval mode), so a
     model that cannot take them fails here, before any rank starts. Returns each output's
     shape per row."""
@@ -98,7 +116,7 @@ class ShapedInputs:
     columns, and the model run once on zeros of those shapes before any rank starts."""
 
     if TYPE_CHECKING:  # a mixin of estimators whose params ``with_params`` adds
-
+        # The accessors are generated from the params table: each gives its param's value.
         def __getattr__(self, name: str) -> Any: ...
 
     def _check_input_shapes(self, features: list[str]) -> None:
@@ -111,7 +129,7 @@ class ShapedInputs:
                 f"{features}); found {shapes!r}."
             )
 
-    def _check_data(self, features: list[str], metadata: Any) -> dict[str, Any]:
+    def _check_data(self, features: list[str], metadata: Metadata) -> dict[str, Any]:
         shapes = resolve_input_shapes(self.getInputShapes(), features, metadata[0])
         outputs = probe_outputs(self.getModel(), shapes, list(self.getLabelCols()))
         for output, label in zip(outputs, self.getLabelCols(), strict=True):
@@ -142,12 +160,12 @@ class TorchModel(HorovodModel):
     _archive_name = "torch_model.zip"
     _model_file = "model.pkl"
 
-    def getModel(self) -> Any:
+    def getModel(self) -> torch.nn.Module:
         """The trained ``torch.nn.Module`` (a ``LightningModule`` from LightningEstimator),
         in eval mode."""
         return super().getModel()["model"].eval()
 
-    def getOptimizer(self) -> Any:
+    def getOptimizer(self) -> torch.optim.Optimizer | None:
         """The optimizer, with the learning rate given (None from LightningEstimator), unless
         ``setOptimizer`` replaced it."""
         if self.isSet(self.optimizer):
@@ -158,7 +176,7 @@ class TorchModel(HorovodModel):
         _import_torch()
         return cloudpickle.loads(data)
 
-    def _output_types(self) -> list[Any]:
+    def _output_types(self) -> list[DataType]:
         from pyspark.sql.types import ArrayType, DoubleType, FloatType
 
         return [
@@ -166,14 +184,14 @@ class TorchModel(HorovodModel):
             for shape in self.getOutputShapes()
         ]
 
-    def _batch_predictor(self, sc: Any):
-        model_bytes = sc.broadcast(self._model_bytes)
+    def _batch_predictor(self, sc: Broadcaster) -> BatchPredictor:
+        model_bytes = sc.broadcast(self._trained_bytes())
         shapes = self.getInputShapes()
 
-        def load(data: bytes) -> Any:
+        def load(data: bytes) -> torch.nn.Module:
             return cloudpickle.loads(data)["model"].eval()
 
-        def predict(columns: list[Any]) -> list[Any]:
+        def predict(columns: list[pa.Array]) -> list[pa.Array]:
             import torch
 
             model = prediction.worker_model(model_bytes.value, load)
@@ -194,15 +212,18 @@ class TorchModel(HorovodModel):
 
 
 def batch_tensors(
-    batch: dict[str, np.ndarray], spec: TrainingSpec, input_shapes: list[list[int]], device: Any
-) -> tuple[list, list, Any]:
+    batch: dict[str, np.ndarray],
+    spec: TrainingSpec,
+    input_shapes: list[list[int]],
+    device: torch.device | str,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
     """A loader batch as (inputs reshaped by ``input_shapes``, labels, sample weights or
     None): floats as float32, integer labels as int64."""
     import torch
 
     on_cpu = torch.device(device).type == "cpu"  # a device or its name ("cpu")
 
-    def tensor(values: np.ndarray, dtype: Any) -> Any:
+    def tensor(values: np.ndarray, dtype: type[np.generic]) -> torch.Tensor:
         # Loader batches may be read-only views of Arrow buffers; torch wants writable memory.
         # Runs every step: arrays that are already right (the in-memory shard's) go as they are.
         flags = values.flags

@@ -15,6 +15,7 @@ import socket
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from flyte_hvd.core.log import get_logger
@@ -26,6 +27,10 @@ logger = get_logger(__name__)
 # client retries a refused or silent server with backoff for minutes.
 CONNECT_TIMEOUT = 5.0
 _PARAM_CHARS = 6000  # MLflow's limit on a param value
+
+# Logs the trained model in its framework's flavour: ``fn(mlflow, registered_model_name)``
+# (what the flavour's ``log_model`` returns is not used).
+ModelLogger = Callable[[ModuleType, str | None], object]
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,7 @@ class MlflowConfig:
             object.__setattr__(self, "tags", {k: str(v) for k, v in tags.items()})
 
 
-def resolve_config(value: Any) -> MlflowConfig | None:
+def resolve_config(value: object) -> MlflowConfig | None:
     """An ``mlflow`` param or task setting as a config: None/False (off), True (MLflow's own
     settings) or an ``MlflowConfig``."""
     if value is None or value is False:
@@ -88,7 +93,7 @@ class MlflowRun:
     env: dict[str, str]  # the driver's MLFLOW_* settings, for the ranks
 
 
-def import_mlflow() -> Any:
+def import_mlflow() -> ModuleType:
     try:
         import mlflow
     except ImportError as error:
@@ -166,7 +171,7 @@ def _check_reachable(uri: str) -> None:
         ) from None
 
 
-def _param_text(value: Any) -> str:
+def _param_text(value: object) -> str:
     return str(value)[:_PARAM_CHARS]
 
 
@@ -195,14 +200,14 @@ def loggable_params(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _name_of(value: Any) -> str:
+def _name_of(value: object) -> str:
     return getattr(value, "__name__", None) or type(value).__name__
 
 
 # -- on rank 0 ---------------------------------------------------------------------------------
 
 
-def enter_rank(run: MlflowRun, rank: int) -> Any:
+def enter_rank(run: MlflowRun, rank: int) -> ModuleType | None:
     """Every rank gets the tracking URI (and the driver's MLflow settings) in its environment;
     rank 0 also gets ``MLFLOW_RUN_ID`` and the run as MLflow's active run, so the user's own
     ``mlflow.log_*`` calls land there, and returns the ``mlflow`` module (the others None)."""
@@ -232,13 +237,13 @@ def pinned(*distributions: str) -> list[str]:
     return found
 
 
-def _log_epoch(mlflow: Any, epoch: progress.Epoch) -> None:
+def _log_epoch(mlflow: ModuleType, epoch: progress.Epoch) -> None:
     metrics = dict(epoch.metrics, epoch_seconds=epoch.seconds)
     mlflow.log_metrics(metrics, step=epoch.number - 1)
 
 
-def log_outcome(mlflow: Any, run: MlflowRun, checkpoint: str | None,
-                log_model: Callable[[Any, str | None], Any] | None) -> None:  # fmt: skip
+def log_outcome(mlflow: ModuleType, run: MlflowRun, checkpoint: str | None,
+                log_model: ModelLogger | None) -> None:  # fmt: skip
     """Rank 0, after training: the best checkpoint as an artifact (``checkpoint/``) and the
     model in its framework's flavour (``log_model(mlflow, registered_model_name)``)."""
     if checkpoint and os.path.exists(checkpoint):
@@ -247,7 +252,7 @@ def log_outcome(mlflow: Any, run: MlflowRun, checkpoint: str | None,
         log_model(mlflow, run.registered_model_name)
 
 
-def leave_rank(mlflow: Any, failed: bool) -> None:
+def leave_rank(mlflow: ModuleType | None, failed: bool) -> None:
     """Rank 0 ends the run: FINISHED, or FAILED when its training raised."""
     if mlflow is not None:
         mlflow.end_run("FAILED" if failed else "FINISHED")

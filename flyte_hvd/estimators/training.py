@@ -26,6 +26,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import ModuleType
 from typing import IO, TYPE_CHECKING, Any
 
 from flyte_hvd.core.log import get_logger
@@ -34,6 +35,7 @@ from flyte_hvd.launch import progress, spare
 
 if TYPE_CHECKING:
     from flyte_hvd.data.dataset import DatasetMetadata
+    from flyte_hvd.data.loader import BaseDataLoader, Batch
     from flyte_hvd.data.store import RemoteStore
 
 logger = get_logger(__name__)
@@ -59,9 +61,9 @@ class TrainingSpec:
     random_seed: int | None
     train_steps_per_epoch: int | None
     validation_steps_per_epoch: int | None
-    transformation_fn: Any = None
+    transformation_fn: Callable[[Batch], Batch] | None = None
     inmemory_cache_all: bool | None = None
-    data_loader: Any = None
+    data_loader: type[BaseDataLoader] | None = None
     use_gpu: bool = True
     distributed: str = "horovod"  # the PyTorch estimators' `distributed` ("horovod" or "ddp")
     mlflow_run: tracking.MlflowRun | None = None  # opened by the driver; rank 0 logs to it
@@ -107,11 +109,11 @@ def read_run_state(store: RemoteStore) -> dict | None:
     return state
 
 
-def _number(value: Any) -> bool:
+def _number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _count(value: Any) -> bool:
+def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -129,7 +131,7 @@ _STATE_FIELDS: dict[str, tuple[bool, Callable[[Any], bool], str]] = {
 }  # fmt: skip
 
 
-def state_problem(state: Any) -> str | None:
+def state_problem(state: object) -> str | None:
     """What is wrong with a parsed ``state.json`` (None: nothing)."""
     if not isinstance(state, dict):
         return f"expected a JSON object, found {type(state).__name__}"
@@ -176,7 +178,7 @@ class RankRun:
     resume_file: str | None = None  # the run's last model, when resuming
     best_file: str | None = None  # rank 0: the run's best model so far, when state has one
     mlflow_run: tracking.MlflowRun | None = None
-    mlflow: Any = None  # rank 0 of a tracked run: the ``mlflow`` module, its run active
+    mlflow: ModuleType | None = None  # rank 0 of a tracked run: ``mlflow``, its run active
 
     @property
     def initial_epoch(self) -> int:
@@ -196,8 +198,7 @@ class RankRun:
             return mine
         return {**mine, "model": model_bytes(), "history": merge_history(self.state, history)}
 
-    def log_model(self, record: RunRecord | None, log_model: Callable[[Any, str | None], Any]
-                  ) -> None:  # fmt: skip
+    def log_model(self, record: RunRecord | None, log_model: tracking.ModelLogger) -> None:
         """Rank 0 of a tracked run: log the run's checkpoint and, with ``log_model(mlflow,
         registered_model_name)``, the model in its framework's flavour."""
         if self.mlflow is not None and self.mlflow_run is not None:
@@ -206,7 +207,7 @@ class RankRun:
 
 
 @contextmanager
-def rank_run(spec: TrainingSpec, hvd: Any, extension: str,
+def rank_run(spec: TrainingSpec, hvd: ModuleType, extension: str,
              seed: Callable[[int], Any] | None = None,
              resume_on_every_rank: bool = False) -> Iterator[RankRun]:  # fmt: skip
     """Start this rank's part of the run: initialize the collective core, seed with
@@ -305,7 +306,9 @@ class RunRecord:
 # -- data --------------------------------------------------------------------------------------
 
 
-def make_loaders(spec: TrainingSpec, rank: int, size: int) -> tuple[Any, Any | None]:
+def make_loaders(
+    spec: TrainingSpec, rank: int, size: int
+) -> tuple[BaseDataLoader, BaseDataLoader | None]:
     """This rank's train loader and validation loader (None without validation data), with
     ``transformation_fn`` applied to each batch."""
     from flyte_hvd.data.loader import ArrowDataLoader, TransformedLoader
@@ -314,13 +317,16 @@ def make_loaders(spec: TrainingSpec, rank: int, size: int) -> tuple[Any, Any | N
     # The models compute in float32 (the ranks convert every float batch): Spark's doubles are
     # decoded as float32 once, not converted step after step.
     options = {"float64_as": "float32"} if issubclass(loader_cls, ArrowDataLoader) else {}
+    # A `data_loader` class is built with ArrowDataLoader's arguments (as Horovod's are).
+    build: Callable[..., BaseDataLoader] = loader_cls
     train_meta, val_meta = spec.metadata
     columns = [*spec.features, *spec.labels]
     if spec.sample_weight_col:
         columns.append(spec.sample_weight_col)
 
-    def make(path: str, metadata: Any, batch_size: int, shuffle: bool, steps: int | None):
-        loader = loader_cls(
+    def make(path: str, metadata: DatasetMetadata, batch_size: int, shuffle: bool,
+             steps: int | None) -> BaseDataLoader:  # fmt: skip
+        loader = build(
             path,
             batch_size,
             rank=rank,

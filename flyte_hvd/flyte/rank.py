@@ -22,11 +22,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flytekit import FlyteContextManager
 from flytekit.core.context_manager import ExecutionParameters, ExecutionState, FlyteContext
 from flytekit.models.literals import LiteralMap
+
+from flyte_hvd.core.types import UserValue
+
+if TYPE_CHECKING:
+    from flytekit.core.python_function_task import PythonFunctionTask
+    from flytekit.models.core.identifier import Identifier, WorkflowExecutionIdentifier
 
 from flyte_hvd.estimators import tracking
 from flyte_hvd.spark.barrier_task import output_error, split_outputs
@@ -39,17 +45,17 @@ class RankSpec:
 
     task_name: str
     output_names: tuple[str, ...]
-    output_types: dict[str, Any]
+    output_types: dict[str, Any]  # output name -> its Python type (a class or typing form)
     literal_types: dict[str, bytes]
     tuple_output: bool
     raw_output_prefix: str
-    execution_id: Any
-    task_id: Any
+    execution_id: WorkflowExecutionIdentifier | None
+    task_id: Identifier | None
     # With MLflow tracking: the run rank 0 logs into (its active run while the body runs).
     mlflow_run: tracking.MlflowRun | None = None
 
     @classmethod
-    def of(cls, task: Any, ctx: FlyteContext) -> RankSpec:
+    def of(cls, task: PythonFunctionTask, ctx: FlyteContext) -> RankSpec:
         params = ctx.user_space_params
         outputs = task.interface.outputs
         return cls(
@@ -66,7 +72,7 @@ class RankSpec:
         )
 
     @contextmanager
-    def rank_context(self) -> Iterator[Callable[[Any], bytes]]:
+    def rank_context(self) -> Iterator[Callable[[UserValue], bytes]]:
         """flytekit's task context on the rank, and the MLflow run when tracked; yields the
         encoder of rank 0's value: its outputs as a serialized ``LiteralMap``."""
         import flyte_hvd.core as hvd
@@ -125,7 +131,7 @@ def _rank_context(spec: RankSpec) -> Iterator[FlyteContext]:
         shutil.rmtree(sandbox, ignore_errors=True)
 
 
-def _to_literal_map(ctx: FlyteContext, value: Any, spec: RankSpec) -> LiteralMap:
+def _to_literal_map(ctx: FlyteContext, value: UserValue, spec: RankSpec) -> LiteralMap:
     from flyteidl.core import types_pb2
     from flytekit.core.type_engine import TypeEngine
     from flytekit.models.types import LiteralType

@@ -24,6 +24,7 @@ from flytekit.extend import TaskPlugins
 from flytekit.models.literals import LiteralMap
 from flytekitplugins.spark.task import PysparkFunctionTask
 
+from flyte_hvd.core.types import UserValue
 from flyte_hvd.estimators import report, tracking
 from flyte_hvd.estimators.tracking import MlflowConfig
 from flyte_hvd.flyte.rank import RankSpec, literal_map_from_bytes
@@ -74,7 +75,10 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
     """A Spark task whose body runs on ``num_proc`` ranks; outputs are rank 0's."""
 
     def __init__(
-        self, task_config: HorovodSpark, task_function: Callable[..., Any], **kwargs: Any
+        self,
+        task_config: HorovodSpark,
+        task_function: Callable[..., Any],
+        **kwargs: Any,  # flytekit's task arguments, passed on
     ) -> None:
         if not isinstance(task_config, HorovodSpark):
             raise ValueError(
@@ -111,7 +115,7 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
             start_local_session(f"FlyteSpark: {user_params.execution_id}", self.task_config)
         return super().pre_execute(user_params)
 
-    def execute(self, **kwargs: Any) -> LiteralMap:
+    def execute(self, **kwargs: UserValue) -> LiteralMap:  # the task's inputs
         """Run the body on every rank and return rank 0's outputs as Flyte literals."""
         from flyte_hvd.spark.pipeline import logged_interrupt
 

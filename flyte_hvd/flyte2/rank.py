@@ -15,12 +15,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from flyte_hvd.core.types import UserValue
 from flyte_hvd.spark.barrier_task import output_error, split_outputs
+
+if TYPE_CHECKING:
+    from flyte.extend import AsyncFunctionTaskTemplate
+    from flyte.storage import Storage
 
 # The task context fields a rank's context copies from the driver's (the rest are the
 # driver's own: its report, call counter, code bundle, controller data).
@@ -43,12 +48,12 @@ class RankSpec:
     return value into the task's outputs: plain values, not the task object."""
 
     task_name: str
-    output_types: dict[str, Any]
-    context: dict[str, Any]
-    storage: Any
+    output_types: dict[str, Any]  # output name -> its Python type (a class or typing form)
+    context: dict[str, Any]  # the driver's TaskContext fields (`_CONTEXT_FIELDS`) by name
+    storage: Storage | None  # ``flyte.init``'s blob store settings on the driver
 
     @classmethod
-    def of(cls, task: Any) -> RankSpec:
+    def of(cls, task: AsyncFunctionTaskTemplate) -> RankSpec:
         import flyte
         from flyte._initialize import get_init_config
 
@@ -62,7 +67,7 @@ class RankSpec:
         )
 
     @contextmanager
-    def rank_context(self) -> Iterator[Callable[[Any], bytes]]:
+    def rank_context(self) -> Iterator[Callable[[UserValue], bytes]]:
         """Flyte 2's task context on the rank (after ``flyte.init`` with the driver's storage
         settings); yields the encoder of rank 0's value: a serialized ``LiteralMap``."""
         import flyte
@@ -79,7 +84,7 @@ class RankSpec:
         with internal_ctx().replace_task_context(tctx):
             yield self._encode
 
-    def _encode(self, value: Any) -> bytes:
+    def _encode(self, value: UserValue) -> bytes:
         from flyteidl2.core import literals_pb2
 
         values = split_outputs(self.task_name, tuple(self.output_types), value, True)
@@ -101,7 +106,7 @@ class RankSpec:
         return literals
 
 
-def _uploaded(value: Any) -> Any:
+def _uploaded(value: UserValue) -> UserValue:
     """``value`` with every ``flyte.io.File``/``Dir`` on this host's disk (outside the raw data
     path) copied to the run's raw data path, in dataclasses, pydantic models and containers
     too: Flyte references a local file in place when the raw data path is local, and the
@@ -133,12 +138,12 @@ def _uploaded(value: Any) -> Any:
     return value
 
 
-def _changed(value: Any, names: Any) -> dict[str, Any]:
+def _changed(value: object, names: Iterable[str]) -> dict[str, UserValue]:
     updated = {name: _uploaded(getattr(value, name)) for name in names}
     return {name: v for name, v in updated.items() if v is not getattr(value, name)}
 
 
-async def outputs_from_bytes(spec: RankSpec, payload: bytes) -> Any:
+async def outputs_from_bytes(spec: RankSpec, payload: bytes) -> UserValue:
     """Rank 0's outputs as the task returns them: None, one value, or a tuple in the order
     of the declared outputs."""
     from flyte.types import TypeEngine

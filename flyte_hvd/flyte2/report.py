@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING
 
 import flyte.report
 
 from flyte_hvd.estimators.history import history_html, read_history, watch_history
 
+if TYPE_CHECKING:
+    from pyspark.ml import Model
+    from pyspark.sql import DataFrame
+
+    from flyte_hvd.estimators.base import HorovodEstimator
+
 
 def fit_with_report(
-    estimator: Any, df: Any, tab: str = "Training", poll_s: float = 2.0, params: Any = None
-) -> Any:
+    estimator: HorovodEstimator,
+    df: DataFrame,
+    tab: str = "Training",
+    poll_s: float = 2.0,
+    params: dict | None = None,
+) -> Model:
     """``estimator.fit(df, params)`` with a report tab that shows its metrics per epoch (a
     table and the curves), replaced and flushed after every epoch while the fit runs, so the
     Flyte UI shows the run's progress live; use it in a task with ``report=True``.

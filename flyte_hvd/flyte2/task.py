@@ -29,6 +29,7 @@ except ImportError as error:  # pragma: no cover - depends on the install
         f"extra: pip install 'flyte-hvd[flyte2]'."
     ) from error
 
+from flyte_hvd.core.types import UserValue
 from flyte_hvd.flyte2.rank import RankSpec, outputs_from_bytes
 from flyte_hvd.spark import barrier_task
 
@@ -82,7 +83,7 @@ class HorovodSparkTask(PysparkFunctionTask):
         custom["sparkConf"] = self.plugin_config.effective_spark_conf
         return custom
 
-    async def pre(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    async def pre(self, *args: UserValue, **kwargs: UserValue) -> dict[str, Any]:  # inputs
         """Locally, start the SparkSession flyteplugins-spark would start, with a task slot
         per rank; in a pod, the SparkApplication's. With ``connect_url``, the Spark Connect
         session instead (with the run's code bundle as an artifact in a pod)."""
@@ -100,7 +101,7 @@ class HorovodSparkTask(PysparkFunctionTask):
             barrier_task.start_local_session(f"FlyteSpark: {action}", config)
         return await super().pre(*args, **kwargs)
 
-    async def execute(self, *args: Any, **kwargs: Any) -> Any:
+    async def execute(self, *args: UserValue, **kwargs: UserValue) -> UserValue:
         """Run the body on every rank and return rank 0's outputs."""
         if args:  # the runtime passes inputs by name; a positional call is bound to them
             kwargs = {**dict(zip(self.interface.inputs, args, strict=False)), **kwargs}

@@ -9,7 +9,7 @@ import runpy
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import cloudpickle
 
@@ -104,7 +104,7 @@ class Job(Protocol):
     def run(self) -> UserValue: ...
 
 
-def write_result(result: Any, path: str, rank: int, limit: int | None) -> None:
+def write_result(result: UserValue, path: str, rank: int, limit: int | None) -> None:
     """Pickles ``result`` into ``path`` (atomically). Raises ``ResultError`` when it cannot be
     pickled, or when its pickle is larger than ``limit`` bytes: then nothing is written past
     the limit, and the pickle is only counted to name its size."""
@@ -135,10 +135,10 @@ def write_result(result: Any, path: str, rank: int, limit: int | None) -> None:
 class _CountingFile:
     """A file that counts what is written, and writes nothing once ``limit`` is passed."""
 
-    def __init__(self, f: Any, limit: int | None):
+    def __init__(self, f: IO[bytes], limit: int | None):
         self._f, self._limit, self.size = f, limit, 0
 
-    def write(self, data: Any) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         n = memoryview(data).nbytes
         self.size += n
         if self._limit is None or self.size <= self._limit:

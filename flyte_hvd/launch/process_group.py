@@ -36,9 +36,12 @@ import contextlib
 import ipaddress
 import socket
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flyte_hvd.core.log import get_logger
+
+if TYPE_CHECKING:
+    from flyte_hvd.core.state import Topology
 
 # The address this rank's host is reached at by the other hosts of the run (set by a Spark
 # task from its executor's address).
@@ -80,7 +83,7 @@ def rendezvous_value(rank: int, host: str, env: Mapping[str, str],
     return [host, own_address(env), reserved.getsockname()[1]]
 
 
-def rank_env(rank: int, size: int, topology: Any, gathered: list[list[Any]],
+def rank_env(rank: int, size: int, topology: Topology, gathered: list[list[Any]],
              env: Mapping[str, str]) -> dict[str, str]:  # fmt: skip
     """The variables for this rank (see the module's docstring), from every rank's
     ``rendezvous_value`` (index = rank) and the rank's environment as it is now."""

@@ -19,16 +19,23 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import cloudpickle
 
 from flyte_hvd.core.checks import require_int
+from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch import progress
 from flyte_hvd.launch.supervisor import check_start_timeout
+
+if TYPE_CHECKING:
+    from pyspark.sql.connect.session import SparkSession as ConnectSparkSession
+
+Number = TypeVar("Number", int, float)  # a Spark setting read as a number
+T = TypeVar("T")  # what an awaited body gives back
 
 GPU_VENDOR = "nvidia.com"
 # What a GPU executor pod gets besides its GPUs, as Spark's own Kubernetes settings: Flyte's
@@ -102,8 +109,8 @@ class BarrierTaskConfig:
     hadoop_conf: dict[str, str] | None = None
     executor_path: str | None = None
     applications_path: str | None = None
-    driver_pod: Any = None
-    executor_pod: Any = None
+    driver_pod: Any = None  # the SDK's pod template (``pod_template_type``), or None
+    executor_pod: Any = None  # the SDK's pod template (``pod_template_type``), or None
     start_timeout: float | None = None
     cores_per_rank: int = 1
     gpus_per_rank: int = 0
@@ -168,7 +175,7 @@ class BarrierTaskConfig:
         return conf
 
 
-def _string_map(name: str, value: Any) -> dict[str, str]:
+def _string_map(name: str, value: object) -> dict[str, str]:
     """Spark and Hadoop settings are strings; numbers and booleans are written as Spark
     spells them (``2``, ``true``) so ``{"spark.executor.cores": 2}`` works."""
     if value is None:
@@ -193,7 +200,9 @@ def _string_map(name: str, value: Any) -> dict[str, str]:
     return out
 
 
-def _conf_number(conf: dict[str, str], key: str, kind: type, default: str, minimum: float) -> Any:
+def _conf_number(
+    conf: dict[str, str], key: str, kind: type[Number], default: str, minimum: float
+) -> Number:
     raw = conf.get(key, default)
     try:
         number = kind(raw)
@@ -284,7 +293,7 @@ def launch_body(
     kwargs: dict[str, Any],
     spec: OutputSpec,
     config: BarrierTaskConfig,
-    session: Any = None,
+    session: ConnectSparkSession | None = None,
 ) -> BodyResult:
     """Run ``fn(**kwargs)`` on ``config.num_proc`` ranks of the active session. ``session``,
     a Spark Connect session the task made active, stops being the active one afterwards."""
@@ -307,7 +316,9 @@ def launch_body(
     return BodyResult(first["outputs"], [r["host"] for r in results], first["epochs"])
 
 
-def connect_session(url: str, config: BarrierTaskConfig, code_dir: str | None = None) -> Any:
+def connect_session(
+    url: str, config: BarrierTaskConfig, code_dir: str | None = None
+) -> ConnectSparkSession:
     """The Spark Connect session of ``url``, active in this thread, with the task's runtime
     settings and, when the task runs from shipped code (``code_dir``), that code as an
     artifact (Connect's ``addPyFile``)."""
@@ -334,7 +345,7 @@ def connect_session(url: str, config: BarrierTaskConfig, code_dir: str | None = 
     return session
 
 
-def deactivate(session: Any) -> None:
+def deactivate(session: ConnectSparkSession) -> None:
     """The Connect session a task made active stops being this thread's active one, so a
     later task in this process launches on its own session."""
     from pyspark.sql.connect.session import SparkSession as ConnectSession
@@ -410,13 +421,13 @@ def run_rank(payload: bytes) -> dict[str, Any]:
     return mine
 
 
-async def _result(awaitable: Any) -> Any:
+async def _result(awaitable: Awaitable[T]) -> T:
     return await awaitable
 
 
 def split_outputs(
-    task_name: str, names: tuple[str, ...], value: Any, tuple_output: bool
-) -> dict[str, Any]:
+    task_name: str, names: tuple[str, ...], value: UserValue, tuple_output: bool
+) -> dict[str, UserValue]:
     """Rank 0's return value by output name; a wrong count names the outputs."""
     if not names:
         return {}
@@ -432,7 +443,7 @@ def split_outputs(
 
 
 def output_error(
-    task_name: str, name: str, item: Any, python_type: Any, error: Exception
+    task_name: str, name: str, item: object, python_type: object, error: Exception
 ) -> ValueError:
     """The error for an output rank 0 returned that does not convert to its declared type."""
     return ValueError(

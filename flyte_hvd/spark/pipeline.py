@@ -118,7 +118,7 @@ class LaunchSpec:
         )
 
 
-def _check_max_result_bytes(value: Any) -> int:
+def _check_max_result_bytes(value: object) -> int:
     if value is None:
         return result_limit(os.environ) or DEFAULT_MAX_RESULT_BYTES
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -485,7 +485,7 @@ def barrier_task(
     return task
 
 
-def _task_result(link: Any, path: str) -> bytes:
+def _task_result(link: DriverLink, path: str) -> bytes:
     """What a barrier task yields for its rank's pickled result, the file at ``path``: the
     pickle itself when small, else the id under which the driver keeps it, sent over
     ``link``."""
@@ -495,7 +495,7 @@ def _task_result(link: Any, path: str) -> bytes:
     return RESULT_ON_LINK + link.send_result(path).encode()
 
 
-def load_result(server: Any, payload: bytes) -> Any:
+def load_result(server: DriverServer, payload: bytes) -> UserValue:
     """On the driver: a rank's result from what its task yielded (see ``_task_result``)."""
     if not payload.startswith(RESULT_ON_LINK):
         return cloudpickle.loads(payload)

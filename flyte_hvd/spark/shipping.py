@@ -19,14 +19,17 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from flyte_hvd.core.log import get_logger
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 logger = get_logger(__name__)
 
 
-def ship_package(spark: Any, module: str) -> str:
+def ship_package(spark: SparkSession, module: str) -> str:
     """Make the top-level package of ``module`` importable on the session's Python workers.
 
     Args:

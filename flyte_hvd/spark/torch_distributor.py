@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flyte_hvd.core.log import get_logger
+from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch.environment import driver_env
 from flyte_hvd.launch.job import FunctionJob, ProgramJob
 from flyte_hvd.launch.process_group import NODE_PER_RANK_ENV
@@ -42,7 +43,7 @@ class _TorchJob:
     argv: list[str] = field(default_factory=list)
     hide_gpus: bool = False
 
-    def run(self) -> Any:
+    def run(self) -> UserValue:
         if self.hide_gpus:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
         if self.fn is None:
@@ -107,7 +108,9 @@ class TorchDistributor:
         elif use_gpu:
             _check_task_gpus()
 
-    def run(self, train_object: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
+    def run(
+        self, train_object: Callable[..., Any] | str, *args: UserValue, **kwargs: UserValue
+    ) -> UserValue:
         """Runs ``train_object`` on every process.
 
         Args:
@@ -140,7 +143,7 @@ class TorchDistributor:
             raise
         return report.results[0]
 
-    def _job(self, train_object: Any, args: tuple, kwargs: dict[str, Any]) -> _TorchJob:
+    def _job(self, train_object: object, args: tuple, kwargs: dict[str, Any]) -> _TorchJob:
         hide = not self.use_gpu
         if callable(train_object):
             return _TorchJob(fn=train_object, args=args, kwargs=kwargs, hide_gpus=hide)

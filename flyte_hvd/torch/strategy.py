@@ -25,7 +25,7 @@ import importlib
 import os
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 try:
     import lightning.pytorch as pl
@@ -43,6 +43,16 @@ from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.torch.functions import allreduce
 from flyte_hvd.torch.optimizer import DistributedOptimizer, _DistributedOptimizer
 
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import CheckpointIO
+    from lightning.pytorch.accelerators import Accelerator
+    from lightning.pytorch.plugins.precision import Precision
+
+# Lightning's types are named by ``lightning.pytorch``; ``strategy_for(pytorch_lightning)``
+# builds the same strategy on that package's twins of them.
+
+T = TypeVar("T")  # a value passed through: what `broadcast` sends, what a closure returns
+
 
 class _HorovodStrategyMixin:
     """Data-parallel Lightning training over the collective core (one process per rank).
@@ -59,17 +69,17 @@ class _HorovodStrategyMixin:
     strategy_name = "flyte_hvd"
 
     # set by ``ParallelStrategy``; declared for the type checker
-    model: Any
-    lightning_module: Any
-    optimizers: list[Any]
-    parallel_devices: Any
+    model: torch.nn.Module | None
+    lightning_module: pl.LightningModule | None
+    optimizers: list[torch.optim.Optimizer]
+    parallel_devices: list[torch.device] | None
 
     def __init__(
         self,
-        accelerator: Any = None,
+        accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
         compression: type[Compressor] = Compression.none,
         gradient_predivide_factor: float = 1.0,
     ):
@@ -122,7 +132,7 @@ class _HorovodStrategyMixin:
         assert self.model is not None
         self.model.to(self.root_device)
 
-    def setup(self, trainer: Any) -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)  # type: ignore[misc]
         if trainer.state.fn != "fit":  # TrainerFn.FITTING, a str enum of either package
             return
@@ -153,16 +163,16 @@ class _HorovodStrategyMixin:
     def optimizer_step(
         self,
         optimizer: torch.optim.Optimizer,
-        closure: Callable[[], Any],
-        model: Any = None,
-        **kwargs: Any,
-    ) -> Any:
+        closure: Callable[[], T],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,  # the optimizer's ``step`` arguments, passed on
+    ) -> T:
         if not isinstance(optimizer, _DistributedOptimizer):
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
 
         # Reduce right after backward, before Lightning clips gradients or runs
         # `on_before_optimizer_step`, so both see the averaged gradients.
-        def closure_then_synchronize() -> Any:
+        def closure_then_synchronize() -> T:
             result = closure()
             optimizer.synchronize()
             return result
@@ -174,7 +184,9 @@ class _HorovodStrategyMixin:
 
     # -- collectives -------------------------------------------------------------------------
 
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+    def reduce(
+        self, tensor: T, group: object = None, reduce_op: object = "mean"
+    ) -> T | torch.Tensor:  # a tensor reduced, anything else as it is
         if not isinstance(tensor, torch.Tensor):
             return tensor
         name = reduce_op if isinstance(reduce_op, str) else getattr(reduce_op, "name", "")
@@ -190,13 +202,15 @@ class _HorovodStrategyMixin:
         source = tensor.float() if tensor.dtype == torch.bool else tensor
         return allreduce(source, op=op).to(tensor.dtype)
 
-    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False):
+    def all_gather(
+        self, tensor: torch.Tensor, group: object = None, sync_grads: bool = False
+    ) -> torch.Tensor:
         return torch_functions.allgather(tensor.unsqueeze(0))
 
     def barrier(self, name: str | None = None) -> None:
         core.barrier()
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
+    def broadcast(self, obj: T, src: int = 0) -> T:
         return core.broadcast_object(obj, root_rank=src)
 
 

@@ -37,7 +37,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from urllib.parse import urlparse
 
 import fsspec
@@ -66,6 +66,7 @@ __all__ = [
 ]
 
 logger = get_logger(__name__)
+T = TypeVar("T")  # what a bounded store operation returns
 
 CHECKPOINT_STEM = "checkpoint"  # + the framework's extension, unless a file name is chosen
 STATE_FILENAME = "state.json"
@@ -1429,7 +1430,7 @@ class RemoteStore:
         return written
 
     def _bounded(self, verb: tuple[str, str], path: str, size: int,
-                 fn: Callable[..., Any], *args: Any) -> Any:  # fmt: skip
+                 fn: Callable[..., T], *args: object) -> T:  # fmt: skip
         """``fn(*args)`` in a thread of its own, waited for up to the Store's timeout (plus
         ``SECONDS_PER_MIB`` per MiB of ``size``). A hung store leaves that thread blocked;
         the rank fails and its process ends with it."""
@@ -1462,7 +1463,7 @@ class RemoteStore:
             )
         error = outcome.get("error")
         if error is None:
-            return outcome.get("value")
+            return outcome["value"]  # type: ignore[no-any-return]  # fn's own result
         if _unreachable(error):
             raise StoreUnreachableError(
                 f"cannot reach the store at `{prefix}` while {doing}: {_brief(error)}. Check "
@@ -1626,7 +1627,7 @@ def _check_path(name: str, path: object) -> str:
     return path
 
 
-def store_timeout(timeout: Any = None) -> float:
+def store_timeout(timeout: object = None) -> float:
     """A Store's ``timeout``: the argument, else ``FLYTE_HVD_STORE_TIMEOUT_S``, else 50 s."""
     if timeout is None:
         raw = os.environ.get(TIMEOUT_ENV, "").strip()

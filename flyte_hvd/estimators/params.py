@@ -82,7 +82,7 @@ DISTRIBUTED_PARAM: dict[str, tuple[Any, str]] = {
 }
 
 
-def check_distributed(value: Any, compression: Any) -> None:
+def check_distributed(value: object, compression: object) -> None:
     """``distributed`` is one of ``DISTRIBUTED_CHOICES``; with ``ddp``, no gradient
     compression (torch's DDP reduces gradients in their own dtype)."""
     if not isinstance(value, str) or value not in DISTRIBUTED_CHOICES:

@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import FrameType, TracebackType
 from typing import IO, Any, Protocol
 
 from flyte_hvd.core.errors import RanksFailedError
@@ -215,7 +216,7 @@ def stopped_by_signals(stop: Callable[[], None]) -> Iterator[list[int]]:
         yield received
         return
 
-    def handler(signum: int, frame: Any) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         if received:  # asked again while the stage winds down: stop waiting for it
             raise interrupted(signum)
         received.append(signum)
@@ -261,7 +262,7 @@ def _quiet_uncaught() -> None:
     if getattr(previous, "flyte_hvd", False):
         return
 
-    def hook(exc_type: type[BaseException], value: BaseException, tb: Any) -> None:
+    def hook(exc_type: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         if not logged_interrupt(value):
             previous(exc_type, value, tb)
 

@@ -231,7 +231,7 @@ def strategy_for(package: ModuleType) -> type:
     )
 
 
-def ddp_strategy(package: ModuleType, use_gpu: bool) -> Any:
+def ddp_strategy(package: ModuleType, use_gpu: bool) -> Any:  # Lightning's DDPStrategy
     """Lightning's ``DDPStrategy`` (of ``package``) on the ranks flyte-hvd started, with a
     process group of backend NCCL (``use_gpu``) or gloo found through ``MASTER_ADDR`` and
     ``MASTER_PORT``.

@@ -796,13 +796,8 @@ class LocalStore(Store):
 
     def write_bytes(self, path: str, data: bytes) -> None:
         target = self.normalize(path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        tmp = _tmp_name(target)
+        tmp = _durable_temp(target, data)
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             os.replace(tmp, target)
         except BaseException:
             _quietly(os.remove, tmp)
@@ -812,13 +807,8 @@ class LocalStore(Store):
         # A complete temporary file, hard-linked to the target: link() refuses an existing
         # target, so exactly one writer wins, and readers never see a partial file.
         target = self.normalize(path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        tmp = _tmp_name(target)
+        tmp = _durable_temp(target, data)
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             os.link(tmp, target)
         except FileExistsError:
             return False
@@ -1666,6 +1656,22 @@ def _unreachable(error: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+def _durable_temp(target: str, data: bytes) -> str:
+    """``data`` in a temporary file beside ``target`` (its folder made), flushed to disk: it
+    can then be renamed or linked to ``target`` whole."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = _tmp_name(target)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        _quietly(os.remove, tmp)
+        raise
+    return tmp
 
 
 def _check_run_id(run_id: object) -> str:

@@ -418,3 +418,21 @@ def test_an_unknown_collectives_route_is_refused(monkeypatch):
     assert route_setting() == "process_group"
     monkeypatch.delenv(ROUTE_ENV)
     assert route_setting() == "auto"
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+def test_ddp_in_a_horovod_spark_task_matches_distributed_optimizer(spark_local2, no_leftover_ranks):
+    """The body of a flytekit ``HorovodSpark`` task trains with DDP on gloo as in
+    ``spark.run``; rank 0 returns what both ranks saw and trained."""
+    from flytekit import task
+
+    from flyte_hvd.flyte import HorovodSpark
+
+    @task(task_config=HorovodSpark(num_proc=2))
+    def train() -> str:
+        import flyte_hvd.core as hvd
+
+        return json.dumps(hvd.allgather_object(cases.main()))
+
+    check_two_ranks(json.loads(train()))

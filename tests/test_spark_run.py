@@ -333,7 +333,8 @@ def test_the_link_is_on_loopback_and_no_secret_is_in_job_tags_or_logs(
     from flyte_hvd.spark import pipeline, runner
 
     sc = spark_local2.sparkContext
-    assert sc.getConf().get("spark.driver.host") not in (None, "127.0.0.1", "localhost")
+    # Loopback on a local master, whatever `spark.driver.host` says (a session a user builds
+    # has the host's outward address there).
     assert runner.ClassicBackend(sc).link_host() == "127.0.0.1"
     secrets_, tags, hosts = [], [], []
     new_secret, run_stage = pipeline.new_secret, runner.ClassicBackend.run_stage

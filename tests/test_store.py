@@ -545,6 +545,9 @@ def test_a_filesystem_another_library_registered_does_not_replace_the_stores(mon
     import importlib
 
     import gcsfs
+    import s3fs
+
+    from flyte_hvd.data.store import url_to_fs
 
     registry = importlib.import_module("fsspec.registry")  # `fsspec.registry` is a mapping
 
@@ -552,9 +555,13 @@ def test_a_filesystem_another_library_registered_does_not_replace_the_stores(mon
         protocol = "gs"
 
     monkeypatch.setitem(registry._registry, "gs", Other)
+    monkeypatch.setitem(registry._registry, "s3", Other)
     assert fsspec.get_filesystem_class("gs") is Other
     store = FilesystemStore("gs://bucket/prefix", storage_options={"token": "anon"})
     assert isinstance(store.get_filesystem(), gcsfs.GCSFileSystem)
+    # Saved models and datasets read by URL (``url_to_fs``) too.
+    fs, path = url_to_fs("s3://bucket/models/keras-1", anon=True)
+    assert isinstance(fs, s3fs.S3FileSystem) and path == "bucket/models/keras-1"
 
 
 @pytest.mark.parametrize(

@@ -637,7 +637,9 @@ def _arrow_filesystem(
 
         local = path[len("file://") :] if path.startswith("file://") else path
         return pyarrow.fs.LocalFileSystem(), os.path.abspath(local)
-    fs, fs_path = fsspec.core.url_to_fs(path)
+    from flyte_hvd.data.store import url_to_fs
+
+    fs, fs_path = url_to_fs(path)
     return as_arrow_filesystem(fs), fs_path
 
 

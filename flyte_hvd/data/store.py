@@ -1536,6 +1536,17 @@ def _dbfs_fuse_path(path: str) -> str:
     return posixpath.normpath(path)
 
 
+def url_to_fs(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, str]:
+    """fsspec's ``url_to_fs``, with fsspec's own package for the URL's scheme (s3fs, gcsfs,
+    adlfs...) even where another library registered its filesystem over it (as the Flyte 2
+    SDK does with obstore's)."""
+    if "::" in url:  # a chained URL (``simplecache::s3://...``): fsspec's own resolution
+        return fsspec.core.url_to_fs(url, **storage_options)
+    cls = _filesystem_class(_scheme_of(url) or "file", url)
+    options = {**cls._get_kwargs_from_urls(url), **storage_options}
+    return cls(**options), cls._strip_protocol(url)
+
+
 def _fsspec_knows(protocol: str) -> bool:
     from fsspec.registry import known_implementations, registry
 

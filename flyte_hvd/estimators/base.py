@@ -630,12 +630,10 @@ class ModelWriter:
         """Writes ``path/<archive>`` in one atomic step (local: write, then rename; object
         stores: one PUT), through the Store for ``path``'s scheme (S3 credentials and
         endpoint from the usual AWS environment variables)."""
-        import fsspec
-
-        from flyte_hvd.data.store import Store
+        from flyte_hvd.data.store import Store, url_to_fs
 
         instance = self.instance
-        fs, root = fsspec.core.url_to_fs(path)
+        fs, root = url_to_fs(path)
         if fs.exists(root) and not self._overwrite:
             raise ValueError(
                 f"{path!r} already exists; use model.write().overwrite().save(path) to replace it."
@@ -654,10 +652,10 @@ class ModelReader:
         self.cls = cls
 
     def load(self, path: str) -> HorovodModel:
-        import fsspec
+        from flyte_hvd.data.store import url_to_fs
 
         cls = self.cls
-        fs, root = fsspec.core.url_to_fs(path)
+        fs, root = url_to_fs(path)
         target = f"{root.rstrip('/')}/{cls._archive_name}"
         if not fs.exists(target):
             raise ValueError(f"{path!r} holds no saved {cls.__name__} (expected {target}).")

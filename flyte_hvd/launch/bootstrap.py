@@ -43,6 +43,7 @@ def main() -> None:
     client = rendezvous.ControlClient(env.pop(rendezvous.CONTROL_ENV), rank)
     try:
         limit = job_module.result_limit(env)
+        env.pop(job_module.MAX_RESULT_ENV, None)  # the launcher's, not the job's
         comm = rendezvous.join(client, rank, size)
         rendezvous.verify_secret(comm, client.secret)
         client.secret = ""
@@ -52,6 +53,7 @@ def main() -> None:
         gathered = comm.allgather(
             process_group.rendezvous_value(rank, state.host_name(), env, reserved)
         )
+        env.pop(process_group.ADDRESS_ENV, None)  # the launcher's, not the job's
         hosts = [value[0] for value in gathered]
         topo = state.Topology.from_hosts(hosts, rank)
         # Where each rank landed is shown only when asked for (FLYTE_HVD_LOG_LEVEL): by

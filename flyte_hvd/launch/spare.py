@@ -244,6 +244,7 @@ def wait_for_rank() -> dict[str, str]:
 def rank_environment(assignment: messages.Message) -> dict[str, str]:
     """A rank's own environment entries: where its run is (a new rank gets them at start, a
     spare with its rank)."""
+    limit = str(assignment.get("result_limit") or "")
     return {
         rendezvous.CONTROL_ENV: str(assignment["control"]),
         rendezvous.RANK_ENV: str(assignment["rank"]),
@@ -252,7 +253,7 @@ def rank_environment(assignment: messages.Message) -> dict[str, str]:
         rendezvous.RESULT_ENV: str(assignment["result"]),
         "TMPDIR": str(assignment["tmpdir"]),
         process_group.ADDRESS_ENV: str(assignment.get("address") or ""),
-        MAX_RESULT_ENV: str(assignment.get("result_limit") or ""),
+        **({MAX_RESULT_ENV: limit} if limit else {}),
     }
 
 

@@ -176,6 +176,8 @@ class Probe:
         self._reported = False
         self._where = ""
         self._where_sent_at = 0.0
+        self._where_seen = ""  # where the main thread was at the last sample, and since when
+        self._where_seen_since = 0.0
         self._doing: str | None = None  # the activity reported last
         self._seen: str | None = None  # the activity seen last, and since when
         self._seen_since = 0.0
@@ -236,8 +238,14 @@ class Probe:
             self._frame_id, self._since = id(hit[0]), now
         else:
             self._frame_id, self._since = 0, 0.0
+        if where != self._where_seen:
+            self._where_seen, self._where_seen_since = where, now
+        # A place the rank stays at is sent once it lasts; one that keeps changing (code
+        # running) at most every 5 s.
+        steady = now - self._where_seen_since >= REPORT_AFTER_S
         if hit is None and (
-            doing != self._doing or (where != self._where and now - self._where_sent_at >= 5.0)
+            doing != self._doing
+            or (where != self._where and (steady or now - self._where_sent_at >= 5.0))
         ):
             self._report(None, 0.0, where, now, doing)
 

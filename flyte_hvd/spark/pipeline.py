@@ -168,6 +168,7 @@ def launch(spec: LaunchSpec, backend: StageBackend) -> runner.RunReport:
         finally:
             server.close()
 
+    settle = False
     try:
         with stopped_by_signals(stop) as received:
             try:
@@ -176,17 +177,19 @@ def launch(spec: LaunchSpec, backend: StageBackend) -> runner.RunReport:
                 if received:
                     raise interrupted(received[0]) from None
                 failure = runner.stage_failure(server, num_proc, error)
-                backend.settle(tag)
+                settle = True
                 raise failure from (None if isinstance(failure, RanksFailedError) else error)
         if received:
             raise interrupted(received[0])
         # A failed run's last attempt ends its tasks with RUN_FAILED instead of failing.
         if any(payload == runner.RUN_FAILED for _, payload in collected):
-            backend.settle(tag)
+            settle = True
             raise runner.stage_failure(server, num_proc)
         results = [runner.load_result(server, payload) for _, payload in collected]
     finally:
-        server.close()
+        server.close()  # the tasks stop their ranks when their link ends
+        if settle:  # then their Spark tasks end: wait for that before raising
+            backend.settle(tag)
     logger.log(level, "%d ranks finished", num_proc)
     return runner.RunReport(results=results, submitted_at=submitted_at, events=dict(server.events))
 

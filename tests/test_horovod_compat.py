@@ -34,7 +34,10 @@ HOROVOD_MODULES = {
         "DBFSLocalStore",
     ],
     "flyte_hvd.spark.common.backend": ["SparkBackend"],
-    "flyte_hvd.spark.common.util": ["prepare_data", "get_simple_meta_from_parquet", "to_list"],
+    "flyte_hvd.spark.common.util": [
+        "prepare_data", "get_simple_meta_from_parquet", "get_dataset_properties",
+        "clear_training_cache", "to_list",
+    ],
     "flyte_hvd.tensorflow.keras": ["DistributedOptimizer", "init", "rank", "callbacks"],
     "flyte_hvd.tensorflow.keras.callbacks": [
         "BestModelCheckpoint", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
@@ -273,6 +276,7 @@ def test_to_list_repeats_one_value_and_checks_lengths():
 def test_simple_meta_from_parquet_describes_the_prepared_data(spark_local2, tmp_path):
     from pyspark.ml.linalg import Vectors
 
+    from flyte_hvd.spark.common import util
     from flyte_hvd.spark.common.util import get_simple_meta_from_parquet, prepare_data
 
     store = Store.create(str(tmp_path / "store"))
@@ -287,6 +291,21 @@ def test_simple_meta_from_parquet_describes_the_prepared_data(spark_local2, tmp_
             get_simple_meta_from_parquet(store, ["nope"], ["features"], dataset_idx=idx)
     assert (train_rows, val_rows) == (30, 10)
     assert tuple(metadata["features"]["shape"]) == (2,) and avg_row_size > 0
+    # Horovod's direct-Parquet helpers: the properties by index alone, the split itself.
+    assert util.get_dataset_properties(idx) == (train_rows, val_rows, metadata, avg_row_size)
+    util.clear_training_cache()
+    with pytest.raises(ValueError, match=f"dataset '{idx}' was not prepared by this process"):
+        util.get_dataset_properties(idx)
+    assert util.get_dataset_properties(idx, store)[:2] == (30, 10)
+    train, val, ratio = util._train_val_split(df, "is_val")
+    assert (train.count(), val.count(), ratio) == (30, 10, 0.25)
+    assert "is_val" not in train.columns + val.columns
+    train, val, ratio = util._train_val_split(df, 0.25)
+    assert ratio == 0.25 and train.count() + val.count() == 40 and val.count() > 0
+    with pytest.raises(ValueError, match="`validation` column `nope` is not in the DataFrame"):
+        util._train_val_split(df, "nope")
+    with pytest.raises(ValueError, match="strictly between 0 and 1"):
+        util._train_val_split(df, 1.5)
 
 
 # -- the estimators on Horovod's inputs --------------------------------------------------------

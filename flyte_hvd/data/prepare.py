@@ -59,6 +59,7 @@ __all__ = [
     "get_dataset_metadata",
     "prepare_data",
     "read_metadata",
+    "train_val_split",
 ]
 
 SPLIT_SEED = 20230612  # random validation split: the same rows on every prepare
@@ -230,15 +231,14 @@ def _prepare(
     level = verbosity_level(verbose)
     if _complete(store, paths, key):
         logger.log(level, f"reusing prepared dataset {idx} at {paths['train']}")
+        _prepared_stores[idx] = store
         return idx
 
     from pyspark.sql import functions as F
 
     cols = [F.col(_q(c)) for c in selected]
-    if isinstance(validation, float):
-        cols.append((F.rand(SPLIT_SEED) < validation).alias(_SPLIT_COL))
-    elif val_col is not None:
-        cols.append(F.coalesce(F.col(_q(val_col)).cast("boolean"), F.lit(False)).alias(_SPLIT_COL))
+    if validation is not None:
+        cols.append(validation_flag(validation).alias(_SPLIT_COL))
     sel = df.select(*cols)
     checked = set(labels) | set(weight) | (set() if allow_non_finite_features else set(features))
     stats = _collect_stats(sel, kinds, checked, validation is not None, set(features))
@@ -293,7 +293,68 @@ def _prepare(
         raise
     for split, meta in written.items():
         logger.log(level, f"{split}: {meta.rows} rows, {meta.files} files, {meta.bytes} bytes")
+    _prepared_stores[idx] = store
     return idx
+
+
+# The store each dataset this process prepared went to, by index: Horovod's helpers for
+# direct-Parquet training (``get_dataset_properties(idx)``) take only the index.
+_prepared_stores: dict[str, Store] = {}
+
+
+def prepared_store(dataset_idx: str) -> Store:
+    """The store ``prepare_data`` wrote ``dataset_idx`` to in this process."""
+    try:
+        return _prepared_stores[dataset_idx]
+    except KeyError:
+        known = sorted(_prepared_stores) or "none"
+        raise ValueError(
+            f"dataset {dataset_idx!r} was not prepared by this process (prepared: {known}); "
+            f"pass its `store`, or prepare it first with prepare_data."
+        ) from None
+
+
+def forget_prepared() -> None:
+    """Forget which datasets this process prepared; their data stays in the store."""
+    _prepared_stores.clear()
+
+
+def validation_flag(validation: float | str) -> Column:
+    """True for the rows of the validation split: a seeded random fraction for a float, the
+    true or non-zero rows of the named column (null: training) for a string."""
+    from pyspark.sql import functions as F
+
+    _check_validation(validation)
+    if isinstance(validation, str):
+        return F.coalesce(F.col(_q(validation)).cast("boolean"), F.lit(False))
+    return F.rand(SPLIT_SEED) < float(validation)
+
+
+def train_val_split(
+    df: DataFrame, validation: float | str | None
+) -> tuple[DataFrame, DataFrame | None, float]:
+    """``(train_df, val_df, validation_ratio)``: ``df`` split the way ``prepare_data`` splits
+    it (a validation column is dropped from both); ``val_df`` is None without ``validation``.
+    The ratio is ``validation`` itself for a fraction, the share of validation rows (one
+    count) for a column."""
+    from pyspark.sql import functions as F
+
+    if validation is None:
+        return df, None, 0.0
+    if isinstance(validation, str) and validation not in df.columns:
+        raise ValueError(
+            f"`validation` column `{validation}` is not in the DataFrame; it has {df.columns}."
+        )
+    flagged = df.withColumn(_SPLIT_COL, validation_flag(validation))
+    if isinstance(validation, str):
+        flagged = flagged.drop(validation)
+    is_val = F.col(_SPLIT_COL)
+    train = flagged.filter(~is_val).drop(_SPLIT_COL)
+    val = flagged.filter(is_val).drop(_SPLIT_COL)
+    if not isinstance(validation, str):
+        return train, val, float(validation)
+    counts = flagged.agg(F.count(F.lit(1)), F.sum(is_val.cast("int"))).collect()[0]
+    return train, val, (counts[1] or 0) / counts[0] if counts[0] else 0.0
 
 
 def _check_count(name: str, value: object) -> None:

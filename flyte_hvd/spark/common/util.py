@@ -4,10 +4,19 @@ training on Parquet they wrote themselves call."""
 from __future__ import annotations
 
 from flyte_hvd.core.checks import to_list
-from flyte_hvd.data.prepare import prepare_data
+from flyte_hvd.data.prepare import forget_prepared, prepare_data, prepared_store, train_val_split
 from flyte_hvd.data.store import Store
 
-__all__ = ["get_simple_meta_from_parquet", "prepare_data", "to_list"]
+__all__ = [
+    "clear_training_cache",
+    "get_dataset_properties",
+    "get_simple_meta_from_parquet",
+    "prepare_data",
+    "to_list",
+]
+
+# Horovod's name for the split ``prepare_data`` makes: ``(train_df, val_df, ratio)``.
+_train_val_split = train_val_split
 
 
 def get_simple_meta_from_parquet(
@@ -36,3 +45,28 @@ def get_simple_meta_from_parquet(
         for c in wanted
     }
     return train.rows, val.rows if val is not None else 0, metadata, train.avg_row_size
+
+
+def get_dataset_properties(
+    dataset_idx: str, store: Store | None = None
+) -> tuple[int, int, dict, float]:
+    """``(train_rows, val_rows, metadata, avg_row_size)`` of a prepared dataset, for the
+    columns it was prepared with; ``store`` defaults to the one ``prepare_data`` wrote
+    ``dataset_idx`` to in this process."""
+    from flyte_hvd.data.prepare import get_dataset_metadata
+
+    store = store if store is not None else prepared_store(dataset_idx)
+    train, _ = get_dataset_metadata(store, dataset_idx)
+    return get_simple_meta_from_parquet(
+        store,
+        list(train.label_columns),
+        list(train.feature_columns),
+        train.sample_weight_col,
+        dataset_idx,
+    )
+
+
+def clear_training_cache() -> None:
+    """Forget the datasets this process prepared (``get_dataset_properties`` then needs a
+    ``store``). The Parquet stays in the store: preparing the same DataFrame again reuses it."""
+    forget_prepared()

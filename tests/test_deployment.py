@@ -307,10 +307,13 @@ def test_image_paths_are_flytekits_spark_defaults():
         assert (VENV_BIN / name).exists(), name
 
 
-def test_dockerignore_keeps_what_the_dockerfile_copies():
+def test_image_context_rules_keep_what_the_dockerfile_copies():
+    """The image's allow-list is Dockerfile.dockerignore (BuildKit reads it for `Dockerfile`):
+    a `.dockerignore` would also be fast registration's, which would leave workflows/ out."""
+    assert not (REPO / ".dockerignore").exists(), "the image's rules are Dockerfile.dockerignore"
     rules = [
         line.strip()
-        for line in (REPO / ".dockerignore").read_text().splitlines()
+        for line in (REPO / "Dockerfile.dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
     assert rules[0] == "*", "the context is an allow-list"
@@ -323,10 +326,85 @@ def test_dockerignore_keeps_what_the_dockerfile_copies():
     assert sources
     for source in sources:
         top = source.rstrip("/").split("/")[0]
-        assert top in allowed, f"COPY {source} is excluded by .dockerignore"
+        assert top in allowed, f"COPY {source} is excluded by Dockerfile.dockerignore"
         assert (REPO / source).exists(), source
-    for pattern in (".venv", ".git", "tests"):
+    for pattern in (".venv", ".git", "tests", "workflows"):
         assert pattern not in allowed
+
+
+# -- the code bundle of fast registration ----------------------------------------------------
+
+
+def workflow_imports(module: str) -> set[str]:
+    """The `workflows.*` modules that ``module`` imports, at its top or inside a function,
+    and those they import in turn: what its tasks, Spark's Python workers (UDFs pickled by
+    reference) and the ranks import."""
+    import ast
+
+    found, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        tree = ast.parse((REPO / (name.replace(".", "/") + ".py")).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "workflows":
+                todo += [f"workflows.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("workflows."):
+                todo.append(node.module)
+            elif isinstance(node, ast.Import):
+                todo += [a.name for a in node.names if a.name.startswith("workflows.")]
+    return found
+
+
+def module_files(modules: set[str]) -> set[str]:
+    return {name.replace(".", "/") + ".py" for name in modules} | {"workflows/__init__.py"}
+
+
+def test_workflow_imports_follow_imports_inside_functions():
+    modules = workflow_imports("workflows.rossmann")
+    # rossmann_data is imported only inside the steps' functions; driver_csv by features.
+    assert {
+        "workflows.rossmann_steps",
+        "workflows.rossmann_data",
+        "workflows.driver_csv",
+    } <= modules
+    assert "workflows.rossmann_flyte2" not in modules
+
+
+def test_register_bundle_holds_the_whole_workflows_package_and_no_flyte_hvd(tmp_path):
+    """`pyflyte register workflows/` (and `pyflyte run --remote --copy all`) uploads every file
+    of the project root less the ignore files' patterns: .flyteignore keeps flyte_hvd out, so
+    the image's installed flyte_hvd is the one the pods import."""
+    from code_bundle import bundle_files, register_bundle
+
+    files = bundle_files(register_bundle(tmp_path))
+    shipped = {f for f in files if f.startswith("workflows/")}
+    assert shipped == {str(path.relative_to(REPO)) for path in (REPO / "workflows").glob("*.py")}, (
+        "the bundle must hold the whole workflows package"
+    )
+    assert module_files(workflow_imports("workflows.rossmann")) <= shipped
+    assert not [f for f in files if f.startswith("flyte_hvd/")], "flyte_hvd must not be shipped"
+    assert not [f for f in files if f.startswith(("tests/", "docs/", "k8s/", "benchmarks/"))]
+    assert not [f for f in files if f.endswith(".pyc") or "__pycache__" in f]
+
+
+def test_copy_auto_bundle_holds_every_module_the_tasks_import(tmp_path):
+    """`pyflyte run --remote` (`--copy auto`) uploads only the modules under the project root
+    that are loaded once the workflow file is imported: the workflow imports all of its
+    package's modules at its top, so none that a task imports later is missing. flyte_hvd
+    comes from the installed package (here: outside the project root, as a user's project
+    beside an installed flyte-hvd), so it is not shipped."""
+    from code_bundle import bundle_files, run_bundle
+
+    project = tmp_path / "project"
+    shutil.copytree(REPO / "workflows", project / "workflows")
+    out = tmp_path / "out"
+    out.mkdir()
+    files = bundle_files(run_bundle(project / "workflows" / "rossmann.py", out, str(REPO)))
+    assert module_files(workflow_imports("workflows.rossmann")) <= files
+    assert not [f for f in files if f.startswith("flyte_hvd/")]
 
 
 # -- the image's entrypoint ------------------------------------------------------------------

@@ -602,6 +602,11 @@ _SUPPORTED = {
 }
 
 
+_CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding"}  # kustomize gives them no namespace
+# Lists that a strategic merge patch replaces whole (their fields have no merge key).
+_REPLACED_LISTS = {"subjects"}
+
+
 def render(directory: Path) -> list[dict]:
     spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
     unsupported = set(spec) - _SUPPORTED
@@ -631,7 +636,7 @@ def render(directory: Path) -> list[dict]:
     namespace = spec.get("namespace")
     for doc in docs:
         metadata = doc.setdefault("metadata", {})
-        if namespace:
+        if namespace and doc["kind"] not in _CLUSTER_SCOPED:
             metadata["namespace"] = namespace
             for subject in doc.get("subjects", []):
                 if subject.get("kind") == "ServiceAccount":
@@ -648,12 +653,14 @@ def _key(doc: dict) -> tuple[str, str, str]:
 
 
 def _merge(target: dict, patch: dict) -> None:
-    """A strategic merge patch of maps (the patches here change no lists)."""
+    """A strategic merge patch of maps, and of lists that it replaces whole."""
     for key, value in patch.items():
         if isinstance(value, dict) and isinstance(target.get(key), dict):
             _merge(target[key], value)
         else:
-            assert not isinstance(value, list), f"list patch of `{key}` not supported"
+            assert not isinstance(value, list) or key in _REPLACED_LISTS, (
+                f"list patch of `{key}` not supported"
+            )
             target[key] = copy.deepcopy(value)
 
 
@@ -767,18 +774,58 @@ def test_propeller_spark_defaults_fit_the_image_and_the_s3_secret():
         assert f"COPY docker/gpu-discovery.sh {script}" in DOCKERFILE
     (secret,) = load_all(K8S / "base" / "s3-secret.yaml")
     assert all(secret["stringData"].values()), "an empty variable is not an absent one"
-    for path in (
-        K8S / "flytepropeller" / "spark-plugin.yaml",
-        K8S / "overlays" / "sandbox" / "flyte" / "spark-plugin.yaml",
-    ):
+    for path in PROPELLER_DEFAULTS:
+        # Flyte's k8s plugin marks default-env-from-secrets optional: true.
         k8s_plugin = yaml.safe_load(path.read_text())["plugins"]["k8s"]
         assert k8s_plugin["default-env-from-secrets"] == [secret["metadata"]["name"]]
-    for role in ("driver", "executor"):
-        for key in secret["stringData"]:
-            ref = defaults[f"spark.kubernetes.{role}.secretKeyRef.{key}"]
-            assert ref == f"{secret['metadata']['name']}:{key}"
     configmap = rendered("flytepropeller")[("ConfigMap", "flyte-hvd-propeller-config", "flyte")]
     assert yaml.safe_load(configmap["data"]["spark-plugin.yaml"])["plugins"]["spark"]
+
+
+def test_spark_pods_reference_the_s3_secret_only_where_the_overlay_creates_it():
+    """Spark's secretKeyRef settings cannot be optional: a driver or executor pod whose Secret
+    is missing stays in CreateContainerConfigError. The base defaults reference none (pods
+    take credentials from their service account); the sandbox, which creates the Secret in
+    its execution namespace, references each of its keys."""
+    base = spark_defaults(K8S / "flytepropeller" / "spark-plugin.yaml")
+    assert not [key for key in base if ".secretKeyRef." in key or ".secrets." in key]
+    sandbox = spark_defaults(K8S / "overlays" / "sandbox" / "flyte" / "spark-plugin.yaml")
+    secret = rendered("overlays/sandbox")[("Secret", "flyte-hvd-s3", "flytesnacks-development")]
+    refs = {key: value for key, value in sandbox.items() if ".secretKeyRef." in key}
+    assert refs == {
+        f"spark.kubernetes.{role}.secretKeyRef.{key}": f"flyte-hvd-s3:{key}"
+        for role in ("driver", "executor")
+        for key in secret["stringData"]
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "account"),
+    [("flytepropeller", "flyte-backend-flyte-binary"), ("overlays/sandbox", "flyte-sandbox")],
+)
+def test_propeller_may_manage_spark_applications(name, account):
+    """flyte-binary's ClusterRole does not cover SparkApplications: without this binding
+    propeller's create of a Spark task's SparkApplication is forbidden."""
+    objects = rendered(name)
+    role = objects[("ClusterRole", "flyte-hvd-propeller-spark", "")]
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    for verb in ("create", "get", "list", "watch", "update", "patch", "delete"):
+        assert ("sparkoperator.k8s.io", "sparkapplications", verb) in granted, verb
+    binding = objects[("ClusterRoleBinding", "flyte-hvd-propeller-spark", "")]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "flyte-hvd-propeller-spark",
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": "flyte"}
+    ]
 
 
 def test_sandbox_spark_defaults_repeat_every_base_key():
@@ -863,3 +910,55 @@ def test_no_manifest_ships_a_pod_template():
         text = path.read_text()
         assert "primaryContainerName" not in text, path
         assert all(doc.get("kind") != "PodTemplate" for doc in load_all(path)), path
+
+
+@pytest.mark.parametrize("defaults", PROPELLER_DEFAULTS, ids=lambda p: str(p.relative_to(K8S)))
+def test_ranks_in_executor_pods_talk_over_libfabric_tcp(defaults):
+    """Every Spark task's executors (a HorovodSpark task's, and a plain Spark task's that runs
+    an estimator) get MPICH's libfabric TCP netmod in place of the wheel's default, UCX."""
+    from flyte_hvd.flyte import HorovodSpark
+    from flyte_hvd.flyte.task import HorovodSparkFunctionTask
+    from workflows.rossmann import prepare
+
+    def body() -> None:
+        return None
+
+    task = HorovodSparkFunctionTask(task_config=HorovodSpark(num_proc=2), task_function=body)
+    for custom in (serialized(task), serialized(prepare)):
+        conf = spark_application_conf(custom, defaults)
+        assert conf["spark.executorEnv.MPIR_CVAR_CH4_NETMOD"] == "ofi"
+        assert conf["spark.executorEnv.FI_PROVIDER"] == "tcp"
+
+
+def mebibytes(size: str) -> int:
+    """A JVM memory size of Spark (`512m`, `2g`) in MiB."""
+    match = re.fullmatch(r"(\d+)([mg])", size.strip().lower())
+    assert match, f"unexpected memory size {size!r}"
+    return int(match[1]) * (1024 if match[2] == "g" else 1)
+
+
+def spark_task_memory(conf: dict[str, str]) -> int:
+    """MiB that a SparkApplication's pods ask for: the driver's memory with its overhead
+    (Spark's non-JVM default, 40% and at least 384 MiB, unless set) and each executor's
+    memory with its memoryOverhead."""
+    driver = mebibytes(conf["spark.driver.memory"])
+    driver += mebibytes(conf.get("spark.driver.memoryOverhead", f"{max(384, driver * 4 // 10)}m"))
+    executor = mebibytes(conf["spark.executor.memory"])
+    executor += mebibytes(conf["spark.executor.memoryOverhead"])
+    return driver + int(conf["spark.executor.instances"]) * executor
+
+
+def test_rossmann_spark_tasks_take_the_deployments_memory():
+    """Rossmann's tasks set no memory, so the propeller defaults decide: the sandbox's fit a
+    laptop's Docker (at most 8 GiB for the 2-rank training task), the base's are larger."""
+    from workflows import rossmann
+
+    sandbox, base = (
+        K8S / "overlays" / "sandbox" / "flyte" / "spark-plugin.yaml",
+        K8S / "flytepropeller" / "spark-plugin.yaml",
+    )
+    train = {"sparkConf": rossmann.train_spark_conf(2), "executorPath": "/opt/venv/bin/python3"}
+    for custom in (serialized(rossmann.prepare), serialized(rossmann.predict), train):
+        assert not [key for key in custom["sparkConf"] if "memory" in key.lower()]
+        assert spark_task_memory(spark_application_conf(custom, sandbox)) <= 8 * 1024
+        assert spark_task_memory(spark_application_conf(custom, base)) > 8 * 1024

@@ -962,3 +962,61 @@ def test_rossmann_spark_tasks_take_the_deployments_memory():
         assert not [key for key in custom["sparkConf"] if "memory" in key.lower()]
         assert spark_task_memory(spark_application_conf(custom, sandbox)) <= 8 * 1024
         assert spark_task_memory(spark_application_conf(custom, base)) > 8 * 1024
+
+
+def test_gpu_node_selector_is_removed_or_replaced_through_spark_conf():
+    """GPU executors select nodes labelled nvidia.com/gpu.present=true unless `spark_conf`
+    sets the key to None (or "") and, where GPU nodes carry another label, names that one."""
+    from flyte_hvd.flyte import HorovodSpark
+    from flyte_hvd.flyte.task import HorovodSparkFunctionTask
+    from flyte_hvd.spark.barrier_task import GPU_NODE_SELECTOR
+
+    def body() -> None:
+        return None
+
+    def spark_conf(**config) -> dict[str, str]:
+        task = HorovodSparkFunctionTask(task_config=HorovodSpark(**config), task_function=body)
+        return serialized(task)["sparkConf"]
+
+    assert spark_conf(num_proc=2, gpus_per_rank=1)[GPU_NODE_SELECTOR] == "true"
+    own = "spark.kubernetes.executor.node.selector.cloud.google.com/gke-accelerator"
+    for removed in (None, ""):
+        conf = spark_conf(num_proc=2, gpus_per_rank=1, spark_conf={GPU_NODE_SELECTOR: removed})
+        assert GPU_NODE_SELECTOR not in conf
+        assert conf["spark.executor.resource.gpu.amount"] == "1"  # the rest stays
+        conf = spark_conf(
+            num_proc=2, gpus_per_rank=1, spark_conf={GPU_NODE_SELECTOR: removed, own: "nvidia-l4"}
+        )
+        assert GPU_NODE_SELECTOR not in conf and conf[own] == "nvidia-l4"
+    # None where nothing is derived sets nothing; other types are still refused.
+    assert "spark.foo" not in spark_conf(num_proc=2, spark_conf={"spark.foo": None})
+    with pytest.raises(ValueError, match=r"must be a str, int, float or bool \(None removes"):
+        HorovodSpark(num_proc=2, spark_conf={"spark.foo": ["x"]})
+
+
+def test_slots_timeout_names_the_node_selector_of_pending_executors():
+    """Executors that never register on Kubernetes are often Pending pods that no node fits:
+    the slots error names their node selector and how to remove it; without one it adds
+    nothing."""
+    from types import SimpleNamespace
+
+    from pyspark import SparkConf
+
+    from flyte_hvd.flyte import HorovodSpark
+    from flyte_hvd.spark import runner
+    from flyte_hvd.spark.barrier_task import GPU_NODE_SELECTOR
+
+    def message(config: HorovodSpark) -> str:
+        conf = SparkConf(loadDefaults=False).setAll(list(config.effective_spark_conf.items()))
+        cluster = SimpleNamespace(master="k8s://https://10.0.0.1:443", getConf=lambda: conf)
+        return runner._slots_message(cluster, 2, 0, 0, True, 5.0)
+
+    text = message(HorovodSpark(num_proc=2, gpus_per_rank=1))
+    assert text.startswith("`num_proc`=2 but the cluster has 0 free task slot(s)")
+    assert "after waiting 5s for executors to register" in text
+    assert f"node selector: nvidia.com/gpu.present=true ({GPU_NODE_SELECTOR})" in text
+    assert "spark_conf={key: None}" in text
+    removed = message(
+        HorovodSpark(num_proc=2, gpus_per_rank=1, spark_conf={GPU_NODE_SELECTOR: None})
+    )
+    assert "node selector" not in removed

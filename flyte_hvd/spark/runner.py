@@ -42,6 +42,8 @@ class _Settings(Protocol):
     @overload
     def get(self, key: str, default: str, /) -> str: ...
 
+    def getAll(self) -> list[tuple[str, str]]: ...
+
 
 class ClusterConf(Protocol):
     """What the preflight helpers read of a cluster: a ``SparkContext``, or a Connect
@@ -247,6 +249,34 @@ def _slots_message(
             if is_local(master)
             else "more executors (spark.executor.instances) or cores (spark.executor.cores)."
         )
+        + (_pending_hint(conf) if waited else "")
+    )
+
+
+_NODE_SELECTOR_PREFIXES = (
+    "spark.kubernetes.executor.node.selector.",
+    "spark.kubernetes.node.selector.",
+)
+
+
+def _pending_hint(conf: _Settings) -> str:
+    """Why executors that never register may be Pending pods: the node selectors they carry,
+    and how to change or remove one."""
+    selectors = sorted(
+        (key, value) for key, value in conf.getAll() if key.startswith(_NODE_SELECTOR_PREFIXES)
+    )
+    if not selectors:
+        return ""
+    labels = ", ".join(
+        f"{key.removeprefix(_NODE_SELECTOR_PREFIXES[0]).removeprefix(_NODE_SELECTOR_PREFIXES[1])}"
+        f"={value} ({key})"
+        for key, value in selectors
+    )
+    return (
+        f" Executor pods that never register may be Pending on their node selector: {labels}. "
+        f"If no schedulable node carries that label (`kubectl get nodes --show-labels`), set "
+        f"the label your nodes have, or remove the setting with `spark_conf={{key: None}}` "
+        f"(HorovodSpark) or by leaving it out of the Spark settings."
     )
 
 

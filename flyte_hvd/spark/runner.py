@@ -26,7 +26,12 @@ import cloudpickle
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.log import get_logger
 from flyte_hvd.core.types import UserValue
-from flyte_hvd.launch.environment import driver_env, local_driver_env
+from flyte_hvd.launch.environment import (
+    DRIVER_VERSION_ENV,
+    driver_env,
+    local_driver_env,
+    version_mismatch,
+)
 from flyte_hvd.launch.job import FunctionJob
 from flyte_hvd.launch.supervisor import first_failure
 
@@ -468,6 +473,14 @@ def barrier_task(
         rank = ctx.partitionId()
         link = DriverLink(driver_address, secret, rank)
         link.event("task_started")
+        mismatch = version_mismatch(env.get(DRIVER_VERSION_ENV), f"the executor of rank {rank}")
+        if mismatch:
+            if link.failed(mismatch):  # the driver ends the run and raises it
+                link.close()
+                yield rank, RUN_FAILED
+                return
+            link.close()
+            raise RuntimeError(mismatch)
         rank_env = _task_rank_env(env, ctx)
         # "host:port" of the task's executor as the driver reaches it: rank 0's host part is
         # MASTER_ADDR when the ranks span hosts (``launch.process_group``).

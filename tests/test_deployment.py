@@ -407,6 +407,46 @@ def test_copy_auto_bundle_holds_every_module_the_tasks_import(tmp_path):
     assert not [f for f in files if f.startswith("flyte_hvd/")]
 
 
+def unpack_and_import(tarball: Path, folder: Path) -> subprocess.CompletedProcess:
+    """Unpacks a bundle as `pyflyte-fast-execute` does and imports the workflow there, with
+    the bundle ahead of the installed packages on the import path (this checkout stands for
+    the image's installed flyte_hvd)."""
+    import tarfile
+
+    folder.mkdir()
+    with tarfile.open(tarball) as tar:
+        tar.extractall(folder, filter="data")
+    program = "import flyte_hvd, workflows.rossmann; print(flyte_hvd.__file__)"
+    return subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        env={**os.environ, "PYTHONPATH": f"{folder}{os.pathsep}{REPO}"},
+        timeout=120,
+    )
+
+
+def test_unpacked_bundles_import_the_installed_flyte_hvd_or_refuse_a_partial_copy(tmp_path):
+    """The register bundle imports the workflow with the installed flyte_hvd. A `--copy auto`
+    bundle made from this checkout carries the flyte_hvd modules loaded at import, a partial
+    copy that would shadow the image's: importing flyte_hvd from it fails at once, saying why
+    and what to do, instead of on the first missing module inside a task or a rank."""
+    from code_bundle import register_bundle, run_bundle
+
+    whole = unpack_and_import(register_bundle(tmp_path), tmp_path / "register")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert whole.stdout.strip() == str(REPO / "flyte_hvd" / "__init__.py")
+    out = tmp_path / "out"
+    out.mkdir()
+    auto = run_bundle(REPO / "workflows" / "rossmann.py", out, str(REPO), cwd=REPO)
+    partial = unpack_and_import(auto, tmp_path / "auto")
+    assert partial.returncode != 0
+    assert f"ImportError: flyte_hvd at {tmp_path / 'auto' / 'flyte_hvd'} holds " in partial.stderr
+    assert f"and shadows the flyte_hvd at {REPO / 'flyte_hvd'}, which has " in partial.stderr
+    assert "`--copy all`" in partial.stderr
+
+
 # -- the image's entrypoint ------------------------------------------------------------------
 
 

@@ -273,9 +273,7 @@ def _pending_hint(conf: _Settings) -> str:
     if not selectors:
         return ""
     labels = ", ".join(
-        f"{key.removeprefix(_NODE_SELECTOR_PREFIXES[0]).removeprefix(_NODE_SELECTOR_PREFIXES[1])}"
-        f"={value} ({key})"
-        for key, value in selectors
+        f"{key.partition('.node.selector.')[2]}={value} ({key})" for key, value in selectors
     )
     return (
         f" Executor pods that never register may be Pending on their node selector: {labels}. "

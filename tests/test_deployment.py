@@ -307,10 +307,13 @@ def test_image_paths_are_flytekits_spark_defaults():
         assert (VENV_BIN / name).exists(), name
 
 
-def test_dockerignore_keeps_what_the_dockerfile_copies():
+def test_image_context_rules_keep_what_the_dockerfile_copies():
+    """The image's allow-list is Dockerfile.dockerignore (BuildKit reads it for `Dockerfile`):
+    a `.dockerignore` would also be fast registration's, which would leave workflows/ out."""
+    assert not (REPO / ".dockerignore").exists(), "the image's rules are Dockerfile.dockerignore"
     rules = [
         line.strip()
-        for line in (REPO / ".dockerignore").read_text().splitlines()
+        for line in (REPO / "Dockerfile.dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
     assert rules[0] == "*", "the context is an allow-list"
@@ -323,10 +326,125 @@ def test_dockerignore_keeps_what_the_dockerfile_copies():
     assert sources
     for source in sources:
         top = source.rstrip("/").split("/")[0]
-        assert top in allowed, f"COPY {source} is excluded by .dockerignore"
+        assert top in allowed, f"COPY {source} is excluded by Dockerfile.dockerignore"
         assert (REPO / source).exists(), source
-    for pattern in (".venv", ".git", "tests"):
+    for pattern in (".venv", ".git", "tests", "workflows"):
         assert pattern not in allowed
+
+
+# -- the code bundle of fast registration ----------------------------------------------------
+
+
+def workflow_imports(module: str) -> set[str]:
+    """The `workflows.*` modules that ``module`` imports, at its top or inside a function,
+    and those they import in turn: what its tasks, Spark's Python workers (UDFs pickled by
+    reference) and the ranks import."""
+    import ast
+
+    found, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        tree = ast.parse((REPO / (name.replace(".", "/") + ".py")).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "workflows":
+                todo += [f"workflows.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("workflows."):
+                todo.append(node.module)
+            elif isinstance(node, ast.Import):
+                todo += [a.name for a in node.names if a.name.startswith("workflows.")]
+    return found
+
+
+def module_files(modules: set[str]) -> set[str]:
+    return {name.replace(".", "/") + ".py" for name in modules} | {"workflows/__init__.py"}
+
+
+def test_workflow_imports_follow_imports_inside_functions():
+    modules = workflow_imports("workflows.rossmann")
+    # rossmann_data is imported only inside the steps' functions; driver_csv by features.
+    assert {
+        "workflows.rossmann_steps",
+        "workflows.rossmann_data",
+        "workflows.driver_csv",
+    } <= modules
+    assert "workflows.rossmann_flyte2" not in modules
+
+
+def test_register_bundle_holds_the_whole_workflows_package_and_no_flyte_hvd(tmp_path):
+    """`pyflyte register workflows/` (and `pyflyte run --remote --copy all`) uploads every file
+    of the project root less the ignore files' patterns: .flyteignore keeps flyte_hvd out, so
+    the image's installed flyte_hvd is the one the pods import."""
+    from code_bundle import bundle_files, register_bundle
+
+    files = bundle_files(register_bundle(tmp_path))
+    shipped = {f for f in files if f.startswith("workflows/")}
+    assert shipped == {str(path.relative_to(REPO)) for path in (REPO / "workflows").glob("*.py")}, (
+        "the bundle must hold the whole workflows package"
+    )
+    assert module_files(workflow_imports("workflows.rossmann")) <= shipped
+    assert not [f for f in files if f.startswith("flyte_hvd/")], "flyte_hvd must not be shipped"
+    assert not [f for f in files if f.startswith(("tests/", "docs/", "k8s/", "benchmarks/"))]
+    assert not [f for f in files if f.endswith(".pyc") or "__pycache__" in f]
+
+
+def test_copy_auto_bundle_holds_every_module_the_tasks_import(tmp_path):
+    """`pyflyte run --remote` (`--copy auto`) uploads only the modules under the project root
+    that are loaded once the workflow file is imported: the workflow imports all of its
+    package's modules at its top, so none that a task imports later is missing. flyte_hvd
+    comes from the installed package (here: outside the project root, as a user's project
+    beside an installed flyte-hvd), so it is not shipped."""
+    from code_bundle import bundle_files, run_bundle
+
+    project = tmp_path / "project"
+    shutil.copytree(REPO / "workflows", project / "workflows")
+    out = tmp_path / "out"
+    out.mkdir()
+    files = bundle_files(run_bundle(project / "workflows" / "rossmann.py", out, str(REPO)))
+    assert module_files(workflow_imports("workflows.rossmann")) <= files
+    assert not [f for f in files if f.startswith("flyte_hvd/")]
+
+
+def unpack_and_import(tarball: Path, folder: Path) -> subprocess.CompletedProcess:
+    """Unpacks a bundle as `pyflyte-fast-execute` does and imports the workflow there, with
+    the bundle ahead of the installed packages on the import path (this checkout stands for
+    the image's installed flyte_hvd)."""
+    import tarfile
+
+    folder.mkdir()
+    with tarfile.open(tarball) as tar:
+        tar.extractall(folder, filter="data")
+    program = "import flyte_hvd, workflows.rossmann; print(flyte_hvd.__file__)"
+    return subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        env={**os.environ, "PYTHONPATH": f"{folder}{os.pathsep}{REPO}"},
+        timeout=120,
+    )
+
+
+def test_unpacked_bundles_import_the_installed_flyte_hvd_or_refuse_a_partial_copy(tmp_path):
+    """The register bundle imports the workflow with the installed flyte_hvd. A `--copy auto`
+    bundle made from this checkout carries the flyte_hvd modules loaded at import, a partial
+    copy that would shadow the image's: importing flyte_hvd from it fails at once, saying why
+    and what to do, instead of on the first missing module inside a task or a rank."""
+    from code_bundle import register_bundle, run_bundle
+
+    whole = unpack_and_import(register_bundle(tmp_path), tmp_path / "register")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert whole.stdout.strip() == str(REPO / "flyte_hvd" / "__init__.py")
+    out = tmp_path / "out"
+    out.mkdir()
+    auto = run_bundle(REPO / "workflows" / "rossmann.py", out, str(REPO), cwd=REPO)
+    partial = unpack_and_import(auto, tmp_path / "auto")
+    assert partial.returncode != 0
+    assert f"ImportError: flyte_hvd at {tmp_path / 'auto' / 'flyte_hvd'} holds " in partial.stderr
+    assert f"and shadows the flyte_hvd at {REPO / 'flyte_hvd'}, which has " in partial.stderr
+    assert "`--copy all`" in partial.stderr
 
 
 # -- the image's entrypoint ------------------------------------------------------------------
@@ -524,6 +642,11 @@ _SUPPORTED = {
 }
 
 
+_CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding"}  # kustomize gives them no namespace
+# Lists that a strategic merge patch replaces whole (their fields have no merge key).
+_REPLACED_LISTS = {"subjects"}
+
+
 def render(directory: Path) -> list[dict]:
     spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
     unsupported = set(spec) - _SUPPORTED
@@ -553,7 +676,7 @@ def render(directory: Path) -> list[dict]:
     namespace = spec.get("namespace")
     for doc in docs:
         metadata = doc.setdefault("metadata", {})
-        if namespace:
+        if namespace and doc["kind"] not in _CLUSTER_SCOPED:
             metadata["namespace"] = namespace
             for subject in doc.get("subjects", []):
                 if subject.get("kind") == "ServiceAccount":
@@ -570,12 +693,14 @@ def _key(doc: dict) -> tuple[str, str, str]:
 
 
 def _merge(target: dict, patch: dict) -> None:
-    """A strategic merge patch of maps (the patches here change no lists)."""
+    """A strategic merge patch of maps, and of lists that it replaces whole."""
     for key, value in patch.items():
         if isinstance(value, dict) and isinstance(target.get(key), dict):
             _merge(target[key], value)
         else:
-            assert not isinstance(value, list), f"list patch of `{key}` not supported"
+            assert not isinstance(value, list) or key in _REPLACED_LISTS, (
+                f"list patch of `{key}` not supported"
+            )
             target[key] = copy.deepcopy(value)
 
 
@@ -689,18 +814,58 @@ def test_propeller_spark_defaults_fit_the_image_and_the_s3_secret():
         assert f"COPY docker/gpu-discovery.sh {script}" in DOCKERFILE
     (secret,) = load_all(K8S / "base" / "s3-secret.yaml")
     assert all(secret["stringData"].values()), "an empty variable is not an absent one"
-    for path in (
-        K8S / "flytepropeller" / "spark-plugin.yaml",
-        K8S / "overlays" / "sandbox" / "flyte" / "spark-plugin.yaml",
-    ):
+    for path in PROPELLER_DEFAULTS:
+        # Flyte's k8s plugin marks default-env-from-secrets optional: true.
         k8s_plugin = yaml.safe_load(path.read_text())["plugins"]["k8s"]
         assert k8s_plugin["default-env-from-secrets"] == [secret["metadata"]["name"]]
-    for role in ("driver", "executor"):
-        for key in secret["stringData"]:
-            ref = defaults[f"spark.kubernetes.{role}.secretKeyRef.{key}"]
-            assert ref == f"{secret['metadata']['name']}:{key}"
     configmap = rendered("flytepropeller")[("ConfigMap", "flyte-hvd-propeller-config", "flyte")]
     assert yaml.safe_load(configmap["data"]["spark-plugin.yaml"])["plugins"]["spark"]
+
+
+def test_spark_pods_reference_the_s3_secret_only_where_the_overlay_creates_it():
+    """Spark's secretKeyRef settings cannot be optional: a driver or executor pod whose Secret
+    is missing stays in CreateContainerConfigError. The base defaults reference none (pods
+    take credentials from their service account); the sandbox, which creates the Secret in
+    its execution namespace, references each of its keys."""
+    base = spark_defaults(K8S / "flytepropeller" / "spark-plugin.yaml")
+    assert not [key for key in base if ".secretKeyRef." in key or ".secrets." in key]
+    sandbox = spark_defaults(K8S / "overlays" / "sandbox" / "flyte" / "spark-plugin.yaml")
+    secret = rendered("overlays/sandbox")[("Secret", "flyte-hvd-s3", "flytesnacks-development")]
+    refs = {key: value for key, value in sandbox.items() if ".secretKeyRef." in key}
+    assert refs == {
+        f"spark.kubernetes.{role}.secretKeyRef.{key}": f"flyte-hvd-s3:{key}"
+        for role in ("driver", "executor")
+        for key in secret["stringData"]
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "account"),
+    [("flytepropeller", "flyte-backend-flyte-binary"), ("overlays/sandbox", "flyte-sandbox")],
+)
+def test_propeller_may_manage_spark_applications(name, account):
+    """flyte-binary's ClusterRole does not cover SparkApplications: without this binding
+    propeller's create of a Spark task's SparkApplication is forbidden."""
+    objects = rendered(name)
+    role = objects[("ClusterRole", "flyte-hvd-propeller-spark", "")]
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    for verb in ("create", "get", "list", "watch", "update", "patch", "delete"):
+        assert ("sparkoperator.k8s.io", "sparkapplications", verb) in granted, verb
+    binding = objects[("ClusterRoleBinding", "flyte-hvd-propeller-spark", "")]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "flyte-hvd-propeller-spark",
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": "flyte"}
+    ]
 
 
 def test_sandbox_spark_defaults_repeat_every_base_key():
@@ -785,3 +950,113 @@ def test_no_manifest_ships_a_pod_template():
         text = path.read_text()
         assert "primaryContainerName" not in text, path
         assert all(doc.get("kind") != "PodTemplate" for doc in load_all(path)), path
+
+
+@pytest.mark.parametrize("defaults", PROPELLER_DEFAULTS, ids=lambda p: str(p.relative_to(K8S)))
+def test_ranks_in_executor_pods_talk_over_libfabric_tcp(defaults):
+    """Every Spark task's executors (a HorovodSpark task's, and a plain Spark task's that runs
+    an estimator) get MPICH's libfabric TCP netmod in place of the wheel's default, UCX."""
+    from flyte_hvd.flyte import HorovodSpark
+    from flyte_hvd.flyte.task import HorovodSparkFunctionTask
+    from workflows.rossmann import prepare
+
+    def body() -> None:
+        return None
+
+    task = HorovodSparkFunctionTask(task_config=HorovodSpark(num_proc=2), task_function=body)
+    for custom in (serialized(task), serialized(prepare)):
+        conf = spark_application_conf(custom, defaults)
+        assert conf["spark.executorEnv.MPIR_CVAR_CH4_NETMOD"] == "ofi"
+        assert conf["spark.executorEnv.FI_PROVIDER"] == "tcp"
+
+
+def mebibytes(size: str) -> int:
+    """A JVM memory size of Spark (`512m`, `2g`) in MiB."""
+    match = re.fullmatch(r"(\d+)([mg])", size.strip().lower())
+    assert match, f"unexpected memory size {size!r}"
+    return int(match[1]) * (1024 if match[2] == "g" else 1)
+
+
+def spark_task_memory(conf: dict[str, str]) -> int:
+    """MiB that a SparkApplication's pods ask for: the driver's memory with its overhead
+    (Spark's non-JVM default, 40% and at least 384 MiB, unless set) and each executor's
+    memory with its memoryOverhead."""
+    driver = mebibytes(conf["spark.driver.memory"])
+    driver += mebibytes(conf.get("spark.driver.memoryOverhead", f"{max(384, driver * 4 // 10)}m"))
+    executor = mebibytes(conf["spark.executor.memory"])
+    executor += mebibytes(conf["spark.executor.memoryOverhead"])
+    return driver + int(conf["spark.executor.instances"]) * executor
+
+
+def test_rossmann_spark_tasks_take_the_deployments_memory():
+    """Rossmann's tasks set no memory, so the propeller defaults decide: the sandbox's fit a
+    laptop's Docker (at most 8 GiB for the 2-rank training task), the base's are larger."""
+    from workflows import rossmann
+
+    sandbox, base = (
+        K8S / "overlays" / "sandbox" / "flyte" / "spark-plugin.yaml",
+        K8S / "flytepropeller" / "spark-plugin.yaml",
+    )
+    train = {"sparkConf": rossmann.train_spark_conf(2), "executorPath": "/opt/venv/bin/python3"}
+    for custom in (serialized(rossmann.prepare), serialized(rossmann.predict), train):
+        assert not [key for key in custom["sparkConf"] if "memory" in key.lower()]
+        assert spark_task_memory(spark_application_conf(custom, sandbox)) <= 8 * 1024
+        assert spark_task_memory(spark_application_conf(custom, base)) > 8 * 1024
+
+
+def test_gpu_node_selector_is_removed_or_replaced_through_spark_conf():
+    """GPU executors select nodes labelled nvidia.com/gpu.present=true unless `spark_conf`
+    sets the key to None (or "") and, where GPU nodes carry another label, names that one."""
+    from flyte_hvd.flyte import HorovodSpark
+    from flyte_hvd.flyte.task import HorovodSparkFunctionTask
+    from flyte_hvd.spark.barrier_task import GPU_NODE_SELECTOR
+
+    def body() -> None:
+        return None
+
+    def spark_conf(**config) -> dict[str, str]:
+        task = HorovodSparkFunctionTask(task_config=HorovodSpark(**config), task_function=body)
+        return serialized(task)["sparkConf"]
+
+    assert spark_conf(num_proc=2, gpus_per_rank=1)[GPU_NODE_SELECTOR] == "true"
+    own = "spark.kubernetes.executor.node.selector.cloud.google.com/gke-accelerator"
+    for removed in (None, ""):
+        conf = spark_conf(num_proc=2, gpus_per_rank=1, spark_conf={GPU_NODE_SELECTOR: removed})
+        assert GPU_NODE_SELECTOR not in conf
+        assert conf["spark.executor.resource.gpu.amount"] == "1"  # the rest stays
+        conf = spark_conf(
+            num_proc=2, gpus_per_rank=1, spark_conf={GPU_NODE_SELECTOR: removed, own: "nvidia-l4"}
+        )
+        assert GPU_NODE_SELECTOR not in conf and conf[own] == "nvidia-l4"
+    # None where nothing is derived sets nothing; other types are still refused.
+    assert "spark.foo" not in spark_conf(num_proc=2, spark_conf={"spark.foo": None})
+    with pytest.raises(ValueError, match=r"must be a str, int, float or bool \(None removes"):
+        HorovodSpark(num_proc=2, spark_conf={"spark.foo": ["x"]})
+
+
+def test_slots_timeout_names_the_node_selector_of_pending_executors():
+    """Executors that never register on Kubernetes are often Pending pods that no node fits:
+    the slots error names their node selector and how to remove it; without one it adds
+    nothing."""
+    from types import SimpleNamespace
+
+    from pyspark import SparkConf
+
+    from flyte_hvd.flyte import HorovodSpark
+    from flyte_hvd.spark import runner
+    from flyte_hvd.spark.barrier_task import GPU_NODE_SELECTOR
+
+    def message(config: HorovodSpark) -> str:
+        conf = SparkConf(loadDefaults=False).setAll(list(config.effective_spark_conf.items()))
+        cluster = SimpleNamespace(master="k8s://https://10.0.0.1:443", getConf=lambda: conf)
+        return runner._slots_message(cluster, 2, 0, 0, True, 5.0)
+
+    text = message(HorovodSpark(num_proc=2, gpus_per_rank=1))
+    assert text.startswith("`num_proc`=2 but the cluster has 0 free task slot(s)")
+    assert "after waiting 5s for executors to register" in text
+    assert f"node selector: nvidia.com/gpu.present=true ({GPU_NODE_SELECTOR})" in text
+    assert "spark_conf={key: None}" in text
+    removed = message(
+        HorovodSpark(num_proc=2, gpus_per_rank=1, spark_conf={GPU_NODE_SELECTOR: None})
+    )
+    assert "node selector" not in removed

@@ -254,3 +254,21 @@ def test_program_job_parses_python_commands(command, argv):
 def test_program_job_rejects_other_commands(command):
     with pytest.raises(ValueError):
         ProgramJob.from_command(command)
+
+
+def test_rank_with_another_flyte_hvd_than_the_drivers_fails_before_it_joins(
+    cli, monkeypatch, no_leftover_ranks
+):
+    """A rank given the Spark driver's version (``flyte_hvd.spark`` sets it) compares its own
+    flyte_hvd with it before it joins the others or loads the job."""
+    from flyte_hvd.launch.environment import DRIVER_VERSION_ENV
+
+    monkeypatch.setenv(DRIVER_VERSION_ENV, "0.0.1.dev0")
+    started = time.monotonic()
+    result = cli("-np", "2", "python", "-c", "print('ran')")
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    assert "ran" not in result.stdout
+    assert "but flyte_hvd 0.0.1.dev0 on the Spark driver" in result.stderr, result.stderr
+    assert "in rank 0 (imported from" in result.stderr or "in rank 1 (" in result.stderr
+    assert elapsed < 30, f"{elapsed:.1f}s to the error"

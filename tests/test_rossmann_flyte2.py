@@ -58,7 +58,8 @@ def test_train_gets_an_executor_per_rank_from_the_hyperparameters():
     conf = MessageToDict(_wire(wide).task_template.custom)["sparkConf"]
     assert conf["spark.executor.instances"] == "4" and conf["spark.task.cpus"] == "1"
     assert conf["spark.dynamicAllocation.enabled"] == "false"
-    assert conf["spark.executor.memory"] == "4g" and conf["spark.sql.shuffle.partitions"] == "8"
+    assert conf["spark.sql.shuffle.partitions"] == "8"
+    assert not [key for key in conf if "memory" in key]  # the deployment's defaults decide
     default = MessageToDict(_wire(r2.train).task_template.custom)["sparkConf"]
     assert default["spark.executor.instances"] == str(steps.Hyperparameters().num_proc)
 

@@ -465,3 +465,24 @@ def test_spares_started_ahead_take_the_ranks_of_a_new_sessions_first_run(tmp_pat
     assert len(found["ahead"]) == 2, found
     assert found["claimed"] == [0, 1], found
     assert sorted(found["ran_on"]) == found["ahead"], found
+
+
+def test_executors_with_another_flyte_hvd_than_the_drivers_fail_naming_both(
+    spark_local2, monkeypatch, no_leftover_ranks
+):
+    """A stale image on the executors, or a code bundle that ships a flyte_hvd of its own,
+    stops the run as its tasks start, before any rank: the error names both versions and
+    what to do. (The executors here are this checkout; the driver claims another version.)"""
+    import flyte_hvd
+
+    theirs = flyte_hvd.__version__
+    monkeypatch.setattr(flyte_hvd, "__version__", "0.0.1.dev0")
+    started = time.monotonic()
+    with pytest.raises(RanksFailedError) as raised:
+        run(print, num_proc=2, start_timeout=60)
+    elapsed = time.monotonic() - started
+    message = str(raised.value)
+    assert f"flyte_hvd {theirs} in the executor of rank " in message
+    assert "but flyte_hvd 0.0.1.dev0 on the Spark driver" in message
+    assert "run both from one image" in message and "--copy all" in message
+    assert elapsed < 20, f"{elapsed:.1f}s to the error"

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import TYPE_CHECKING
 
 import cloudpickle
-import keras
 
 from workflows.rossmann_features import CATEGORICAL_COLS, CONTINUOUS_COLS
+
+if TYPE_CHECKING:
+    import keras
+
+# Keras (and TensorFlow) is imported where a function needs it: the workflow's files import
+# this module, and a registration or a task without a model should not pay for it.
 
 # The ranks and Spark's Python workers unpickle the metric; send it by value so they need not
 # import this module (on a cluster the workflow's code may not be on their path).
@@ -23,6 +29,8 @@ EMBEDDING_DIM = 10
 
 def exp_rmspe(y_true, y_pred):
     """RMSPE of sales when the model predicts log sales."""
+    import keras
+
     ops = keras.ops
     # Labels may arrive as (batch,) beside predictions of (batch, 1): align them, or the
     # difference would broadcast to (batch, batch).
@@ -41,6 +49,8 @@ def build_model(vocab: dict[str, list[str]], max_sales: float, mean_sales: float
     ``max_sales``/``mean_sales``: the largest and mean log sale of the training rows. The
     output starts at ``mean_sales`` rather than at the middle of its range, which spares the
     first epochs from only shifting the output."""
+    import keras
+
     keras.utils.set_random_seed(seed)
     layers = keras.layers
     l2 = keras.regularizers.l2(5e-5)

@@ -17,6 +17,11 @@ from typing import Any
 import fsspec
 from dataclasses_json import dataclass_json
 
+# Every module the tasks import, loaded with this one: `pyflyte run --remote` (`--copy auto`)
+# ships only the workflow's modules loaded when its file is imported, and the tasks, Spark's
+# Python workers and the ranks import these in the pods.
+from workflows import rossmann_data, rossmann_features, rossmann_model  # noqa: F401
+
 # The Store prefix when none is given. Registering with FLYTE_HVD_WORK_DIR=s3://bucket/prefix
 # makes that the default of the pipeline and of its scheduled retraining.
 DEFAULT_WORK_DIR = os.environ.get("FLYTE_HVD_WORK_DIR") or os.path.join(
@@ -34,16 +39,19 @@ RETRAIN_INPUTS = {"warm_start": LATEST}
 
 # Settings for the Spark tasks. On Kubernetes the SparkApplication gets them; a local run's
 # session gets them too. Training needs a task slot per rank (hp.num_proc): the launcher
-# checks the slots before any rank starts.
+# checks the slots before any rank starts. Memory is the deployment's (the propeller
+# defaults in k8s/, smaller in the sandbox): a task's setting would override them.
 SPARK_CONF = {
     "spark.sql.shuffle.partitions": "8",
-    "spark.driver.memory": "4g",
     "spark.executor.instances": "2",
     "spark.executor.cores": "1",
-    "spark.executor.memory": "4g",
     "spark.dynamicAllocation.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
 }
+
+
+# The JVM of a local run; spark-submit reads SPARK_DRIVER_MEMORY when no setting names it.
+LOCAL_DRIVER_MEMORY = "4g"
 
 
 def use_local_spark() -> None:
@@ -53,6 +61,8 @@ def use_local_spark() -> None:
     Spark's Python workers, and so the ranks, must be this interpreter (with flyte_hvd and
     TensorFlow), not whichever `python3` comes first on PATH."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    # A local master runs the executors in the driver's JVM: it gets the memory of both.
+    os.environ.setdefault("SPARK_DRIVER_MEMORY", LOCAL_DRIVER_MEMORY)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
 

@@ -21,6 +21,7 @@ from flyte_hvd.core.errors import ExplainedError
 from flyte_hvd.core.log import get_logger
 from flyte_hvd.launch import job as job_module
 from flyte_hvd.launch import messages, process_group, rendezvous, spare, stall
+from flyte_hvd.launch.environment import DRIVER_VERSION_ENV, version_mismatch
 from flyte_hvd.launch.messages import RankOp
 from flyte_hvd.launch.output import adopt_rank_pipes
 
@@ -42,6 +43,9 @@ def main() -> None:
     job_path, result_path = env.pop(rendezvous.JOB_ENV), env.pop(rendezvous.RESULT_ENV)
     client = rendezvous.ControlClient(env.pop(rendezvous.CONTROL_ENV), rank)
     try:
+        mismatch = version_mismatch(env.pop(DRIVER_VERSION_ENV, None), f"rank {rank}")
+        if mismatch:  # before it joins: the job was pickled by another flyte_hvd
+            raise ExplainedError(mismatch)
         limit = job_module.result_limit(env)
         env.pop(job_module.MAX_RESULT_ENV, None)  # the launcher's, not the job's
         comm = rendezvous.join(client, rank, size)

@@ -13,6 +13,31 @@ FORWARDED_ENV_PREFIXES = ("AWS_", "FSSPEC_", "GOOGLE_", "GCSFS_", "STORAGE_EMULA
                           "AZURE_")  # fmt: skip
 
 
+# The Spark driver's flyte_hvd version, in every rank's environment: the executor's task and
+# the rank each compare their own with it before they run anything.
+DRIVER_VERSION_ENV = "FLYTE_HVD_DRIVER_VERSION"
+
+
+def version_mismatch(driver_version: str | None, where: str) -> str | None:
+    """The error when the flyte_hvd imported here (``where``: an executor, a rank) is not the
+    driver's version ``driver_version``; None when they agree or no version was given."""
+    import flyte_hvd
+
+    mine = flyte_hvd.__version__
+    if not driver_version or driver_version == mine:
+        return None
+    return (
+        f"flyte_hvd {mine} in {where} (imported from "
+        f"{os.path.dirname(flyte_hvd.__file__)}), but flyte_hvd {driver_version} on the Spark "
+        f"driver: the driver, the executors and the ranks must run one flyte_hvd. If the "
+        f"executors' image is older or newer than the driver's, run both from one image "
+        f"(spark.kubernetes.executor.container.image, or the task's image). If the task's code "
+        f"bundle ships a flyte_hvd of its own (`pyflyte run --remote --copy auto` from a "
+        f"checkout), register with `--copy all`, whose .flyteignore leaves it out, so that "
+        f"every pod imports the image's."
+    )
+
+
 def local_driver_env(master: str, num_proc: int) -> dict[str, str]:
     """On a ``local``/``local-cluster`` Spark master the ranks and Python workers are the
     driver's own descendants on this host, but their environment is the one Spark started

@@ -38,6 +38,10 @@ Number = TypeVar("Number", int, float)  # a Spark setting read as a number
 T = TypeVar("T")  # what an awaited body gives back
 
 GPU_VENDOR = "nvidia.com"
+# GPU executors select nodes by the label NVIDIA's GPU feature discovery (and GPU operator)
+# puts on GPU nodes; where they carry another, `spark_conf={GPU_NODE_SELECTOR: None}` removes
+# it (and a `spark.kubernetes.executor.node.selector.<label>` key names theirs).
+GPU_NODE_SELECTOR = "spark.kubernetes.executor.node.selector.nvidia.com/gpu.present"
 # What a GPU executor pod gets besides its GPUs, as Spark's own Kubernetes settings: Flyte's
 # Spark plugin copies no volumes from a pod template, so a memory-backed /dev/shm (NCCL and
 # TensorFlow's input pipeline use it beyond the container default of 64 MiB) and the GPU node
@@ -47,7 +51,7 @@ GPU_EXECUTOR_CONF = {
     "spark.kubernetes.executor.volumes.emptyDir.dshm.mount.path": "/dev/shm",
     "spark.kubernetes.executor.volumes.emptyDir.dshm.options.medium": "Memory",
     "spark.kubernetes.executor.volumes.emptyDir.dshm.options.sizeLimit": "8Gi",
-    "spark.kubernetes.executor.node.selector.nvidia.com/gpu.present": "true",
+    GPU_NODE_SELECTOR: "true",
     "spark.executorEnv.TF_FORCE_GPU_ALLOW_GROWTH": "true",
 }
 
@@ -71,13 +75,16 @@ class BarrierTaskConfig:
     ``num_proc``: one executor per rank with ``cores_per_rank`` cores, ``spark.task.cpus`` of
     the same, dynamic allocation off, Python workers on Unix domain sockets that import
     pyspark from its installed package (``PYTHON_WORKER_CONF``), and ``gpus_per_rank`` GPUs
-    per executor and task. Keys in ``spark_conf`` override the derived ones; a ``spark_conf``
+    per executor and task. Keys in ``spark_conf`` override the derived ones, and a key set to
+    ``None`` (or ``""``) removes a derived one (e.g. ``GPU_NODE_SELECTOR``); a ``spark_conf``
     that leaves fewer than ``num_proc`` task slots is refused here rather than at run time.
 
     For GPUs on Kubernetes also set ``spark.executor.resource.gpu.discoveryScript`` (the path
     in your Spark image) in ``spark_conf``; the executors get a memory-backed ``/dev/shm`` and
     a GPU node selector (``GPU_EXECUTOR_CONF``) as Spark settings, since Flyte's Spark plugin
-    copies no volumes from ``executor_pod``. Locally the GPU settings are left out unless
+    copies no volumes from ``executor_pod``. Where GPU nodes carry another label, replace the
+    selector (``{GPU_NODE_SELECTOR: None, "spark.kubernetes.executor.node.selector.<label>":
+    "<value>"}``) or remove it. Locally the GPU settings are left out unless
     ``spark_conf`` names them, so a laptop without GPUs runs the same task.
 
     With ``connect_url`` the task runs on an existing cluster through Spark Connect
@@ -90,7 +97,11 @@ class BarrierTaskConfig:
 
     Attributes:
         num_proc: number of ranks (Spark barrier tasks).
-        spark_conf: Spark settings; override the derived ones.
+        spark_conf: Spark settings; override the derived ones (``None`` or ``""``: remove the
+            derived setting).
+        removed_spark_conf: the derived settings left out: the keys ``spark_conf`` sets to
+            ``None`` or ``""`` are moved here, so that ``spark_conf`` holds only strings, as
+            the SDK's Spark plugin reads it.
         hadoop_conf, executor_path, applications_path, driver_pod, executor_pod: as in the
             SDK's ``Spark`` config (pod templates of that SDK).
         start_timeout: seconds for scheduling plus rendezvous (``flyte_hvd.spark.run``).
@@ -115,6 +126,7 @@ class BarrierTaskConfig:
     cores_per_rank: int = 1
     gpus_per_rank: int = 0
     connect_url: str | None = None
+    removed_spark_conf: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         require_int("num_proc", self.num_proc, minimum=1)
@@ -140,7 +152,13 @@ class BarrierTaskConfig:
                 f"found {url!r}."
             )
         # Frozen: normalize through object.__setattr__, on copies the caller cannot mutate.
-        object.__setattr__(self, "spark_conf", _string_map("spark_conf", self.spark_conf))
+        spark_conf = _string_map("spark_conf", self.spark_conf, removable=True)
+        removed = {key for key, value in spark_conf.items() if value is None}
+        removed.update(_string_keys("removed_spark_conf", self.removed_spark_conf))
+        object.__setattr__(self, "removed_spark_conf", tuple(sorted(removed)))
+        object.__setattr__(
+            self, "spark_conf", {k: v for k, v in spark_conf.items() if v is not None}
+        )
         object.__setattr__(self, "hadoop_conf", _string_map("hadoop_conf", self.hadoop_conf))
         _check_feasible(self.num_proc, self.effective_spark_conf)
 
@@ -163,38 +181,56 @@ class BarrierTaskConfig:
     @property
     def effective_spark_conf(self) -> dict[str, str]:
         """Derived settings with ``spark_conf`` on top: what the SparkApplication gets."""
-        return {**self.derived_spark_conf(), **(self.spark_conf or {})}
+        return self._overlay(self.derived_spark_conf())
+
+    def _overlay(self, derived: dict[str, str]) -> dict[str, str]:
+        """``derived`` less ``removed_spark_conf``, with ``spark_conf`` on top."""
+        kept = {k: v for k, v in derived.items() if k not in self.removed_spark_conf}
+        return {**kept, **(self.spark_conf or {})}
 
     @property
     def local_spark_conf(self) -> dict[str, str]:
         """Settings for a local SparkSession: GPU settings only where ``spark_conf`` names
         them, and a ``local[N]`` master with a task slot per rank unless it names one."""
-        conf = {**self.derived_spark_conf(gpus=False), **(self.spark_conf or {})}
+        conf = self._overlay(self.derived_spark_conf(gpus=False))
         task_cpus = int(conf["spark.task.cpus"])
         conf.setdefault("spark.master", f"local[{self.num_proc * task_cpus}]")
         return conf
 
 
-def _string_map(name: str, value: object) -> dict[str, str]:
+def _string_keys(name: str, value: object) -> list[str]:
+    """Setting names given as a tuple (or list or set) of str."""
+    if not isinstance(value, tuple | list | set | frozenset) or not all(
+        isinstance(key, str) for key in value
+    ):
+        raise ValueError(f"`{name}` must be a tuple of setting names (str); found {value!r}.")
+    return list(value)
+
+
+def _string_map(name: str, value: object, removable: bool = False) -> dict[str, Any]:
     """Spark and Hadoop settings are strings; numbers and booleans are written as Spark
-    spells them (``2``, ``true``) so ``{"spark.executor.cores": 2}`` works."""
+    spells them (``2``, ``true``) so ``{"spark.executor.cores": 2}`` works. Where settings
+    are ``removable``, ``None`` and ``""`` are kept as ``None``: remove the setting."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
         raise ValueError(
             f"`{name}` must be a dict of setting names to values; found {type(value).__name__}."
         )
-    out: dict[str, str] = {}
+    out: dict[str, Any] = {}
     for key, item in value.items():
         if not isinstance(key, str):
             raise ValueError(f"`{name}` keys must be str; found {key!r} ({type(key).__name__}).")
-        if isinstance(item, bool):
+        if removable and (item is None or item == ""):
+            out[key] = None
+        elif isinstance(item, bool):
             out[key] = "true" if item else "false"
         elif isinstance(item, str | int | float):
             out[key] = str(item)
         else:
             raise ValueError(
-                f"`{name}[{key!r}]` must be a str, int, float or bool; found {item!r} "
+                f"`{name}[{key!r}]` must be a str, int, float or bool"
+                f"{' (None removes a derived setting)' if removable else ''}; found {item!r} "
                 f"({type(item).__name__})."
             )
     return out

@@ -63,6 +63,9 @@ class SessionConf:
     def get(self, key: str, default: str | None = None) -> str | None:
         return self._conf.get(key, default)
 
+    def getAll(self) -> list[tuple[str, str]]:
+        return list(self._conf.items())
+
 
 def default_parallelism(spark: SparkSession) -> int:
     """The cluster's default parallelism as the server plans it: the number of splits of a

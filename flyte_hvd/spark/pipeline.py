@@ -24,10 +24,12 @@ from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 from typing import IO, Any, Protocol
 
+import flyte_hvd
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.log import get_logger, verbosity_level
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch import stall
+from flyte_hvd.launch.environment import DRIVER_VERSION_ENV
 from flyte_hvd.launch.job import DEFAULT_MAX_RESULT_BYTES, MAX_RESULT_ENV, result_limit
 from flyte_hvd.launch.supervisor import check_start_timeout, new_secret, start_timeout_from_env
 from flyte_hvd.spark import runner
@@ -137,6 +139,7 @@ def launch(spec: LaunchSpec, backend: StageBackend) -> runner.RunReport:
     num_proc = spec.num_proc
     rank_env = runner.ranks_env(backend.master, num_proc, spec.env)
     rank_env[MAX_RESULT_ENV] = str(spec.max_result_bytes)  # each rank checks its own result
+    rank_env[DRIVER_VERSION_ENV] = flyte_hvd.__version__  # executors and ranks compare theirs
     stall_config = stall.StallConfig.from_env({**os.environ, **rank_env})
     submitted_at = time.time()
     deadline = time.monotonic() + spec.start_timeout

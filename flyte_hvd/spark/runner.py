@@ -26,7 +26,12 @@ import cloudpickle
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.log import get_logger
 from flyte_hvd.core.types import UserValue
-from flyte_hvd.launch.environment import driver_env, local_driver_env
+from flyte_hvd.launch.environment import (
+    DRIVER_VERSION_ENV,
+    driver_env,
+    local_driver_env,
+    version_mismatch,
+)
 from flyte_hvd.launch.job import FunctionJob
 from flyte_hvd.launch.supervisor import first_failure
 
@@ -41,6 +46,8 @@ class _Settings(Protocol):
     def get(self, key: str, /) -> str | None: ...
     @overload
     def get(self, key: str, default: str, /) -> str: ...
+
+    def getAll(self) -> list[tuple[str, str]]: ...
 
 
 class ClusterConf(Protocol):
@@ -247,6 +254,32 @@ def _slots_message(
             if is_local(master)
             else "more executors (spark.executor.instances) or cores (spark.executor.cores)."
         )
+        + (_pending_hint(conf) if waited else "")
+    )
+
+
+_NODE_SELECTOR_PREFIXES = (
+    "spark.kubernetes.executor.node.selector.",
+    "spark.kubernetes.node.selector.",
+)
+
+
+def _pending_hint(conf: _Settings) -> str:
+    """Why executors that never register may be Pending pods: the node selectors they carry,
+    and how to change or remove one."""
+    selectors = sorted(
+        (key, value) for key, value in conf.getAll() if key.startswith(_NODE_SELECTOR_PREFIXES)
+    )
+    if not selectors:
+        return ""
+    labels = ", ".join(
+        f"{key.partition('.node.selector.')[2]}={value} ({key})" for key, value in selectors
+    )
+    return (
+        f" Executor pods that never register may be Pending on their node selector: {labels}. "
+        f"If no schedulable node carries that label (`kubectl get nodes --show-labels`), set "
+        f"the label your nodes have, or remove the setting with `spark_conf={{key: None}}` "
+        f"(HorovodSpark) or by leaving it out of the Spark settings."
     )
 
 
@@ -438,6 +471,14 @@ def barrier_task(
         rank = ctx.partitionId()
         link = DriverLink(driver_address, secret, rank)
         link.event("task_started")
+        mismatch = version_mismatch(env.get(DRIVER_VERSION_ENV), f"the executor of rank {rank}")
+        if mismatch:
+            if link.failed(mismatch):  # the driver ends the run and raises it
+                link.close()
+                yield rank, RUN_FAILED
+                return
+            link.close()
+            raise RuntimeError(mismatch)
         rank_env = _task_rank_env(env, ctx)
         # "host:port" of the task's executor as the driver reaches it: rank 0's host part is
         # MASTER_ADDR when the ranks span hosts (``launch.process_group``).

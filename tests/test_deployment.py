@@ -254,12 +254,14 @@ def test_the_image_installs_python_packages_only_from_a_lock_file():
 
 def test_the_image_python_is_the_locked_python():
     bases = re.findall(r"^FROM (\S+)", DOCKERFILE, re.M)
-    official = [base for base in bases if base.startswith("python:")]
-    assert len(official) == 1, bases
-    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm", official[0]), official[0]
+    # The first stage starts from BASE_IMAGE, by default the official Python image.
+    assert bases[0] == "${BASE_IMAGE}", bases
+    official = dockerfile_args()["BASE_IMAGE"]
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm", official), official
+    assert DOCKERFILE.index("ARG BASE_IMAGE=") < DOCKERFILE.index("FROM ")
     assert "--python-version 3.11 " in (REPO / "scripts" / "lock.sh").read_text()
     # Every other stage starts from that one (as `base`).
-    assert set(bases) == {official[0], "base"}
+    assert set(bases) == {"${BASE_IMAGE}", "base"}
 
 
 def test_s3a_jars_match_the_hadoop_client_that_the_locked_pyspark_ships():
@@ -310,7 +312,7 @@ def test_image_paths_are_flytekits_spark_defaults():
 def test_dockerignore_keeps_what_the_dockerfile_copies():
     rules = [
         line.strip()
-        for line in (REPO / ".dockerignore").read_text().splitlines()
+        for line in (REPO / "Dockerfile.dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
     assert rules[0] == "*", "the context is an allow-list"
@@ -323,7 +325,7 @@ def test_dockerignore_keeps_what_the_dockerfile_copies():
     assert sources
     for source in sources:
         top = source.rstrip("/").split("/")[0]
-        assert top in allowed, f"COPY {source} is excluded by .dockerignore"
+        assert top in allowed, f"COPY {source} is excluded by Dockerfile.dockerignore"
         assert (REPO / source).exists(), source
     for pattern in (".venv", ".git", "tests"):
         assert pattern not in allowed

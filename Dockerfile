@@ -28,7 +28,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH
 
 
-# -- build: the virtual environment, from the lock file --------------------------------------
+# -- build: the virtual environment, from the lock file (the project itself is installed last,
+# in the runtime stage, so that a change to it rebuilds one small layer) ----------------------
 FROM base AS build
 ARG LOCK_FILE=lock/image.txt
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -41,10 +42,6 @@ COPY lock/ /src/lock/
 RUN --mount=type=cache,id=flyte-hvd-pip,target=/root/.cache/pip \
     pip install ${FIND_LINKS:+--find-links "$FIND_LINKS"} \
         ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} -r "/src/${LOCK_FILE}"
-COPY pyproject.toml README.md /src/
-COPY flyte_hvd/ /src/flyte_hvd/
-# The project alone: its dependencies, and setuptools that builds it, are in the lock file.
-RUN pip install --no-cache-dir --no-deps --no-build-isolation /src
 
 
 # -- jars: the S3A connector for s3a:// paths ------------------------------------------------
@@ -106,6 +103,12 @@ ENV VIRTUAL_ENV=/opt/venv \
     PYSPARK_PYTHON=/opt/venv/bin/python3 \
     PYSPARK_DRIVER_PYTHON=/opt/venv/bin/python3 \
     HOME=/home/spark
+
+# The project alone: its dependencies, and setuptools that builds it, are in the lock file.
+COPY pyproject.toml README.md /src/
+COPY flyte_hvd/ /src/flyte_hvd/
+RUN pip install --no-cache-dir --no-deps --no-build-isolation /src \
+    && rm -rf /src
 
 # Spark images run as uid 185. Fast-registered code is unpacked into the working directory.
 RUN useradd --uid 185 --gid 0 --create-home --home-dir /home/spark spark \

@@ -8,8 +8,8 @@
 # It holds what the Dockerfile expects of python:3.11-slim-bookworm: python3.11 with venv and
 # pip, a `python` command, CA certificates and apt sources (the mirror, its updates and
 # security suites). The root file system is cached as a tarball
-# ($FLYTE_HVD_IMAGE_CACHE/base-bookworm.tar.gz, default ~/.cache/flyte-hvd-image), so a second
-# run only imports it. Needs root, debootstrap and podman (scripts/build_image.sh installs
+# ($FLYTE_HVD_IMAGE_CACHE/base-bookworm.tar.gz, default ~/.cache/flyte-hvd-image): a second
+# run only imports it, or does nothing while the image imported from it is there. Needs root, debootstrap and podman (scripts/build_image.sh installs
 # them).
 set -euo pipefail
 
@@ -37,6 +37,9 @@ mirror="${mirror:-http://deb.debian.org/debian}"
 mirror="${mirror%/}"
 security="${mirror%/debian}/debian-security"
 
+if podman image exists "$image" && [ -s "$tarball" ]; then
+  exit 0  # made from the cached tarball before (remove the image to import it again)
+fi
 if [ ! -s "$tarball" ]; then
   mkdir -p "$cache"
   root=$(mktemp -d "${TMPDIR:-/var/tmp}/flyte-hvd-base.XXXXXX")

@@ -133,3 +133,18 @@ def test_the_entrypoint_says_when_spark_has_no_s3a_connector(tmp_path, has_s3a):
     assert said != has_s3a, result.stderr
     if not has_s3a:
         assert "Spark cannot read or write s3a:// paths" in result.stderr
+
+
+def test_a_rank_keeps_mpichs_settings_but_not_an_enclosing_launchs(monkeypatch):
+    """MPIR_CVAR_* (MPICH's netmod, as between pods) reach the rank; an enclosing launch's
+    variables do not."""
+    from flyte_hvd.launch.supervisor import rank_start
+
+    monkeypatch.setenv("MPIR_CVAR_CH4_NETMOD", "ofi")
+    monkeypatch.setenv("FI_PROVIDER", "tcp")
+    for name in ("PMI_RANK", "HYDRA_CONTROL_FD", "MPIR_OTHER", "MPI_LOCALNRANKS"):
+        monkeypatch.setenv(name, "1")
+    env, command = rank_start({}, single_host=False)
+    assert env["MPIR_CVAR_CH4_NETMOD"] == "ofi" and env["FI_PROVIDER"] == "tcp"
+    assert not {"PMI_RANK", "HYDRA_CONTROL_FD", "MPIR_OTHER", "MPI_LOCALNRANKS"} & set(env)
+    assert command[-2:] == ["-m", "flyte_hvd.launch.bootstrap"]

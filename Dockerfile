@@ -14,43 +14,57 @@
 # nvidia-* wheels, so the base image needs no CUDA. The GPU build must not add the CPU index:
 # `torch==2.13.0` also matches `2.13.0+cpu`, which pip would prefer.
 
-# Debian 12: the last Debian with a Java 17 package (Spark 4 runs on 17 or 21).
-FROM python:3.11.14-slim-bookworm AS base
+# Where no registry is reachable, scripts/build_image.sh (`make image`) builds it with buildah
+# from a base made here (BASE_IMAGE, scripts/build_base_image.sh: Debian 12 by debootstrap),
+# the torch wheel from a local folder (FIND_LINKS, a volume) and no S3A jars (S3A_JARS=false).
+#
+# Debian 12: the last Debian with a Java 17 package (Spark 4 runs on 17 or 21). Another base
+# must be Debian 12 with python3.11 (venv, pip) as `python` on PATH.
+ARG BASE_IMAGE=python:3.11.14-slim-bookworm
+FROM ${BASE_IMAGE} AS base
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
 
 
-# -- build: the virtual environment, from the lock file --------------------------------------
+# -- build: the virtual environment, from the lock file (the project itself is installed last,
+# in the runtime stage, so that a change to it rebuilds one small layer) ----------------------
 FROM base AS build
 ARG LOCK_FILE=lock/image.txt
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# A folder of wheels inside the build (a volume: `buildah bud -v DIR:/wheels:ro --build-arg
+# FIND_LINKS=/wheels`) that pip searches too; with it, TORCH_INDEX_URL may be empty (no index).
+ARG FIND_LINKS=
 RUN python -m venv /opt/venv
 COPY lock/ /src/lock/
-RUN pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" -r "/src/${LOCK_FILE}"
-COPY pyproject.toml README.md /src/
-COPY flyte_hvd/ /src/flyte_hvd/
-# The project alone: its dependencies, and setuptools that builds it, are in the lock file.
-RUN pip install --no-cache-dir --no-deps --no-build-isolation /src
+# pip's cache is a cache mount: kept between builds on one machine, never in the image.
+RUN --mount=type=cache,id=flyte-hvd-pip,target=/root/.cache/pip \
+    pip install ${FIND_LINKS:+--find-links "$FIND_LINKS"} \
+        ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} -r "/src/${LOCK_FILE}"
 
 
 # -- jars: the S3A connector for s3a:// paths ------------------------------------------------
 # hadoop-aws must be the version of the Hadoop client inside pyspark's jars
 # (hadoop-client-api-<version>.jar; pyspark 4.3 ships 3.5.0), with the AWS SDK v2 bundle that
 # Hadoop release was built against (hadoop-project's aws-java-sdk-v2.version).
+# S3A_JARS=false leaves them out (where Maven Central cannot be reached): the image's entrypoint
+# then says at start that Spark has no s3a://; flyte_hvd's Store still reaches s3:// (s3fs).
 FROM base AS jars
 ARG HADOOP_VERSION=3.5.0
 ARG AWS_SDK_VERSION=2.35.4
 ARG MAVEN_URL=https://repo1.maven.org/maven2
+ARG S3A_JARS=true
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends ca-certificates curl \
-    && rm -rf /var/lib/apt/lists/*
 WORKDIR /jars
+# hadolint ignore=DL3008
+RUN if [ "${S3A_JARS}" = true ]; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends ca-certificates curl \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
 # Each jar is checked against the SHA-1 that Maven Central publishes beside it.
-RUN for path in \
+RUN [ "${S3A_JARS}" != true ] || for path in \
         "org/apache/hadoop/hadoop-aws/${HADOOP_VERSION}/hadoop-aws-${HADOOP_VERSION}.jar" \
         "software/amazon/awssdk/bundle/${AWS_SDK_VERSION}/bundle-${AWS_SDK_VERSION}.jar"; do \
         curl -fsSL -o "${path##*/}" "${MAVEN_URL}/${path}" \
@@ -89,6 +103,12 @@ ENV VIRTUAL_ENV=/opt/venv \
     PYSPARK_PYTHON=/opt/venv/bin/python3 \
     PYSPARK_DRIVER_PYTHON=/opt/venv/bin/python3 \
     HOME=/home/spark
+
+# The project alone: its dependencies, and setuptools that builds it, are in the lock file.
+COPY pyproject.toml README.md /src/
+COPY flyte_hvd/ /src/flyte_hvd/
+RUN pip install --no-cache-dir --no-deps --no-build-isolation /src \
+    && rm -rf /src
 
 # Spark images run as uid 185. Fast-registered code is unpacked into the working directory.
 RUN useradd --uid 185 --gid 0 --create-home --home-dir /home/spark spark \

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup lock test test-fast check docs run run-flyte2 demo lint format bench cluster
+.PHONY: setup lock test test-fast check docs run run-flyte2 demo lint format bench cluster image
 
 # lock/dev.txt pins every package of this install (`make lock` regenerates it from
 # pyproject.toml). Its torch is the CPU build (2.13.0+cpu), which PyPI does not carry:
@@ -28,10 +28,10 @@ test: setup check docs
 	$(PY) -m pytest
 
 # The edit-test loop: every test that starts no Spark, no rank process and no Flyte execution
-# (markers `spark`, `mpi`, `flyte`, `e2e`, `cluster` deselected; one that starts such a thing
-# anyway fails, naming the marker it lacks).
+# (markers `spark`, `mpi`, `flyte`, `e2e`, `cluster`, `container` deselected; one that starts
+# such a thing anyway fails, naming the marker it lacks).
 test-fast: setup
-	FLYTE_HVD_TEST_FAST=1 $(PY) -m pytest -m "not spark and not mpi and not flyte and not e2e and not cluster"
+	FLYTE_HVD_TEST_FAST=1 $(PY) -m pytest -m "not spark and not mpi and not flyte and not e2e and not cluster and not container"
 
 # Static checks: lint, format, the layers (import-linter contracts in pyproject.toml: each
 # layer imports only those below it, no import cycles) and the types the package promises
@@ -62,6 +62,13 @@ demo: setup
 # driver host; exiting the shell stops it. tests/cluster_harness.py says what is simulated.
 cluster: setup
 	PY=$(PY) scripts/cluster.sh
+
+# The CPU image (Dockerfile) with buildah, as root, on a machine that reaches Debian's and PyPI's
+# packages but no container registry: a Debian 12 base made by debootstrap, the torch wheel
+# from pip's find-links folder, no S3A jars when Maven Central does not answer. Installs
+# buildah, podman, runc and debootstrap with apt-get when missing. See scripts/build_image.sh.
+image:
+	scripts/build_image.sh
 
 # The documentation site (docs/, mkdocs.yml) into site/, every warning an error; first a check
 # that the API reference pages list every public name (scripts/api_reference.py writes them).

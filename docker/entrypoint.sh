@@ -29,6 +29,13 @@ if [ -n "${SPARK_EXTRA_CLASSPATH:-}" ]; then
   classpath="${classpath}:${SPARK_EXTRA_CLASSPATH}"
 fi
 
+# An image built with S3A_JARS=false has no S3A connector beside Spark's jars.
+if [ -n "${1:-}" ] && ! compgen -G "${SPARK_HOME}/jars/hadoop-aws-*.jar" >/dev/null; then
+  echo "flyte-hvd: no S3A connector in ${SPARK_HOME}/jars (an image built with" \
+    "S3A_JARS=false): Spark cannot read or write s3a:// paths; flyte_hvd's Store still" \
+    "reaches s3:// through s3fs" >&2
+fi
+
 case "${1:-}" in
   driver)
     shift

@@ -183,7 +183,7 @@ def spark_cluster(tmp_path_factory):
 _FIXTURE_MARKERS = {
     "spark_local2": "spark", "spark_cluster": "spark", "spark": "spark",
     "spark_connect": "spark", "spark_connect_url": "spark", "cli": "mpi",
-    "no_leftover_ranks": "mpi",
+    "no_leftover_ranks": "mpi", "container_cluster": "container",
 }  # fmt: skip
 
 
@@ -206,7 +206,8 @@ def pytest_collection_modifyitems(items):
 # JVM or a Flyte execution anyway fails at once, naming the marker it lacks.
 _FAST = os.environ.get("FLYTE_HVD_TEST_FAST") == "1"
 _HEAVY_COMMANDS = {"mpiexec": "mpi", "flyte-hvd-run": "mpi", "spark-submit": "spark",
-                   "pyflyte": "flyte"}  # fmt: skip
+                   "pyflyte": "flyte", "podman": "container",
+                   "buildah": "container"}  # fmt: skip
 
 
 @pytest.fixture(autouse=True)

@@ -59,11 +59,17 @@ def use_local_spark() -> None:
     host's address, where nothing listens, so fetching a broadcast or shuffle block would fail.
     Spark (and its JVM, started by the first Spark task) advertises SPARK_LOCAL_IP instead.
     Spark's Python workers, and so the ranks, must be this interpreter (with flyte_hvd and
-    TensorFlow), not whichever `python3` comes first on PATH."""
+    TensorFlow), not whichever `python3` comes first on PATH.
+
+    In a container of its own (a driver whose executors run elsewhere), SPARK_DRIVER_BIND_ADDRESS
+    (the image's variable for a driver) is where the driver listens instead of 127.0.0.1, which
+    the SDKs set and which executors in other network namespaces cannot reach."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     # A local master runs the executors in the driver's JVM: it gets the memory of both.
     os.environ.setdefault("SPARK_DRIVER_MEMORY", LOCAL_DRIVER_MEMORY)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if os.environ.get("SPARK_DRIVER_BIND_ADDRESS"):
+        SPARK_CONF["spark.driver.bindAddress"] = os.environ["SPARK_DRIVER_BIND_ADDRESS"]
 
 
 @dataclass_json

@@ -48,6 +48,8 @@ __all__ = ["ByteSink", "OutputLog", "OutputSink", "RankOutput", "console_sink"]
 
 # Variables of an enclosing MPI launch: a rank inheriting them would join the wrong job.
 _MPI_ENV_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "MPI_LOCALNRANKS")
+# MPICH's settings (its netmod, shared memory off, ...) are the user's, not a launch's: kept.
+_MPICH_SETTINGS_PREFIX = "MPIR_CVAR_"
 # mpiexec's own banner when a rank dies; we report the death ourselves, naming the rank.
 _BANNER_PREFIXES = (
     "=====",
@@ -147,7 +149,11 @@ class _Rank:
 def rank_start(extra_env: dict[str, str], single_host: bool) -> tuple[dict[str, str], list[str]]:
     """The environment (without the run's own entries) and command a rank process of this
     process starts with."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_MPI_ENV_PREFIXES)}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(_MPI_ENV_PREFIXES) or k.startswith(_MPICH_SETTINGS_PREFIX)
+    }
     env.update(extra_env)
     env["PYTHONUNBUFFERED"] = "1"
     if single_host:

@@ -1,0 +1,410 @@
+"""The Rossmann workflow on a Spark standalone cluster of containers of the project's image.
+
+Each role is a container of the image (built by ``scripts/build_image.sh`` when it is absent or
+older than the files it is built from), started through the image's entrypoint, with its own
+network namespace and address on an internal podman network that the test creates (no route
+leaves it):
+
+| container   | runs                                                                     |
+|-------------|--------------------------------------------------------------------------|
+| ``master``  | the Spark standalone Master                                              |
+| ``worker-N``| a Spark Worker with 1 core: its executor and one rank                    |
+| ``driver``  | ``pyflyte run`` of the workflow from the fast-registration bundle        |
+
+The driver has no checkout: flytekit's ``fast_package`` (what ``pyflyte register`` uses) packs
+the workflow's code into a bundle, which goes to S3 and is unpacked into the driver's working
+directory by flytekit's ``download_distribution``, as ``pyflyte-fast-execute`` does. Ranks on
+the two workers talk MPI over their own addresses (``MPIR_CVAR_CH4_NETMOD=ofi``,
+``FI_PROVIDER=tcp`` on ``eth0``: the pod-to-pod choice).
+
+Storage: moto's S3 server on this machine, listening on the network's gateway address (the
+only address of this machine that the containers reach), holds the bundle, the Store
+(``--work_dir s3://…``), the dataset, checkpoints and Flyte's raw outputs (through s3fs and
+boto3). The image here has no S3A jars (Maven Central cannot be reached: ``S3A_JARS=false``),
+so Spark's JVM has no S3 client, and Spark's own Parquet of Flyte's DataFrames goes, as in
+``tests/cluster_harness.py``, to one directory mounted into the driver and the workers, mapped
+by Hadoop's ``ViewFileSystemOverloadScheme`` (the one substitution).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.container, pytest.mark.e2e]
+
+REPO = Path(__file__).resolve().parent.parent
+IMAGE = os.environ.get("FLYTE_HVD_TEST_IMAGE", "localhost/flyte-hvd:latest")
+RAW_BUCKET, STORE_BUCKET = "flyte-raw", "flyte-hvd-store"
+ACCESS_KEY, SECRET_KEY = "container-key", "container-secret"
+OBJSTORE = "/tmp/flyte-hvd-objstore"
+SPARK_CONF_DIR = "/opt/flyte-hvd-conf"
+WORKERS = 2
+# podman here: runc (crun fails on this kernel) and the caller's ulimits (podman's defaults are
+# set with setrlimit, which this kernel refuses).
+PODMAN_CONF = str(REPO / "docker" / "containers.conf")
+RUN_OPTIONS = ["--runtime", "runc", "--ulimit", "host"]
+# MPICH's debug summary makes rank 0 print the libfabric providers and addresses it chose.
+MPI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "eth0",
+           "MPIR_CVAR_DEBUG_SUMMARY": "1"}  # fmt: skip
+RANK_LINE = re.compile(
+    r"rank (\d+) of (\d+) on host (\S+): local_rank (\d+) of (\d+), cross_rank (\d+) of (\d+)"
+)
+# What the ranks and their launchers run as; none may outlive a run in a container.
+RANK_PROCESSES = ("flyte_hvd.launch", "mpiexec", "hydra_pmi_proxy")
+
+
+def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CONTAINERS_CONF": PODMAN_CONF}
+    result = subprocess.run(
+        ["podman", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    if check and result.returncode != 0:
+        raise RuntimeError(f"podman {' '.join(args)}: {result.stderr.strip()}")
+    return result
+
+
+class ContainerCluster:
+    """The network, the containers, moto and a host folder; ``stop`` removes all of them."""
+
+    def __init__(self) -> None:
+        self.tag = f"flyte-hvd-test-{os.getpid()}"
+        self.root = Path(tempfile.mkdtemp(prefix="flyte-hvd-containers-", dir="/var/tmp"))
+        self.addresses: dict[str, str] = {}
+        self.moto = None
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        podman("network", "create", "--internal", "--label", self.tag, self.tag)
+        (network,) = json.loads(podman("network", "inspect", self.tag).stdout)
+        subnet = network["subnets"][0]
+        self.gateway = subnet["gateway"]
+        prefix = self.gateway.rsplit(".", 1)[0]
+        self.addresses = {"master": f"{prefix}.10", "driver": f"{prefix}.20"}
+        self.addresses |= {f"worker-{i}": f"{prefix}.{10 + i}" for i in range(1, WORKERS + 2)}
+        for sub in ("objstore", "conf", "logs"):
+            (self.root / sub).mkdir()
+        (self.root / "objstore").chmod(0o777)  # the image's user (uid 185) writes there
+        self.master_url = f"spark://{self.addresses['master']}:7077"
+        self._write_driver_conf()
+        self.run("master", [
+            "/opt/venv/bin/spark-class", "org.apache.spark.deploy.master.Master",
+            "--host", self.addresses["master"], "--port", "7077", "--webui-port", "8080",
+        ])  # fmt: skip
+        # The network's bridge, and so its gateway address on this machine, exists from the
+        # first container on: moto listens there and nowhere else.
+        self._start_s3()
+        self.wait_for_log("master", "I have been elected leader", 180)
+        for i in range(1, WORKERS + 1):
+            self.start_worker(f"worker-{i}")
+        for i in range(1, WORKERS + 1):
+            self.wait_for_log(f"worker-{i}", "Successfully registered with master", 180)
+
+    def _start_s3(self) -> None:
+        import logging
+
+        import boto3
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self.moto = ThreadedMotoServer(ip_address=self.gateway, port=0, verbose=False)
+        self.moto.start()
+        host, port = self.moto.get_host_and_port()
+        self.s3_endpoint = f"http://{host}:{port}"
+        self.s3 = boto3.client(
+            "s3", endpoint_url=self.s3_endpoint, aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
+        )  # fmt: skip
+        for bucket in (RAW_BUCKET, STORE_BUCKET):
+            self.s3.create_bucket(Bucket=bucket)
+
+    def _write_driver_conf(self) -> None:
+        conf = {
+            "spark.master": self.master_url,
+            "spark.ui.enabled": "false",
+            "spark.hadoop.fs.s3.impl": "org.apache.hadoop.fs.viewfs.ViewFileSystemOverloadScheme",
+            f"spark.hadoop.fs.viewfs.mounttable.{RAW_BUCKET}.linkFallback":
+                f"file://{OBJSTORE}/{RAW_BUCKET}",
+            "spark.hadoop.fs.viewfs.overload.scheme.target.s3.impl":
+                "org.apache.hadoop.fs.s3a.S3AFileSystem",
+            "spark.hadoop.fs.s3.impl.disable.cache": "true",
+        }  # fmt: skip
+        (self.root / "conf" / "spark-defaults.conf").write_text(
+            "".join(f"{key} {value}\n" for key, value in conf.items())
+        )
+
+    def env(self, role: str) -> dict[str, str]:
+        return {
+            **MPI_ENV,
+            "SPARK_LOCAL_IP": self.addresses[role],
+            "SPARK_NO_DAEMONIZE": "1",
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_ENDPOINT_URL": self.s3_endpoint if self.moto else "",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "FLYTE_AWS_ENDPOINT": self.s3_endpoint if self.moto else "",
+            "FLYTE_AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "FLYTE_AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "FLYTE_HVD_LOG_LEVEL": "INFO",
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+        }
+
+    def run(self, role: str, command: list[str], env: dict | None = None, mounts=()) -> None:
+        """Start the container ``role`` (detached; its output is its log)."""
+        environment = {**self.env(role), **(env or {})}
+        options = [f"--env={key}={value}" for key, value in environment.items()]
+        for source, target in mounts:
+            options += ["--volume", f"{source}:{target}"]
+        # Every role by name, as a cluster's DNS would give it (the network has no DNS):
+        # Spark advertises a driver and workers by host name.
+        options += [f"--add-host={name}:{address}" for name, address in self.addresses.items()]
+        podman(
+            "run", "--detach", *RUN_OPTIONS, "--name", self.name(role), "--label", self.tag,
+            "--hostname", role, "--network", self.tag, "--ip", self.addresses[role],
+            *options, IMAGE, *command,
+        )  # fmt: skip
+
+    def start_worker(self, role: str) -> None:
+        self.run(role, [
+            "/opt/venv/bin/spark-class", "org.apache.spark.deploy.worker.Worker",
+            "--host", self.addresses[role], "--cores", "1", "--memory", "6g",
+            "--work-dir", "/tmp/spark-work", "--webui-port", "8081", self.master_url,
+        ], mounts=[(self.root / "objstore", OBJSTORE)])  # fmt: skip
+
+    def name(self, role: str) -> str:
+        return f"{self.tag}-{role}"
+
+    def log(self, role: str) -> str:
+        """The container's output, its stdout and stderr interleaved as written."""
+        env = {**os.environ, "CONTAINERS_CONF": PODMAN_CONF}
+        return subprocess.run(
+            ["podman", "logs", self.name(role)], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, timeout=60, env=env,
+        ).stdout  # fmt: skip
+
+    def wait_for_log(self, role: str, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.log(role):
+                return
+            if self.status(role) == "exited":
+                raise RuntimeError(f"{role} exited: {self.log(role)[-3000:]}")
+            time.sleep(1)
+        raise RuntimeError(f"{role}: no {text!r} in {timeout}s: {self.log(role)[-3000:]}")
+
+    def status(self, role: str) -> str:
+        return podman("inspect", "--format", "{{.State.Status}}", self.name(role)).stdout.strip()
+
+    def exec(self, role: str, command: list[str]) -> subprocess.CompletedProcess:
+        return podman("exec", self.name(role), *command, check=False, timeout=60)
+
+    def processes(self, role: str) -> list[str]:
+        return self.exec(role, ["ps", "-eo", "args"]).stdout.splitlines()[1:]
+
+    def keys(self, bucket: str, prefix: str = "") -> set[str]:
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        return {o["Key"] for page in pages for o in page.get("Contents", [])}
+
+    # -- stop ----------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Remove every container and the network, stop moto, remove the folder."""
+        if os.environ.get("FLYTE_HVD_CLUSTER_KEEP_LOGS"):
+            keep = Path(os.environ["FLYTE_HVD_CLUSTER_KEEP_LOGS"])
+            keep.mkdir(parents=True, exist_ok=True)
+            for name in self.containers():
+                (keep / f"{name}.log").write_text(self.log(name.removeprefix(f"{self.tag}-")))
+        names = self.containers()
+        if names:
+            podman("rm", "--force", "--time", "0", *names, check=False, timeout=300)
+        podman("network", "rm", "--force", self.tag, check=False)
+        if self.moto is not None:
+            self.moto.stop()
+            self.moto = None
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def containers(self) -> list[str]:
+        listed = podman("ps", "--all", "--filter", f"label={self.tag}", "--format", "{{.Names}}")
+        return listed.stdout.split()
+
+    def leftovers(self) -> list[str]:
+        left = [f"container {name}" for name in self.containers()]
+        if podman("network", "exists", self.tag, check=False).returncode == 0:
+            left.append(f"network {self.tag}")
+        if self.root.exists():
+            left.append(f"folder {self.root}")
+        return left
+
+
+def _cannot_run() -> str | None:
+    if os.geteuid() != 0:
+        return "containers of the image need root (buildah, podman with runc)"
+    return None
+
+
+def _build_image() -> None:
+    """The image, built by the script `make image` runs, unless it is current."""
+    started = time.monotonic()
+    build = subprocess.run(
+        [str(REPO / "scripts" / "build_image.sh"), "--if-stale", IMAGE],
+        capture_output=True, text=True, timeout=3600, cwd=REPO,
+    )  # fmt: skip
+    assert build.returncode == 0, f"image build failed: {build.stderr[-6000:]}"
+    said = build.stderr.strip().splitlines()[-1]
+    print(f"image {IMAGE}: {said} ({time.monotonic() - started:.0f}s)")
+
+
+def _fast_registration_bundle(out: Path) -> Path:
+    """The workflow's code as `pyflyte register` packs it (flytekit's fast_package), from a
+    project folder holding ``workflows/``."""
+    from flytekit.tools.fast_registration import fast_package
+
+    source = out / "project"
+    shutil.copytree(
+        REPO / "workflows", source / "workflows", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (out / "bundle").mkdir()
+    return Path(fast_package(source, out / "bundle"))
+
+
+@pytest.fixture(scope="module")
+def container_cluster():
+    reason = _cannot_run()
+    if reason:
+        pytest.skip(reason)
+    _build_image()
+    cluster = ContainerCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+    assert cluster.leftovers() == []
+
+
+def _state(cluster: ContainerCluster) -> tuple[str, dict] | None:
+    """The run's path and its state.json, once a first epoch has been recorded."""
+    for key in cluster.keys(STORE_BUCKET, "rossmann/runs/"):
+        if key.endswith("/state.json"):
+            body = cluster.s3.get_object(Bucket=STORE_BUCKET, Key=key)["Body"].read()
+            return key.rsplit("/", 1)[0], json.loads(body)
+    return None
+
+
+@pytest.mark.timeout(2400)
+def test_rossmann_on_containers_survives_a_killed_worker(container_cluster):
+    """Two ranks on two worker containers; after the first epoch's checkpoint, one worker
+    container is killed: Spark runs the stage again on the survivor and a replacement worker,
+    and the fit resumes after the recorded epoch. The artefacts land in S3; the containers
+    that remain run no rank process."""
+    cluster = container_cluster
+    started = time.monotonic()
+    bundle = _fast_registration_bundle(cluster.root)
+    fast_key = f"fast/{bundle.name}"
+    cluster.s3.upload_file(str(bundle), RAW_BUCKET, fast_key)
+    epochs = 3
+    hp = {"num_proc": 2, "epochs": epochs, "sample_rate": 0.3, "batch_size": 128}
+    work = "/home/spark/work"
+    unpack = (
+        "import sys; from flytekit.tools.fast_registration import download_distribution; "
+        "download_distribution(sys.argv[1], sys.argv[2])"
+    )
+    cluster.run("driver", [
+        "sh", "-c", 'mkdir -p "$1" && cd "$1" && python -c "$2" "$3" "$1" && shift 3 && exec "$@"',
+        "driver", work, unpack, f"s3://{RAW_BUCKET}/{fast_key}",
+        "pyflyte", "run", "--raw-output-data-prefix", f"s3://{RAW_BUCKET}/raw",
+        "workflows/rossmann.py", "horovod_spark_wf",
+        "--hp", json.dumps(hp), "--work_dir", f"s3://{STORE_BUCKET}/rossmann",
+    ], env={
+        "SPARK_CONF_DIR": SPARK_CONF_DIR,
+        "SPARK_DRIVER_BIND_ADDRESS": cluster.addresses["driver"],
+    }, mounts=[(cluster.root / "conf", f"{SPARK_CONF_DIR}:ro"),
+               (cluster.root / "objstore", OBJSTORE)])  # fmt: skip
+
+    # Mid-training: once the first epoch is recorded, worker-1 dies (a node lost) and a fresh
+    # worker takes its place, as a replaced pod would.
+    deadline = time.monotonic() + 1500
+    state = None
+    while time.monotonic() < deadline and state is None:
+        if cluster.status("driver") == "exited":
+            break
+        state = _state(cluster)
+        time.sleep(0.5)
+    assert state, f"no state.json in S3: {cluster.log('driver')[-6000:]}"
+    assert 1 <= state[1]["epoch"] < epochs, state
+    killed_at = time.monotonic()
+    podman("kill", cluster.name("worker-1"))
+    cluster.start_worker(f"worker-{WORKERS + 1}")
+
+    status = podman("wait", cluster.name("driver"), timeout=1500).stdout.strip()
+    output = cluster.log("driver")
+    ran = time.monotonic()
+    assert status == "0", f"driver exit {status}: {output[-8000:]}"
+
+    # Spark lost worker-1's executor and ran the stage again on the survivor and the
+    # replacement (Spark's own line; flyte_hvd adds `Spark retries the stage (attempt 2 of 4)`
+    # when a rank reports the failure before Spark notices the lost executor).
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", output)  # Keras colours its progress bar
+    lost = re.search(rf"Lost executor \d+ on {re.escape(cluster.addresses['worker-1'])}", plain)
+    assert lost, plain[-8000:]
+    replacement = f"worker-{WORKERS + 1}"
+    retry = plain[lost.end() :]
+    ranks = [m.groups() for m in RANK_LINE.finditer(retry)]
+    assert sorted(int(r[0]) for r in ranks) == [0, 1], retry[-6000:]
+    assert {r[2] for r in ranks} == {"worker-2", replacement}
+    for _, size, _, local_rank, local_size, _, cross_size in ranks:
+        assert (size, local_rank, local_size, cross_size) == ("2", "0", "1", "2")
+    # The retried fit resumed after the recorded epoch(s): it never started at epoch 1.
+    assert not re.search(r"Epoch 1/", retry), retry[-6000:]
+    assert re.search(rf"Epoch {epochs}/{epochs}", retry), retry[-6000:]
+    # MPI between the containers: libfabric's tcp provider on a worker's own address, no UCX.
+    worker_addresses = {cluster.addresses[r] for r in ("worker-2", replacement)}
+    chosen = set(re.findall(r"provider: tcp;ofi_rxm, .* FI_SOCKADDR_IN \[16\] (\S+)", retry))
+    assert chosen and chosen <= worker_addresses, (chosen, worker_addresses)
+    assert "UCX" not in retry, [line for line in retry.splitlines() if "UCX" in line][:5]
+
+    # Checkpoint, state, logs and submission are in S3, with every epoch in the state.
+    (model,) = re.findall(r"model:\s+(s3://\S+)", output)
+    run_path = model.removeprefix(f"s3://{STORE_BUCKET}/").rsplit("/", 1)[0]
+    stored = cluster.keys(STORE_BUCKET, run_path)
+    for name in ("checkpoint.keras", "state.json", "submission.csv"):
+        assert f"{run_path}/{name}" in stored, sorted(stored)
+    assert any(key.startswith(f"{run_path}/logs/") for key in stored), sorted(stored)
+    final = json.loads(
+        cluster.s3.get_object(Bucket=STORE_BUCKET, Key=f"{run_path}/state.json")["Body"].read()
+    )
+    assert final["epoch"] == epochs, final
+
+    # The driver's workflow came from the bundle, unpacked into its working directory; the
+    # workers have no copy of it.
+    copied = podman("cp", f"{cluster.name('driver')}:{work}/workflows/rossmann.py",
+                    str(cluster.root / "from-driver.py"), check=False)  # fmt: skip
+    assert copied.returncode == 0, copied.stderr
+    assert (cluster.root / "from-driver.py").read_bytes() == (
+        REPO / "workflows" / "rossmann.py"
+    ).read_bytes()
+    for role in ("worker-2", f"worker-{WORKERS + 1}"):
+        assert cluster.exec(role, ["test", "-e", f"{work}/workflows"]).returncode == 1
+        deadline = time.monotonic() + 10  # the last executors may still be stopping
+        while True:
+            ps = cluster.processes(role)
+            left = [p for p in ps if any(r in p for r in RANK_PROCESSES)]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert ps and left == [], f"{role}: {left or 'no ps output'}"
+        scratch = cluster.exec(role, ["find", "/tmp", "-name", "flyte-hvd-run-*"]).stdout
+        assert scratch.strip() == "", f"{role}: {scratch}"
+    print(
+        f"container cluster: workflow {ran - started:.0f}s (killed at "
+        f"{killed_at - started:.0f}s), {len(output)} bytes of driver output"
+    )

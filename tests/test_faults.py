@@ -306,6 +306,52 @@ def test_cli_runs_leave_no_shared_memory(tmp_path):
     cli.clean(result.stderr)
 
 
+# Rank 1 is killed while both ranks loop over 64 MB allreduces (64 chunks of the segment each).
+KILLED_IN_SHARED_MEMORY_ALLREDUCE = (
+    "import os, signal, sys, threading, time, numpy as np, flyte_hvd.core as hvd\n"
+    "from flyte_hvd.core import shm, state\n"
+    "hvd.init()\n"
+    "x = np.ones(16 << 20, np.float32)\n"
+    "hvd.allreduce(x)\n"
+    "assert shm.channel(state.comm()) is not None, 'not on the shared-memory path'\n"
+    "if hvd.rank() == 1:\n"
+    "    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()\n"
+    "print('KILL AT', time.time(), file=sys.stderr, flush=True)\n"
+    "while True: hvd.allreduce(x)\n"
+)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_cli_rank_killed_inside_a_shared_memory_allreduce(tmp_path):
+    """The rank left waiting on the shared segment sees its peer gone (it does not spin on),
+    the run names the killed rank within seconds, and /dev/shm is left empty."""
+    cli = Cli(tmp_path)
+    (tmp_path / "killed.py").write_text(KILLED_IN_SHARED_MEMORY_ALLREDUCE)
+    command = f"{CLI} -np 2 python {tmp_path / 'killed.py'}; echo EXIT=$?"
+    result = subprocess.run(
+        private_shm(command),
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=REPO,
+        env=cli.env({"FLYTE_HVD_SHM_COLLECTIVES": "on"}),
+    )
+    ended = time.time()
+    starts = [float(line.split()[-1]) for line in result.stderr.splitlines() if "KILL AT" in line]
+    assert starts, result.stdout + result.stderr
+    took = ended - (max(starts) + 0.3)
+    report("flyte-hvd-run", "rank killed inside a shared-memory allreduce", took)
+    assert "EXIT=1" in result.stdout, result.stdout + result.stderr
+    assert "flyte-hvd-run: rank 1 failed; the run was stopped" in result.stderr, result.stderr
+    assert "rank 1 died: Killed (signal 9)" in result.stderr
+    # Rank 0 saw its peer gone rather than spinning on (the launcher reports first, if it can).
+    assert "PeerExitedError: rank 1 (pid " in result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "LEFT:", result.stdout
+    assert took < 10
+    cli.clean(result.stderr)
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
 def test_cli_killed_launcher_leaves_nothing(tmp_path):

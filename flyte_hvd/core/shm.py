@@ -50,6 +50,9 @@ _SPINS = 64
 _SLEEP_AFTER_S = 0.02
 _SLEEP_S = 50e-6
 _LIVENESS_EVERY_S = 0.05
+# Before raising on a peer that died: a launcher that sees the death itself stops this rank
+# meanwhile and names the dead rank and how it died (a signal, its error) as the run's cause.
+DEAD_PEER_GRACE_S = 2.0
 
 logger = get_logger(__name__)
 
@@ -157,6 +160,7 @@ class Channel:
     def _check_alive(self, peer: int, what: Callable[[], str]) -> None:
         pid, started = self._peers[peer]
         if _start_time(pid) != started:
+            time.sleep(DEAD_PEER_GRACE_S)
             kind = what().split("(", 1)[0]
             raise PeerExitedError(
                 f"rank {self.global_ranks[peer]} (pid {pid}) exited while rank "

@@ -89,6 +89,9 @@ def init(comm: MPI.Comm | None = None) -> None:
         return
     from mpi4py import MPI
 
+    from flyte_hvd.core import shm
+
+    shm.mode()  # a bad FLYTE_HVD_SHM_COLLECTIVES fails here, not in the first collective
     if comm is None:
         comm = _state.launcher_comm if _state.launcher_comm is not None else MPI.COMM_WORLD
     elif not isinstance(comm, MPI.Comm):

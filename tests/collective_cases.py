@@ -78,6 +78,12 @@ def allreduce_of_several_chunks():
         if dtype != np.float16:
             total = hvd.allreduce(base * (r + 1), op=hvd.Sum)
             np.testing.assert_array_equal(total, base * (n * (n + 1) // 2))
+    # A fusion buffer of several chunks, its parts packed straight into the segment.
+    counts = [1 + (i * 7919) % 40_000 for i in range(40)]
+    parts = [np.full(c, float(r + i), np.float32) for i, c in enumerate(counts)]
+    fused = hvd.grouped_allreduce(parts, op=hvd.Sum, prescale_factor=2.0)
+    for i, (c, got) in enumerate(zip(counts, fused, strict=True)):
+        np.testing.assert_array_equal(got, np.full(c, 2.0 * (n * i + n * (n - 1) / 2)))
     halves = hvd.allreduce(np.full(400_001, r + 1.0), op=hvd.Average)
     np.testing.assert_allclose(halves, np.full(400_001, (n + 1) / 2))
     flat = np.full(300_000, float(r))  # the optimizers' in-place reduction

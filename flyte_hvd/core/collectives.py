@@ -86,6 +86,9 @@ def _mpi_ops() -> dict[int, MPI.Op]:
 def mpi_op(op: int) -> tuple[ReduceOp, MPI.Op]:
     """``(ReduceOp, MPI op)`` for a Horovod op; ``NotImplementedError`` for ``Adasum``,
     ``ValueError`` for anything else unknown."""
+    known = _KNOWN_OPS.get(op) if isinstance(op, int) else None  # no enum call per collective
+    if known is not None:
+        return known
     found = _mpi_ops().get(op) if isinstance(op, int) else None
     if found is None:
         if op == ReduceOp.ADASUM:
@@ -96,7 +99,11 @@ def mpi_op(op: int) -> tuple[ReduceOp, MPI.Op]:
             f"unknown reduction op {op!r}: expected one of hvd.Average, hvd.Sum, hvd.Min, "
             f"hvd.Max, hvd.Product."
         )
-    return ReduceOp(op), found
+    _KNOWN_OPS[op] = (ReduceOp(op), found)
+    return _KNOWN_OPS[op]
+
+
+_KNOWN_OPS: dict[int, tuple[ReduceOp, MPI.Op]] = {}
 
 
 def fusion_threshold() -> int:
@@ -487,6 +494,21 @@ def allreduce_on(
     return compression.decompress(out, ctx)
 
 
+def _pieces(parts: list[np.ndarray], offsets: list[int], total: int, itemsize: int) -> shm.Pieces:
+    """A fusion buffer's contents as ``shm.Pieces``: each part, then zeros to the next."""
+    pieces: shm.Pieces = []
+    for part, offset, end in zip(parts, offsets, [*offsets[1:], total], strict=True):
+        pieces.append((offset * itemsize, part.reshape(-1).view(np.uint8)))
+        if end > offset + part.size:
+            pad = (end - offset - part.size) * itemsize
+            pieces.append(((offset + part.size) * itemsize, np.zeros(pad, np.uint8)))
+    return pieces
+
+
+def _shared_channel(comm: MPI.Comm) -> shm.Channel | None:
+    return shm.channel(comm) if comm.Get_size() > 1 else None
+
+
 # What the ranks agree on before a reduction: ``check_same``'s fields, describe, reduction.
 _Agreement = tuple[tuple, Callable[[], str], Reduction]
 
@@ -495,7 +517,7 @@ def _reduce(
     comm: MPI.Comm,
     agreement: _Agreement | None,
     op: ReduceOp,
-    wire: np.ndarray,
+    wire: np.ndarray | shm.Pieces,
     out: np.ndarray,
     kind: str,
     name: str | None,
@@ -507,18 +529,21 @@ def _reduce(
     forbids it: later buffers of a reduction whose first one went over MPI).
 
     On the shared-memory path the agreement rides on the reduction's first wait; where ranks
-    have joined, the reduction goes over MPI, which they serve.
+    have joined, the reduction goes over MPI, which they serve. ``wire`` may be the parts of
+    a fusion buffer (``shm.Pieces``, only where the path is shared memory; ``out`` is then
+    packed from them for MPI).
     """
     size = comm.Get_size()
-    channel = shm.channel(comm) if shared and size > 1 else None
-    if channel is not None and (wire.dtype.kind != "c" or op not in (ReduceOp.MIN, ReduceOp.MAX)):
+    channel = _shared_channel(comm) if shared else None
+    if channel is not None and (out.dtype.kind != "c" or op not in (ReduceOp.MIN, ReduceOp.MAX)):
         fp = _fingerprint(agreement[0]) if agreement and state.checks_collectives() else 0
         describe = agreement[1] if agreement else (lambda: kind)
         # Floats are divided while copied out; integers after (rounded toward zero).
-        divisor = size if op is ReduceOp.AVERAGE and wire.dtype.kind in "fc" else 1
+        divisor = size if op is ReduceOp.AVERAGE and out.dtype.kind in "fc" else 1
         start = _begin()
+        src = wire.reshape(-1) if isinstance(wire, np.ndarray) else wire
         differ = channel.allreduce(
-            wire.reshape(-1), out.reshape(-1), shm.UFUNCS[op], divisor, (fp, -fp), describe
+            src, out.reshape(-1), shm.UFUNCS[op], divisor, (fp, -fp), describe
         )
         if differ is None:
             _end(kind, name, out.nbytes, start)
@@ -529,6 +554,9 @@ def _reduce(
         _settle(comm, fp, differ, describe, agreement[2])  # raises unless ranks joined
     elif agreement is not None:
         check_same(comm, *agreement)
+    if not isinstance(wire, np.ndarray):  # a fusion buffer's parts: pack them for MPI
+        shm.fill_pieces(wire, out.reshape(-1).view(np.uint8), 0, out.nbytes)
+        wire = out
     mop = _mpi_ops()[op]
     start = _begin()
     if out is wire:
@@ -599,16 +627,23 @@ def grouped_allreduce_on(
         check_same(comm, *first)
     agreement: _Agreement | None = first
     results: list[np.ndarray | None] = [None] * len(arrs)
-    shared = True
+    shared = _shared_channel(comm) is not None
     for members, offsets, total in layouts:
-        buf = pool.empty((total,), wires[members[0]].dtype)
-        for i, offset, end in zip(members, offsets, [*offsets[1:], total], strict=True):
-            part = wires[i]
-            buf[offset : offset + part.size] = part.reshape(-1)
-            buf[offset + part.size : end] = 0
-        scale_in_place(buf, prescale_factor)
+        dtype = wires[members[0]].dtype
+        buf = pool.empty((total,), dtype)
+        if shared:  # the parts go straight into the shared segment: no packing pass
+            parts = [np.ascontiguousarray(_scale(wires[i], prescale_factor)) for i in members]
+            src: np.ndarray | shm.Pieces = _pieces(parts, offsets, total, dtype.itemsize)
+        else:
+            for i, offset, end in zip(members, offsets, [*offsets[1:], total], strict=True):
+                part = wires[i]
+                buf[offset : offset + part.size] = part.reshape(-1)
+                buf[offset + part.size : end] = 0
+            scale_in_place(buf, prescale_factor)
+            src = buf
         # The first buffer carries the agreement; the others follow its path.
-        shared = _reduce(comm, agreement, op, buf, buf, "grouped_allreduce", name, shared)
+        if not _reduce(comm, agreement, op, src, buf, "grouped_allreduce", name, shared):
+            shared = False
         agreement = None
         scale_in_place(buf, postscale_factor)
         for i, offset in zip(members, offsets, strict=True):

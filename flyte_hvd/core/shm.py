@@ -22,6 +22,7 @@ has mapped it, so nothing is left there however the run ends. ``FLYTE_HVD_SHM_CO
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import time
@@ -42,6 +43,7 @@ MODES = ("auto", "on", "off")
 SHM_DIR = "/dev/shm"
 SMALL_BYTES = 32 << 10
 CHUNK_BYTES = 1 << 20
+_MAX_VIEWS = 256  # cached typed views of the small slots
 _LINE = 64  # bytes: one cache line per rank's counter and per rank's fingerprint
 _WORDS = _LINE // 8
 # Waiting: spins that only re-read the counter, then ``sched_yield`` (a core may be shared),
@@ -122,6 +124,7 @@ class Channel:
         offset += small
         self._slots = [raw[offset + r * CHUNK_BYTES :][:CHUNK_BYTES] for r in range(size + 1)]
         self._result = self._slots.pop()
+        self._views: dict[tuple[int, np.dtype, int], list[np.ndarray]] = {}
 
     # -- waiting ---------------------------------------------------------------------------
 
@@ -178,9 +181,13 @@ class Channel:
     def _max_pair(self, epoch: int, pair: tuple[int, int]) -> tuple[int, int] | None:
         """None when every rank wrote ``pair``; else the elementwise max over ranks."""
         words, at = self._words, self._fp_base + (epoch & 1) * self.size * _WORDS
-        pairs = [(words[at + r * _WORDS], words[at + r * _WORDS + 1]) for r in range(self.size)]
-        if all(p == pair for p in pairs):
+        first, second = pair
+        for r in range(self.size):
+            if words[at + r * _WORDS] != first or words[at + r * _WORDS + 1] != second:
+                break
+        else:
             return None
+        pairs = [(words[at + r * _WORDS], words[at + r * _WORDS + 1]) for r in range(self.size)]
         return max(p[0] for p in pairs), max(p[1] for p in pairs)
 
     def exchange(self, pair: tuple[int, int], what: Callable[[], str]) -> tuple[int, int]:
@@ -196,32 +203,42 @@ class Channel:
 
     def allreduce(
         self,
-        src: np.ndarray,
+        src: np.ndarray | Pieces,
         dst: np.ndarray,
         ufunc: np.ufunc,
         divisor: int,
         pair: tuple[int, int],
         what: Callable[[], str],
     ) -> tuple[int, int] | None:
-        """Reduce the 1-D ``src`` of every rank with ``ufunc`` into ``dst`` (may be ``src``),
-        divided by ``divisor`` unless it is 1.
+        """Reduce the 1-D ``src`` of every rank with ``ufunc`` into the 1-D ``dst`` (may be
+        ``src``), divided by ``divisor`` unless it is 1. ``src`` may be given as ``Pieces``
+        (a fusion buffer's parts, packed straight into the segment).
 
         ``pair`` is this rank's agreement pair (see ``exchange``), written beside the first
         data. Returns None when done, or, with nothing reduced, the max pair when the ranks'
         pairs differ (the caller raises or serves joined ranks).
         """
-        nbytes = src.nbytes
+        nbytes, dtype, itemsize = dst.nbytes, dst.dtype, dst.itemsize
+        if isinstance(src, np.ndarray):
+            src_bytes = src.view(np.uint8)
+
+            def fill(target: np.ndarray, start: int, stop: int) -> None:
+                target[: stop - start] = src_bytes[start:stop]
+
+        else:
+
+            def fill(target: np.ndarray, start: int, stop: int) -> None:
+                fill_pieces(src, target, start, stop)
+
         if nbytes <= SMALL_BYTES:
-            return self._allreduce_small(src, dst, ufunc, divisor, pair, what)
-        src_bytes = src.view(np.uint8)
+            return self._allreduce_small(src, fill, dst, ufunc, divisor, pair, what)
         dst_bytes = dst.view(np.uint8)
-        dtype, itemsize = src.dtype, src.itemsize
         step = CHUNK_BYTES - CHUNK_BYTES % itemsize
         mine = self._slots[self.rank]
         for start in range(0, nbytes, step):
             stop = min(start + step, nbytes)
             length = stop - start
-            mine[:length] = src_bytes[start:stop]
+            fill(mine, start, stop)
             epoch = self._epoch + 1
             if start == 0:
                 self._write_pair(epoch, pair)
@@ -250,7 +267,8 @@ class Channel:
 
     def _allreduce_small(
         self,
-        src: np.ndarray,
+        src: np.ndarray | Pieces,
+        fill: Callable[[np.ndarray, int, int], None],
         dst: np.ndarray,
         ufunc: np.ufunc,
         divisor: int,
@@ -258,9 +276,11 @@ class Channel:
         what: Callable[[], str],
     ) -> tuple[int, int] | None:
         epoch = self._epoch + 1
-        nbytes, dtype = src.nbytes, src.dtype
-        slots = self._small[epoch & 1]
-        slots[self.rank][:nbytes] = src.view(np.uint8)
+        slots = self._small_views(epoch & 1, dst.dtype, dst.size)
+        if isinstance(src, np.ndarray):
+            np.copyto(slots[self.rank], src)
+        else:
+            fill(slots[self.rank].view(np.uint8), 0, dst.nbytes)
         self._write_pair(epoch, pair)
         self._post()
         self._wait(epoch, what)
@@ -268,12 +288,41 @@ class Channel:
         if differ is not None:
             return differ
         # Every rank reduces all of it, in rank order: the same result everywhere, one wait.
-        ufunc(slots[0][:nbytes].view(dtype), slots[1][:nbytes].view(dtype), out=dst)
+        ufunc(slots[0], slots[1], out=dst)
         for r in range(2, self.size):
-            ufunc(dst, slots[r][:nbytes].view(dtype), out=dst)
+            ufunc(dst, slots[r], out=dst)
         if divisor != 1:
             np.divide(dst, divisor, out=dst)
         return None
+
+    def _small_views(self, parity: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
+        """Each rank's small slot of ``parity`` as ``count`` items of ``dtype``: kept, since a
+        training loop reduces the same few shapes over and over (making views costs more
+        than the reduction of a few KB)."""
+        key = (parity, dtype, count)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= _MAX_VIEWS:
+                self._views.clear()
+            nbytes = count * dtype.itemsize
+            views = [slot[:nbytes].view(dtype) for slot in self._small[parity]]
+            self._views[key] = views
+        return views
+
+
+# A message given as parts: (byte offset, its bytes as a 1-D uint8 array), in order, end to
+# end (a fusion buffer's padding is a part of zeros).
+Pieces = list[tuple[int, np.ndarray]]
+
+
+def fill_pieces(pieces: Pieces, target: np.ndarray, start: int, stop: int) -> None:
+    """Copy bytes ``[start, stop)`` of the message ``pieces`` make up to ``target[0:]``."""
+    i = bisect.bisect_right(pieces, start, key=lambda p: p[0]) - 1
+    while i < len(pieces) and pieces[i][0] < stop:
+        offset, part = pieces[i]
+        lo, hi = max(start, offset), min(stop, offset + part.size)
+        target[lo - start : hi - start] = part[lo - offset : hi - offset]
+        i += 1
 
 
 def _shared_map(comm: MPI.Comm, total: int) -> mmap.mmap:

@@ -86,13 +86,10 @@ def measure_ours(sizes: list[int]) -> dict:
         "shm": shm.channel(comm) is not None,
     }
     # The same call with the shared-memory path off: a communicator made while it is off.
-    previous = os.environ.get(shm.MODE_ENV)
-    os.environ[shm.MODE_ENV] = "off"
+    previous, state._state.shm_mode = state._state.shm_mode, "off"
     mpi_comm = comm.Dup()
     shm.channel(mpi_comm)
-    os.environ.pop(shm.MODE_ENV)
-    if previous is not None:
-        os.environ[shm.MODE_ENV] = previous
+    state._state.shm_mode = previous
     from flyte_hvd.core.collectives import allreduce_on
 
     for nbytes in sizes:

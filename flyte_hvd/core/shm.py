@@ -38,8 +38,7 @@ from flyte_hvd.core.log import get_logger
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-MODE_ENV = "FLYTE_HVD_SHM_COLLECTIVES"
-MODES = ("auto", "on", "off")
+MODE_ENV = state.SHM_ENV
 SHM_DIR = "/dev/shm"
 SMALL_BYTES = 32 << 10
 CHUNK_BYTES = 1 << 20
@@ -70,17 +69,6 @@ UFUNCS: dict[int, np.ufunc] = {
 
 class PeerExitedError(RuntimeError):
     """A rank this one waited for in a shared-memory collective is no longer running."""
-
-
-def mode() -> str:
-    """``FLYTE_HVD_SHM_COLLECTIVES``: ``auto`` (default), ``on`` or ``off``."""
-    raw = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
-    if raw not in MODES:
-        raise ValueError(
-            f"{MODE_ENV}={raw!r}: expected one of {', '.join(MODES)} (auto: shared memory "
-            f"when all ranks of a communicator share a host)."
-        )
-    return raw
 
 
 def _start_time(pid: int) -> int | None:
@@ -375,7 +363,7 @@ def channel(comm: MPI.Comm) -> Channel | None:
 def _make(comm: MPI.Comm) -> Channel | None:
     from mpi4py import MPI
 
-    wanted = mode()
+    wanted = state.shm_mode()
     if wanted == "off" or comm.Get_size() == 1:
         return None
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)

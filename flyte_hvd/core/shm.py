@@ -51,9 +51,10 @@ _SPINS = 64
 _SLEEP_AFTER_S = 0.02
 _SLEEP_S = 50e-6
 _LIVENESS_EVERY_S = 0.05
-# Before raising on a peer that died: a launcher that sees the death itself stops this rank
-# meanwhile and names the dead rank and how it died (a signal, its error) as the run's cause.
-DEAD_PEER_GRACE_S = 2.0
+# Before raising on a peer that died: a launcher that sees the death itself (its stall watch
+# takes about 2 s for a rank that returned) stops this rank meanwhile and names the dead
+# rank and how it ended (a signal, its error) as the run's cause.
+DEAD_PEER_GRACE_S = 5.0
 
 logger = get_logger(__name__)
 
@@ -208,6 +209,8 @@ class Channel:
         """
         nbytes, dtype, itemsize = dst.nbytes, dst.dtype, dst.itemsize
         if isinstance(src, np.ndarray):
+            if nbytes <= SMALL_BYTES:  # first: the latency of small messages is all overhead
+                return self._allreduce_small(src, None, dst, ufunc, divisor, pair, what)
             src_bytes = src.view(np.uint8)
 
             def fill(target: np.ndarray, start: int, stop: int) -> None:
@@ -256,7 +259,7 @@ class Channel:
     def _allreduce_small(
         self,
         src: np.ndarray | Pieces,
-        fill: Callable[[np.ndarray, int, int], None],
+        fill: Callable[[np.ndarray, int, int], None] | None,
         dst: np.ndarray,
         ufunc: np.ufunc,
         divisor: int,
@@ -267,7 +270,7 @@ class Channel:
         slots = self._small_views(epoch & 1, dst.dtype, dst.size)
         if isinstance(src, np.ndarray):
             np.copyto(slots[self.rank], src)
-        else:
+        elif fill is not None:
             fill(slots[self.rank].view(np.uint8), 0, dst.nbytes)
         self._write_pair(epoch, pair)
         self._post()

@@ -25,7 +25,7 @@ import cloudpickle
 import numpy as np
 
 from flyte_hvd.core import background, process_sets, shm, state, timeline
-from flyte_hvd.core.buffers import ALIGNMENT, pool
+from flyte_hvd.core.buffers import ALIGNMENT, MIN_POOLED_BYTES, pool
 from flyte_hvd.core.checks import require_int
 from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.core.errors import CollectiveMismatchError
@@ -488,7 +488,8 @@ def allreduce_on(
         (op, wire),
     )
     wire = np.asarray(_scale(wire, prescale_factor), order="C")
-    out = pool.empty(wire.shape, wire.dtype)
+    small = wire.nbytes < MIN_POOLED_BYTES  # the pool's bookkeeping is a tenth of a 4 KB call
+    out = np.empty_like(wire) if small else pool.empty(wire.shape, wire.dtype)
     _reduce(comm, agreement, op, wire, out, "allreduce", name)
     scale_in_place(out, postscale_factor)
     return compression.decompress(out, ctx)
@@ -534,20 +535,19 @@ def _reduce(
     packed from them for MPI).
     """
     size = comm.Get_size()
-    channel = _shared_channel(comm) if shared else None
+    channel = shm.channel(comm) if shared and size > 1 else None
     if channel is not None and (out.dtype.kind != "c" or op not in (ReduceOp.MIN, ReduceOp.MAX)):
         fp = _fingerprint(agreement[0]) if agreement and state.checks_collectives() else 0
         describe = agreement[1] if agreement else (lambda: kind)
         # Floats are divided while copied out; integers after (rounded toward zero).
         divisor = size if op is ReduceOp.AVERAGE and out.dtype.kind in "fc" else 1
         start = _begin()
-        src = wire.reshape(-1) if isinstance(wire, np.ndarray) else wire
-        differ = channel.allreduce(
-            src, out.reshape(-1), shm.UFUNCS[op], divisor, (fp, -fp), describe
-        )
+        src = wire.reshape(-1) if isinstance(wire, np.ndarray) and wire.ndim != 1 else wire
+        flat = out if out.ndim == 1 else out.reshape(-1)
+        differ = channel.allreduce(src, flat, shm.UFUNCS[op], divisor, (fp, -fp), describe)
         if differ is None:
             _end(kind, name, out.nbytes, start)
-            if divisor == 1:
+            if divisor == 1 and op is ReduceOp.AVERAGE:
                 finish_average(out, size, op)
             return True
         assert agreement is not None  # only a fingerprint can differ

@@ -224,12 +224,21 @@ class Channel:
         if nbytes <= SMALL_BYTES:
             return self._allreduce_small(src, fill, dst, ufunc, divisor, pair, what)
         dst_bytes = dst.view(np.uint8)
+        own = src.view(np.uint8) if isinstance(src, np.ndarray) else None
         step = CHUNK_BYTES - CHUNK_BYTES % itemsize
         mine = self._slots[self.rank]
         for start in range(0, nbytes, step):
             stop = min(start + step, nbytes)
             length = stop - start
-            fill(mine, start, stop)
+            # This rank's share of the chunk, on item boundaries.
+            count = length // itemsize
+            lo = count * self.rank // self.size * itemsize
+            hi = count * (self.rank + 1) // self.size * itemsize
+            if own is None:
+                fill(mine, start, stop)
+            else:  # only what the others reduce: this rank reads its share from ``src``
+                mine[:lo] = own[start : start + lo]
+                mine[hi:length] = own[start + hi : stop]
             epoch = self._epoch + 1
             if start == 0:
                 self._write_pair(epoch, pair)
@@ -239,14 +248,14 @@ class Channel:
                 differ = self._max_pair(epoch, pair)
                 if differ is not None:
                     return differ
-            # This rank's share, on item boundaries.
-            count = length // itemsize
-            lo = count * self.rank // self.size * itemsize
-            hi = count * (self.rank + 1) // self.size * itemsize
+            # Operands in rank order, whichever rank reduces the share.
+            parts = [slot[lo:hi] for slot in self._slots]
+            if own is not None:
+                parts[self.rank] = own[start + lo : start + hi]
             out = self._result[lo:hi].view(dtype)
-            ufunc(self._slots[0][lo:hi].view(dtype), self._slots[1][lo:hi].view(dtype), out=out)
-            for r in range(2, self.size):
-                ufunc(out, self._slots[r][lo:hi].view(dtype), out=out)
+            ufunc(parts[0].view(dtype), parts[1].view(dtype), out=out)
+            for part in parts[2:]:
+                ufunc(out, part.view(dtype), out=out)
             self._wait(self._post(), what)
             result = self._result[:length].view(dtype)
             target = dst_bytes[start:stop].view(dtype)

@@ -78,6 +78,16 @@ def test_bad_shared_memory_setting_is_refused_at_init(monkeypatch):
     assert not hvd.is_initialized()
 
 
+def test_shared_memory_forced_on_where_it_cannot_serve_says_why():
+    with pytest.raises(RuntimeError) as raised:
+        shm._refuse("on", "the ranks run on more than one host")
+    assert str(raised.value) == (
+        "FLYTE_HVD_SHM_COLLECTIVES=on, but the ranks run on more than one host; set "
+        "FLYTE_HVD_SHM_COLLECTIVES=auto to let MPI carry these collectives."
+    )
+    shm._refuse("auto", "the ranks run on more than one host")  # auto: MPI, no error
+
+
 def test_bad_fusion_threshold(monkeypatch):
     from flyte_hvd.core.collectives import fusion_threshold
 

@@ -1,8 +1,9 @@
 """Same-host reductions through one shared-memory segment per communicator.
 
 When every rank of a communicator runs on one host, an allreduce need not go through MPI's
-messages: each rank writes its input into its slot of a segment all of them map, each reduces
-its share of the elements in place with numpy, and each copies the result out. Ranks wait for
+messages: each rank writes into its slot of a segment all of them map the part of its input
+the others reduce, each reduces its share of the elements with numpy, and each copies the
+result out. Ranks wait for
 one another on counters in the segment (a spin, then ``sched_yield``, then short sleeps), and
 while they wait they look at whether the ranks they wait for are still alive: a rank that
 died ends the others' wait with an error naming it, instead of a hang.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
+import platform
 import time
 import uuid
 from collections.abc import Callable
@@ -42,6 +44,7 @@ MODE_ENV = state.SHM_ENV
 SHM_DIR = "/dev/shm"
 SMALL_BYTES = 32 << 10
 CHUNK_BYTES = 1 << 20
+_STORE_ORDERED = ("x86_64", "amd64")
 _MAX_VIEWS = 256  # cached typed views of the small slots
 _LINE = 64  # bytes: one cache line per rank's counter and per rank's fingerprint
 _WORDS = _LINE // 8
@@ -386,6 +389,11 @@ def _make(comm: MPI.Comm) -> Channel | None:
     wanted = state.shm_mode()
     if wanted == "off" or comm.Get_size() == 1:
         return None
+    # A rank stores its data, then its counter, and the others read them in that order: x86
+    # keeps stores in order; weaker memory models (ARM) would need fences Python cannot give.
+    if platform.machine().lower() not in _STORE_ORDERED:
+        _refuse(wanted, f"this CPU ({platform.machine()}) may reorder stores")
+        return None
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     one_host = local.Get_size() == comm.Get_size()
     local.Free()
@@ -407,12 +415,17 @@ def _make(comm: MPI.Comm) -> Channel | None:
             return Channel(comm, global_ranks, peers)
         except OSError as e:
             why = str(e)
+    _refuse(wanted, why)
+    return None
+
+
+def _refuse(wanted: str, why: str) -> None:
+    """Where the segment cannot serve: an error if it was asked for (``on``), else a note."""
     if wanted == "on":
         raise RuntimeError(
             f"{MODE_ENV}=on, but {why}; set {MODE_ENV}=auto to let MPI carry these collectives."
         )
     logger.debug("collectives on MPI, not shared memory: %s", why)
-    return None
 
 
 def forget(comm: MPI.Comm) -> None:

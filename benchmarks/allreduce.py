@@ -9,10 +9,15 @@ Two ranks, float32, 4 KB to 256 MB, all measured in this one run:
 - gloo: ``torch.distributed`` gloo ``all_reduce`` (only when torch is importable);
 - fusion: 200 float32 arrays of 25 MB in total through ``grouped_allreduce`` against one
   ``allreduce`` of a single 25 MB buffer;
+- ours takes the shared-memory path on one host (``FLYTE_HVD_SHM_COLLECTIVES=auto``); "ours,
+  MPI path" is the same call with that path off;
 - two hosts: raw mpi4py ``Allreduce`` of 2 ranks on two simulated hosts (each rank in its own
   mount and UTS namespaces, as tests/cluster_harness.py's hosts), MPICH forced onto TCP
   (libfabric's tcp provider on loopback, no shared memory), beside the same 2 ranks on one
-  host with the same TCP settings. Needs root and ``unshare``; skipped (None) otherwise.
+  host with the same TCP settings; then 2 hosts x 1 rank and 2 hosts x 2 ranks (MPICH's shared
+  memory within a host, TCP between), ours (``hvd.allreduce``: MPI carries a communicator that
+  spans hosts) against raw in the same mpiexec run. Needs root and ``unshare``; skipped (None)
+  otherwise.
 Prints a table and ends with one JSON line.
 """
 
@@ -70,14 +75,31 @@ def measure_ours(sizes: list[int]) -> dict:
 
     from mpi4py import MPI
 
-    from flyte_hvd.core import state
+    from flyte_hvd.core import shm, state
 
     comm = state.comm()
-    out: dict = {"allreduce": {}, "unchecked": {}, "raw_merged": {}}
+    out: dict = {
+        "allreduce": {},
+        "unchecked": {},
+        "raw_merged": {},
+        "mpi_path": {},
+        "shm": shm.channel(comm) is not None,
+    }
+    # The same call with the shared-memory path off: a communicator made while it is off.
+    previous, state._state.shm_mode = state._state.shm_mode, "off"
+    mpi_comm = comm.Dup()
+    shm.channel(mpi_comm)
+    state._state.shm_mode = previous
+    from flyte_hvd.core.collectives import allreduce_on
+
+    warm = np.ones(1024, np.float32)
+    for _ in range(500):  # the first size is measured first: not on a cold path
+        hvd.allreduce(warm, op=hvd.Sum)
+        comm.Allreduce(warm, np.empty_like(warm), MPI.SUM)
     for nbytes in sizes:
         x = np.ones(nbytes // 4, np.float32)
         recv = np.empty_like(x)
-        ours, unchecked, raw = [], [], []
+        ours, unchecked, raw, mpi_path = [], [], [], []
         for _ in range(2):  # interleaved, so drift in machine load hits all alike
             ours.append(_timeit(lambda x=x: hvd.allreduce(x, op=hvd.Sum), hvd.barrier, agree))
             state._state.check_collectives = False
@@ -86,9 +108,15 @@ def measure_ours(sizes: list[int]) -> dict:
             raw.append(
                 _timeit(lambda x=x, r=recv: comm.Allreduce(x, r, MPI.SUM), hvd.barrier, agree)
             )
+            mpi_path.append(
+                _timeit(lambda x=x: allreduce_on(mpi_comm, x, hvd.Sum), hvd.barrier, agree)
+            )
         out["allreduce"][nbytes] = min(ours)
         out["unchecked"][nbytes] = min(unchecked)
         out["raw_merged"][nbytes] = min(raw)
+        out["mpi_path"][nbytes] = min(mpi_path)
+    shm.forget(mpi_comm)
+    mpi_comm.Free()
     rng = np.random.default_rng(0)
     weights = rng.random(FUSION_ARRAYS) + 0.5
     counts = np.maximum(1, (weights / weights.sum() * FUSION_BYTES / 4).astype(int))
@@ -113,6 +141,27 @@ def measure_raw(sizes: list[int]) -> dict:
         out[nbytes] = min(
             _timeit(
                 lambda s=send, r=recv: comm.Allreduce(s, r, MPI.SUM),
+                comm.Barrier,
+                lambda n: comm.bcast(n, root=0),
+            )
+            for _ in range(2)
+        )
+    return out
+
+
+def measure_ours_world(sizes: list[int]) -> dict:
+    """``hvd.allreduce`` under plain ``mpiexec`` (``hvd.init()`` on ``COMM_WORLD``)."""
+    import flyte_hvd.core as hvd
+    from flyte_hvd.core import state
+
+    hvd.init()
+    comm = state.comm()
+    out = {}
+    for nbytes in sizes:
+        x = np.ones(nbytes // 4, np.float32)
+        out[nbytes] = min(
+            _timeit(
+                lambda x=x: hvd.allreduce(x, op=hvd.Sum),
                 comm.Barrier,
                 lambda n: comm.bcast(n, root=0),
             )
@@ -212,13 +261,20 @@ exec unshare --mount --uts --propagation private sh -c \\
 """
 
 
-def _run_raw_tcp(sizes: list[int], two_hosts: bool) -> dict | None:
-    """Raw ``Allreduce`` of 2 ranks over TCP, on two simulated hosts or on this one."""
+def _run_raw_tcp(
+    sizes: list[int], two_hosts: bool, per_host: int = 1, ours: bool = False
+) -> dict | None:
+    """Raw ``Allreduce`` (``ours``: ``hvd.allreduce``) over TCP, on two simulated hosts with
+    ``per_host`` ranks each (more than one: MPICH's shared memory within a host) or 2 ranks on
+    this one."""
     from flyte_hvd.launch.supervisor import find_mpiexec
 
     if two_hosts and (os.geteuid() != 0 or not shutil.which("unshare")):
         return None
-    command = [find_mpiexec(), "-n", "2"]
+    command = [find_mpiexec(), "-n", str(2 * per_host)]
+    env = {**os.environ, **MPI_TCP_ENV}
+    if per_host > 1:
+        del env["MPIR_CVAR_NOLOCAL"]
     with tempfile.TemporaryDirectory() as d:
         if two_hosts:
             launcher = os.path.join(d, "launcher.sh")
@@ -234,13 +290,13 @@ def _run_raw_tcp(sizes: list[int], two_hosts: bool) -> dict | None:
                 "-hosts",
                 hosts,
                 "-ppn",
-                "1",
+                str(per_host),
             ]
         command += [sys.executable, "-m", "benchmarks.allreduce", "--raw-json", "-"]
-        command += ["--sizes", ",".join(map(str, sizes))]
+        command += ["--sizes", ",".join(map(str, sizes))] + (["--ours"] if ours else [])
         result = subprocess.run(
             command,
-            env={**os.environ, **MPI_TCP_ENV},
+            env=env,
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
             capture_output=True,
             text=True,
@@ -250,7 +306,7 @@ def _run_raw_tcp(sizes: list[int], two_hosts: bool) -> dict | None:
     line = [x for x in result.stdout.splitlines() if x.startswith("{")][-1]
     out = json.loads(line)
     hosts_seen = sorted(out.pop("hosts"))
-    if two_hosts and len(set(hosts_seen)) != 2:
+    if two_hosts and sorted(hosts_seen.count(h) for h in set(hosts_seen)) != [per_host] * 2:
         raise RuntimeError(f"two-host run: ranks ran on {hosts_seen}")
     return {int(k): v for k, v in out.items()}
 
@@ -266,16 +322,23 @@ def _label(nbytes: int) -> str:
     return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
 
 
+def _min_ratio(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r[key] is not None]
+    return min(values) if values else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="three sizes, for a smoke run")
     parser.add_argument("--raw-json", help=argparse.SUPPRESS)
     parser.add_argument("--sizes", help=argparse.SUPPRESS)
+    parser.add_argument("--ours", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.raw_json:  # the mpiexec -n 2 half of this benchmark
         from mpi4py import MPI
 
-        result = measure_raw([int(s) for s in args.sizes.split(",")])
+        measure = measure_ours_world if args.ours else measure_raw
+        result = measure([int(s) for s in args.sizes.split(",")])
         hosts = MPI.COMM_WORLD.gather(socket.gethostname(), root=0)
         if MPI.COMM_WORLD.Get_rank() == 0:
             if args.raw_json == "-":  # on stdout: a simulated host's /tmp is its own
@@ -299,7 +362,7 @@ def main() -> None:
     raw = {b: min(run[b] for run in raw_runs) for b in sizes}
     ours = {
         key: {b: min(run[key][b] for run in our_runs) for b in sizes}
-        for key in ("allreduce", "unchecked", "raw_merged")
+        for key in ("allreduce", "unchecked", "raw_merged", "mpi_path")
     }
     for key in ("fused_200", "single_25mb", "fusion_bytes"):
         ours[key] = min(run[key] for run in our_runs)
@@ -307,6 +370,15 @@ def main() -> None:
     gloo = measure_gloo(sizes)
     tcp_one = min_runs([_run_raw_tcp(sizes, two_hosts=False) for _ in range(ROUNDS)], sizes)
     tcp_two = min_runs([_run_raw_tcp(sizes, two_hosts=True) for _ in range(ROUNDS)], sizes)
+    # Ours against raw on simulated hosts, 2 x 1 and 2 x 2 ranks, alternating.
+    hosts: dict[str, dict | None] = {}
+    for per_host in (1, 2):
+        runs: dict[bool, list] = {False: [], True: []}
+        for _ in range(ROUNDS):
+            for ours_side in (False, True):
+                runs[ours_side].append(_run_raw_tcp(sizes, True, per_host, ours_side))
+        hosts[f"2x{per_host}_raw"] = min_runs(runs[False], sizes)
+        hosts[f"2x{per_host}_ours"] = min_runs(runs[True], sizes)
 
     def bw(nbytes, seconds):
         return nbytes / seconds / 1e9
@@ -334,10 +406,24 @@ def main() -> None:
                 round(bw(nbytes, tcp_two[nbytes]) * bus, 3) if tcp_two else None
             ),
             "unchecked_ratio_vs_raw": round(r / ours["unchecked"][nbytes], 3),
+            "mpi_path_busbw": round(bw(nbytes, ours["mpi_path"][nbytes]) * bus, 3),
+            "mpi_path_ratio_vs_raw": round(r / ours["mpi_path"][nbytes], 3),
             "ours_us": round(o * 1e6, 1),
             "unchecked_us": round(ours["unchecked"][nbytes] * 1e6, 1),
             "raw_us": round(r * 1e6, 1),
         }
+        for per_host in (1, 2):
+            h_raw, h_ours = hosts[f"2x{per_host}_raw"], hosts[f"2x{per_host}_ours"]
+            hbus = 2 * (2 * per_host - 1) / (2 * per_host)
+            row[f"hosts_2x{per_host}_raw_busbw"] = (
+                round(bw(nbytes, h_raw[nbytes]) * hbus, 3) if h_raw else None
+            )
+            row[f"hosts_2x{per_host}_ours_busbw"] = (
+                round(bw(nbytes, h_ours[nbytes]) * hbus, 3) if h_ours else None
+            )
+            row[f"hosts_2x{per_host}_ratio"] = (
+                round(h_raw[nbytes] / h_ours[nbytes], 3) if h_raw and h_ours else None
+            )
         rows.append(row)
         gloo_txt = f"{row['gloo_busbw']:11.2f}" if gloo else f"{'-':>11}"
         print(
@@ -345,13 +431,20 @@ def main() -> None:
             f"{row['ratio_vs_raw']:6.2f} {row['raw_merged_busbw']:11.2f} {row['copy_gbps']:10.2f} "
             f"{gloo_txt} {row['ours_us']:9.1f} {row['unchecked_us']:9.1f} {row['raw_us']:9.1f}"
         )
-    print(f"\n{'size':>8} {'raw busbw':>10} {'tcp 1 host':>11} {'tcp 2 hosts':>12}  (GB/s)")
+    print(
+        f"\n{'size':>8} {'MPI path':>9} {'raw busbw':>10} {'tcp 1 host':>11} {'tcp 2 hosts':>12}"
+        f" {'2x1 ours':>9} {'2x1 raw':>8} {'2x2 ours':>9} {'2x2 raw':>8}  (busbw GB/s)"
+    )
+
+    def txt(value, width):
+        return f"{value:{width}.2f}" if value is not None else f"{'skipped':>{width}}"
+
     for row in rows:
-        two = row["raw_tcp_two_hosts_busbw"]
-        two_txt = f"{two:12.2f}" if two is not None else f"{'skipped':>12}"
         print(
-            f"{_label(row['bytes']):>8} {row['raw_busbw']:10.2f} "
-            f"{row['raw_tcp_same_host_busbw']:11.2f} {two_txt}"
+            f"{_label(row['bytes']):>8} {row['mpi_path_busbw']:9.2f} {row['raw_busbw']:10.2f} "
+            f"{row['raw_tcp_same_host_busbw']:11.2f} {txt(row['raw_tcp_two_hosts_busbw'], 12)} "
+            f"{txt(row['hosts_2x1_ours_busbw'], 9)} {txt(row['hosts_2x1_raw_busbw'], 8)} "
+            f"{txt(row['hosts_2x2_ours_busbw'], 9)} {txt(row['hosts_2x2_raw_busbw'], 8)}"
         )
     fused_ratio = ours["fused_200"] / ours["single_25mb"]
     print(
@@ -364,6 +457,7 @@ def main() -> None:
     summary = {
         "benchmark": "allreduce",
         "ranks": n,
+        "shm_path": all(run["shm"] for run in our_runs),
         "rows": rows,
         "min_busbw_ratio_ge_1mb": min(large) if large else None,
         "latency_4kb_ratio": round(small["ours_us"] / small["raw_us"], 3),
@@ -371,6 +465,12 @@ def main() -> None:
         "min_busbw_ratio_ge_1mb_unchecked": min(
             r["unchecked_ratio_vs_raw"] for r in rows if r["bytes"] >= 1 << 20
         ),
+        "min_busbw_ratio_ge_1mb_mpi_path": min(
+            r["mpi_path_ratio_vs_raw"] for r in rows if r["bytes"] >= 1 << 20
+        ),
+        "ratio_64mb": next((r["ratio_vs_raw"] for r in rows if r["bytes"] == 64 << 20), None),
+        "hosts_2x1_min_ratio": _min_ratio(rows, "hosts_2x1_ratio"),
+        "hosts_2x2_min_ratio": _min_ratio(rows, "hosts_2x2_ratio"),
         "fused_200_ms": round(ours["fused_200"] * 1e3, 3),
         "single_25mb_ms": round(ours["single_25mb"] * 1e3, 3),
         "fused_vs_single_ratio": round(fused_ratio, 3),

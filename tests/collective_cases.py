@@ -68,6 +68,46 @@ def allreduce_ops():
 
 
 @case
+def allreduce_of_several_chunks():
+    """Longer than a shared-memory chunk (1 MiB), odd lengths, mismatch and join on the long
+    path too: the copy in, the shares each rank reduces and the copy out meet exactly."""
+    r, n = hvd.rank(), hvd.size()
+    for dtype, count in ((np.float64, 300_001), (np.int32, 700_003), (np.float16, 1_000_001)):
+        base = (np.arange(count, dtype=np.int64) % 7 + 1).astype(dtype)
+        np.testing.assert_array_equal(hvd.allreduce(base * (r + 1), op=hvd.Max), base * n)
+        if dtype != np.float16:
+            total = hvd.allreduce(base * (r + 1), op=hvd.Sum)
+            np.testing.assert_array_equal(total, base * (n * (n + 1) // 2))
+    # A fusion buffer of several chunks, its parts packed straight into the segment.
+    counts = [1 + (i * 7919) % 40_000 for i in range(40)]
+    parts = [np.full(c, float(r + i), np.float32) for i, c in enumerate(counts)]
+    fused = hvd.grouped_allreduce(parts, op=hvd.Sum, prescale_factor=2.0)
+    for i, (c, got) in enumerate(zip(counts, fused, strict=True)):
+        np.testing.assert_array_equal(got, np.full(c, 2.0 * (n * i + n * (n - 1) / 2)))
+    halves = hvd.allreduce(np.full(400_001, r + 1.0), op=hvd.Average)
+    np.testing.assert_allclose(halves, np.full(400_001, (n + 1) / 2))
+    flat = np.full(300_000, float(r))  # the optimizers' in-place reduction
+    from flyte_hvd.core.collectives import reduce_in_place
+    from flyte_hvd.core.state import comm
+
+    reduce_in_place(comm(), flat, hvd.Sum, hvd.Compression.none, 1.0, None, lambda: "flat")
+    np.testing.assert_array_equal(flat, np.full(300_000, n * (n - 1) / 2))
+    if n > 1:
+        try:
+            hvd.allreduce(np.ones(300_000 + r))
+        except hvd.CollectiveMismatchError as e:
+            assert "shape=(300000,)" in str(e) and "shape=(300001,)" in str(e), str(e)
+        else:
+            raise AssertionError("long allreduces of different shapes ran")
+        if r == 0:
+            hvd.join()
+        else:
+            got = hvd.allreduce(np.ones(300_000), op=hvd.Sum)
+            np.testing.assert_array_equal(got, np.full(300_000, n - 1.0))
+            hvd.join()
+
+
+@case
 def allreduce_scale_factors():
     n = hvd.size()
     out = hvd.allreduce(

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import flyte_hvd.core as hvd
+from flyte_hvd.core import shm
 from flyte_hvd.launch.job import FunctionJob
 from flyte_hvd.launch.supervisor import launch_local
 
@@ -14,25 +15,30 @@ import collective_cases
 
 cloudpickle.register_pickle_by_value(collective_cases)
 
-_results: dict[int, list[dict]] = {}
+_results: dict[int | str, list[dict]] = {}
+# Ranks on one host reduce through shared memory by default; "2-mpi" runs the cases at size 2
+# with that path off (MPI carries everything), "3-shm" at size 3 with it forced on.
+_PATHS = {"2-mpi": "off", "3-shm": "on"}
 
 
-def results_at(size: int) -> list[dict[str, str | None]]:
+def results_at(size: int | str) -> list[dict[str, str | None]]:
     """Run all cases once per size (rank start-up is the slow part) and cache per-rank results."""
     if size not in _results:
         if size == 1:
             _results[size] = [collective_cases.run_cases()]
         else:
+            ranks = int(str(size).split("-")[0])
+            env = {shm.MODE_ENV: _PATHS[size]} if size in _PATHS else None
             _results[size] = launch_local(
-                FunctionJob(collective_cases.run_cases), size, start_timeout=60
+                FunctionJob(collective_cases.run_cases), ranks, start_timeout=60, env=env
             )
     return _results[size]
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.parametrize("size", [1, 2, "2-mpi", "3-shm"])
 @pytest.mark.parametrize("name", list(collective_cases.CASES))
-def test_collective(name: str, size: int):
+def test_collective(name: str, size: int | str):
     failures = {r: res[name] for r, res in enumerate(results_at(size)) if res[name] is not None}
     assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
 
@@ -60,6 +66,26 @@ def test_init_accepts_mpi4py_comm_and_is_idempotent():
     assert (hvd.rank(), hvd.size()) == (0, 1)
     hvd.shutdown()
     assert not hvd.is_initialized()
+
+
+def test_bad_shared_memory_setting_is_refused_at_init(monkeypatch):
+    from mpi4py import MPI
+
+    hvd.shutdown()
+    monkeypatch.setenv(shm.MODE_ENV, "yes")
+    with pytest.raises(ValueError, match=r"FLYTE_HVD_SHM_COLLECTIVES='yes': expected one of auto"):
+        hvd.init(comm=MPI.COMM_SELF)
+    assert not hvd.is_initialized()
+
+
+def test_shared_memory_forced_on_where_it_cannot_serve_says_why():
+    with pytest.raises(RuntimeError) as raised:
+        shm._refuse("on", "the ranks run on more than one host")
+    assert str(raised.value) == (
+        "FLYTE_HVD_SHM_COLLECTIVES=on, but the ranks run on more than one host; set "
+        "FLYTE_HVD_SHM_COLLECTIVES=auto to let MPI carry these collectives."
+    )
+    shm._refuse("auto", "the ranks run on more than one host")  # auto: MPI, no error
 
 
 def test_bad_fusion_threshold(monkeypatch):

@@ -306,6 +306,85 @@ def test_cli_runs_leave_no_shared_memory(tmp_path):
     cli.clean(result.stderr)
 
 
+# Rank 1 is killed while both ranks loop over 64 MB allreduces (64 chunks of the segment each).
+KILLED_IN_SHARED_MEMORY_ALLREDUCE = (
+    "import os, signal, sys, threading, time, numpy as np, flyte_hvd.core as hvd\n"
+    "from flyte_hvd.core import shm, state\n"
+    "hvd.init()\n"
+    "x = np.ones(16 << 20, np.float32)\n"
+    "hvd.allreduce(x)\n"
+    "assert shm.channel(state.comm()) is not None, 'not on the shared-memory path'\n"
+    "if hvd.rank() == 1:\n"
+    "    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()\n"
+    "print('KILL AT', time.time(), file=sys.stderr, flush=True)\n"
+    "while True: hvd.allreduce(x)\n"
+)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_cli_rank_killed_inside_a_shared_memory_allreduce(tmp_path):
+    """The rank left waiting on the shared segment sees its peer gone (it does not spin on),
+    the run names the killed rank within seconds, and /dev/shm is left empty."""
+    cli = Cli(tmp_path)
+    (tmp_path / "killed.py").write_text(KILLED_IN_SHARED_MEMORY_ALLREDUCE)
+    command = f"{CLI} -np 2 python {tmp_path / 'killed.py'}; echo EXIT=$?"
+    result = subprocess.run(
+        private_shm(command),
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=REPO,
+        env=cli.env({"FLYTE_HVD_SHM_COLLECTIVES": "on"}),
+    )
+    ended = time.time()
+    starts = [float(line.split()[-1]) for line in result.stderr.splitlines() if "KILL AT" in line]
+    assert starts, result.stdout + result.stderr
+    took = ended - (max(starts) + 0.3)
+    report("flyte-hvd-run", "rank killed inside a shared-memory allreduce", took)
+    assert "EXIT=1" in result.stdout, result.stdout + result.stderr
+    assert "flyte-hvd-run: rank 1 failed; the run was stopped" in result.stderr, result.stderr
+    assert "rank 1 died: Killed (signal 9)" in result.stderr
+    # Rank 0 either was stopped by the launcher or saw its peer gone itself (never spun on).
+    assert "PeerExitedError" not in result.stderr or (
+        "PeerExitedError: rank 1 (pid " in result.stderr
+    )
+    assert result.stdout.strip().splitlines()[-1] == "LEFT:", result.stdout
+    assert took < 10
+    cli.clean(result.stderr)
+
+
+@pytest.mark.timeout(60)
+def test_waiting_on_the_shared_segment_for_a_dead_rank_raises_naming_it(monkeypatch):
+    """Without a launcher to stop it, a rank waiting on the segment for a rank that died
+    raises within the liveness interval and the grace; the segment's file was gone from
+    /dev/shm from the start."""
+    from mpi4py import MPI
+
+    from flyte_hvd.core import shm
+
+    before = set(os.listdir(shm.SHM_DIR))
+    channel = shm.Channel(MPI.COMM_SELF, [5], [(os.getpid(), shm._start_time(os.getpid()))])
+    assert not [n for n in set(os.listdir(shm.SHM_DIR)) - before if n.startswith("flyte-hvd-")]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = shm._start_time(dead.pid)
+    dead.wait()
+    channel._peers[0] = (dead.pid, started)  # the rank it waits for is that process
+    monkeypatch.setattr(shm, "DEAD_PEER_GRACE_S", 0.1)
+    assert channel.exchange((7, -7), lambda: "allreduce(x)") == (7, -7)  # its own step
+    begun = time.monotonic()
+    with pytest.raises(shm.PeerExitedError) as raised:
+        # A step the dead rank never reaches.
+        channel._wait(channel._epoch + 1, lambda: "allreduce(x)")
+    took = time.monotonic() - begun
+    report("core", "rank waiting on the shared segment for a dead rank", took)
+    assert str(raised.value).startswith(
+        f"rank 5 (pid {dead.pid}) exited while rank 5 waited for it in `allreduce` on the "
+        f"shared-memory path; the run cannot go on."
+    )
+    assert took < 1.0
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
 def test_cli_killed_launcher_leaves_nothing(tmp_path):

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import cloudpickle
 import numpy as np
 
-from flyte_hvd.core import background, process_sets, state, timeline
-from flyte_hvd.core.buffers import ALIGNMENT, pool
+from flyte_hvd.core import background, process_sets, shm, state, timeline
+from flyte_hvd.core.buffers import ALIGNMENT, MIN_POOLED_BYTES, pool
 from flyte_hvd.core.checks import require_int
 from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.core.errors import CollectiveMismatchError
@@ -86,6 +86,9 @@ def _mpi_ops() -> dict[int, MPI.Op]:
 def mpi_op(op: int) -> tuple[ReduceOp, MPI.Op]:
     """``(ReduceOp, MPI op)`` for a Horovod op; ``NotImplementedError`` for ``Adasum``,
     ``ValueError`` for anything else unknown."""
+    known = _KNOWN_OPS.get(op) if isinstance(op, int) else None  # no enum call per collective
+    if known is not None:
+        return known
     found = _mpi_ops().get(op) if isinstance(op, int) else None
     if found is None:
         if op == ReduceOp.ADASUM:
@@ -96,7 +99,11 @@ def mpi_op(op: int) -> tuple[ReduceOp, MPI.Op]:
             f"unknown reduction op {op!r}: expected one of hvd.Average, hvd.Sum, hvd.Min, "
             f"hvd.Max, hvd.Product."
         )
-    return ReduceOp(op), found
+    _KNOWN_OPS[op] = (ReduceOp(op), found)
+    return _KNOWN_OPS[op]
+
+
+_KNOWN_OPS: dict[int, tuple[ReduceOp, MPI.Op]] = {}
 
 
 def fusion_threshold() -> int:
@@ -217,11 +224,32 @@ def check_same(
     if comm.Get_size() == 1 or not state.checks_collectives():
         return
     fp = _fingerprint(fields)
-    pair = np.array([fp, -fp], dtype=np.int64)
-    comm.Allreduce(_in_place(), pair, _mpi_ops()[ReduceOp.MAX])
-    if pair[0] == fp and -pair[1] == fp:
+    _settle(comm, fp, _agree(comm, (fp, -fp), describe), describe, reduction)
+
+
+def _agree(comm: MPI.Comm, pair: tuple[int, int], describe: Callable[[], str]) -> tuple[int, int]:
+    """The elementwise max of every rank's ``pair``: in the shared segment where ``comm`` has
+    one (every agreement on ``comm`` must then go there, joined ranks' too), else one MPI
+    reduction."""
+    channel = shm.channel(comm)
+    if channel is not None:
+        return channel.exchange(pair, describe)
+    buf = np.array(pair, dtype=np.int64)
+    comm.Allreduce(_in_place(), buf, _mpi_ops()[ReduceOp.MAX])
+    return int(buf[0]), int(buf[1])
+
+
+def _settle(
+    comm: MPI.Comm,
+    fp: int,
+    agreed: tuple[int, int],
+    describe: Callable[[], str],
+    reduction: Reduction,
+) -> None:
+    """Go on (all ranks sent ``fp``), serve joined ranks, or raise the mismatch."""
+    if agreed[0] == fp and -agreed[1] == fp:
         return
-    if pair[1] > 0:
+    if agreed[1] > 0:
         _meet_joined(comm, fp, describe, reduction)
     else:
         _raise_mismatch(comm.allgather(describe()))
@@ -291,12 +319,8 @@ def _serve_until_all_joined(comm: MPI.Comm) -> int:
     """Take part in the active ranks' collectives on ``comm`` until every rank has joined;
     returns how many reductions this rank served."""
     served = 0
-    pair = np.empty(2, dtype=np.int64)
-    max_op = _mpi_ops()[ReduceOp.MAX]
     while True:
-        pair[:] = (_ABSENT, 1)
-        comm.Allreduce(_in_place(), pair, max_op)
-        if pair[0] == _ABSENT:  # no rank is active any more
+        if _agree(comm, (_ABSENT, 1), lambda: "join()")[0] == _ABSENT:  # no rank is active
             return served
         served += _serve_joined_round(comm)
 
@@ -453,10 +477,9 @@ def allreduce_on(
 ) -> np.ndarray:
     """``allreduce`` on the given communicator (what the process-set and async forms run)."""
     arr = _as_array(array, "allreduce")
-    op, mop = mpi_op(op)
+    op, _ = mpi_op(op)
     wire, ctx = compression.compress(arr)
-    check_same(
-        comm,
+    agreement: _Agreement = (
         (1, op, arr.dtype.num, arr.shape, _compression_id(compression)),
         lambda: (
             f"allreduce(op={op.name}, dtype={arr.dtype}, shape={arr.shape}, "
@@ -465,18 +488,88 @@ def allreduce_on(
         (op, wire),
     )
     wire = np.asarray(_scale(wire, prescale_factor), order="C")
-    out = pool.empty(wire.shape, wire.dtype)
+    small = wire.nbytes < MIN_POOLED_BYTES  # the pool's bookkeeping is a tenth of a 4 KB call
+    out = np.empty_like(wire) if small else pool.empty(wire.shape, wire.dtype)
+    _reduce(comm, agreement, op, wire, out, "allreduce", name)
+    scale_in_place(out, postscale_factor)
+    return compression.decompress(out, ctx)
+
+
+def _pieces(parts: list[np.ndarray], offsets: list[int], total: int, itemsize: int) -> shm.Pieces:
+    """A fusion buffer's contents as ``shm.Pieces``: each part, then zeros to the next."""
+    pieces: shm.Pieces = []
+    for part, offset, end in zip(parts, offsets, [*offsets[1:], total], strict=True):
+        pieces.append((offset * itemsize, part.reshape(-1).view(np.uint8)))
+        if end > offset + part.size:
+            pad = (end - offset - part.size) * itemsize
+            pieces.append(((offset + part.size) * itemsize, np.zeros(pad, np.uint8)))
+    return pieces
+
+
+def _shared_channel(comm: MPI.Comm) -> shm.Channel | None:
+    return shm.channel(comm) if comm.Get_size() > 1 else None
+
+
+# What the ranks agree on before a reduction: ``check_same``'s fields, describe, reduction.
+_Agreement = tuple[tuple, Callable[[], str], Reduction]
+
+
+def _reduce(
+    comm: MPI.Comm,
+    agreement: _Agreement | None,
+    op: ReduceOp,
+    wire: np.ndarray | shm.Pieces,
+    out: np.ndarray,
+    kind: str,
+    name: str | None,
+    shared: bool = True,
+) -> bool:
+    """Reduce the C-contiguous ``wire`` of every rank of ``comm`` into ``out`` (``wire``
+    itself for in place), averaged for ``Average``, once the ranks agree (``agreement``; None:
+    they already did). Returns whether it went through shared memory (``shared=False``
+    forbids it: later buffers of a reduction whose first one went over MPI).
+
+    On the shared-memory path the agreement rides on the reduction's first wait; where ranks
+    have joined, the reduction goes over MPI, which they serve. ``wire`` may be the parts of
+    a fusion buffer (``shm.Pieces``, only where the path is shared memory; ``out`` is then
+    packed from them for MPI).
+    """
+    size = comm.Get_size()
+    channel = shm.channel(comm) if shared and size > 1 else None
+    if channel is not None and (out.dtype.kind != "c" or op not in (ReduceOp.MIN, ReduceOp.MAX)):
+        fp = _fingerprint(agreement[0]) if agreement and state.checks_collectives() else 0
+        describe = agreement[1] if agreement else (lambda: kind)
+        # Floats are divided while copied out; integers after (rounded toward zero).
+        divisor = size if op is ReduceOp.AVERAGE and out.dtype.kind in "fc" else 1
+        start = _begin()
+        src = wire.reshape(-1) if isinstance(wire, np.ndarray) and wire.ndim != 1 else wire
+        flat = out if out.ndim == 1 else out.reshape(-1)
+        differ = channel.allreduce(src, flat, shm.UFUNCS[op], divisor, (fp, -fp), describe)
+        if differ is None:
+            _end(kind, name, out.nbytes, start)
+            if divisor == 1 and op is ReduceOp.AVERAGE:
+                finish_average(out, size, op)
+            return True
+        assert agreement is not None  # only a fingerprint can differ
+        _settle(comm, fp, differ, describe, agreement[2])  # raises unless ranks joined
+    elif agreement is not None:
+        check_same(comm, *agreement)
+    if not isinstance(wire, np.ndarray):  # a fusion buffer's parts: pack them for MPI
+        shm.fill_pieces(wire, out.reshape(-1).view(np.uint8), 0, out.nbytes)
+        wire = out
+    mop = _mpi_ops()[op]
     start = _begin()
-    if out.nbytes >= _IN_PLACE_BYTES:
+    if out is wire:
+        comm.Allreduce(_in_place(), out, mop)
+    elif out.nbytes >= _IN_PLACE_BYTES:
         # Copy, then reduce in place: measured faster than MPICH's out-of-place path.
         np.copyto(out, wire)
         comm.Allreduce(_in_place(), out, mop)
     else:
         comm.Allreduce(wire, out, mop)
-    _end("allreduce", name, out.nbytes, start)
-    finish_average(out, comm.Get_size(), op)
-    scale_in_place(out, postscale_factor)
-    return compression.decompress(out, ctx)
+    _end(kind, name, out.nbytes, start)
+    finish_average(out, size, op)
+    return False
 
 
 def grouped_allreduce(
@@ -510,7 +603,7 @@ def grouped_allreduce_on(
 ) -> list[np.ndarray]:
     """``grouped_allreduce`` on the given communicator."""
     arrs = [_as_array(a, "grouped_allreduce") for a in arrays]
-    op, mop = mpi_op(op)
+    op, _ = mpi_op(op)
     compressed = [compression.compress(a) for a in arrs]
     wires = [c[0] for c in compressed]
     buckets = fusion_buckets([(w.dtype, w.nbytes) for w in wires], fusion_threshold())
@@ -522,8 +615,7 @@ def grouped_allreduce_on(
     def spec() -> ReductionSpec:
         return [(wires[m[0]].dtype.str, total, int(op)) for m, _, total in layouts]
 
-    check_same(
-        comm,
+    first: _Agreement = (
         (2, op, _compression_id(compression), tuple((a.dtype.num, a.shape) for a in arrs)),
         lambda: (
             f"grouped_allreduce(op={op.name}, compression={compression.__name__}, "
@@ -531,18 +623,28 @@ def grouped_allreduce_on(
         ),
         spec,
     )
+    if not layouts:  # nothing to reduce, but the ranks still agree on that
+        check_same(comm, *first)
+    agreement: _Agreement | None = first
     results: list[np.ndarray | None] = [None] * len(arrs)
+    shared = _shared_channel(comm) is not None
     for members, offsets, total in layouts:
-        buf = pool.empty((total,), wires[members[0]].dtype)
-        for i, offset, end in zip(members, offsets, [*offsets[1:], total], strict=True):
-            part = wires[i]
-            buf[offset : offset + part.size] = part.reshape(-1)
-            buf[offset + part.size : end] = 0
-        scale_in_place(buf, prescale_factor)
-        start = _begin()
-        comm.Allreduce(_in_place(), buf, mop)
-        _end("grouped_allreduce", name, buf.nbytes, start)
-        finish_average(buf, comm.Get_size(), op)
+        dtype = wires[members[0]].dtype
+        buf = pool.empty((total,), dtype)
+        if shared:  # the parts go straight into the shared segment: no packing pass
+            parts = [np.ascontiguousarray(_scale(wires[i], prescale_factor)) for i in members]
+            src: np.ndarray | shm.Pieces = _pieces(parts, offsets, total, dtype.itemsize)
+        else:
+            for i, offset, end in zip(members, offsets, [*offsets[1:], total], strict=True):
+                part = wires[i]
+                buf[offset : offset + part.size] = part.reshape(-1)
+                buf[offset + part.size : end] = 0
+            scale_in_place(buf, prescale_factor)
+            src = buf
+        # The first buffer carries the agreement; the others follow its path.
+        if not _reduce(comm, agreement, op, src, buf, "grouped_allreduce", name, shared):
+            shared = False
+        agreement = None
         scale_in_place(buf, postscale_factor)
         for i, offset in zip(members, offsets, strict=True):
             part, ctx = compressed[i]
@@ -567,19 +669,11 @@ def reduce_in_place(
     ``flat``). The ranks first agree on (op, dtype, length, compression); ``describe`` renders
     this rank's call for the error raised on a mismatch.
     """
-    op, mop = mpi_op(op)
+    op, _ = mpi_op(op)
     wire, ctx = compression.compress(flat)
     wire = np.ascontiguousarray(wire)
-    check_same(
-        comm,
-        (8, op, flat.dtype.num, flat.shape, _compression_id(compression)),
-        describe,
-        (op, wire),
-    )
-    start = _begin()
-    comm.Allreduce(_in_place(), wire, mop)
-    _end("allreduce", name, wire.nbytes, start)
-    finish_average(wire, comm.Get_size(), op)
+    fields = (8, op, flat.dtype.num, flat.shape, _compression_id(compression))
+    _reduce(comm, (fields, describe, (op, wire)), op, wire, wire, "allreduce", name)
     scale_in_place(wire, postscale_factor)
     if wire is not flat:
         flat[...] = compression.decompress(wire, ctx)

@@ -22,6 +22,10 @@ HOSTNAME_ENV = "FLYTE_HVD_HOSTNAME"
 # "0" skips the argument check before each collective (one 16-byte reduction, about 5 us on
 # two local ranks); mismatched calls then behave as in raw MPI: they hang or corrupt memory.
 CHECK_ENV = "FLYTE_HVD_CHECK_COLLECTIVES"
+# Where reductions of ranks on one host go: "auto" (shared memory when every rank of the
+# communicator is on this host), "on" (the same, an error where it cannot), "off" (MPI).
+SHM_ENV = "FLYTE_HVD_SHM_COLLECTIVES"
+SHM_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class _State:
     owns_comm: bool = False
     launcher_comm: MPI.Comm | None = None
     check_collectives: bool = True
+    shm_mode: str = "auto"
 
 
 _state = _State()
@@ -89,6 +94,7 @@ def init(comm: MPI.Comm | None = None) -> None:
         return
     from mpi4py import MPI
 
+    shm_mode = _shm_mode()  # a bad value fails here, not in the first collective
     if comm is None:
         comm = _state.launcher_comm if _state.launcher_comm is not None else MPI.COMM_WORLD
     elif not isinstance(comm, MPI.Comm):
@@ -107,6 +113,7 @@ def init(comm: MPI.Comm | None = None) -> None:
     _state.topology = Topology.from_hosts(hosts, own.Get_rank())
     # Read once here: an environment lookup per call costs a tenth of a small reduction.
     _state.check_collectives = os.environ.get(CHECK_ENV, "1") != "0"
+    _state.shm_mode = shm_mode
     timeline.start_from_env(own.Get_rank())
 
 
@@ -140,6 +147,21 @@ def shutdown() -> None:
 
 def checks_collectives() -> bool:
     return _state.check_collectives
+
+
+def _shm_mode() -> str:
+    raw = os.environ.get(SHM_ENV, "auto").strip().lower() or "auto"
+    if raw not in SHM_MODES:
+        raise ValueError(
+            f"{SHM_ENV}={raw!r}: expected one of {', '.join(SHM_MODES)} (auto: shared memory "
+            f"when all ranks of a communicator share a host)."
+        )
+    return raw
+
+
+def shm_mode() -> str:
+    """``FLYTE_HVD_SHM_COLLECTIVES`` as ``init()`` read it: ``auto``, ``on`` or ``off``."""
+    return _state.shm_mode
 
 
 def is_initialized() -> bool:

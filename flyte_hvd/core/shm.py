@@ -1,0 +1,441 @@
+"""Same-host reductions through one shared-memory segment per communicator.
+
+When every rank of a communicator runs on one host, an allreduce need not go through MPI's
+messages: each rank writes into its slot of a segment all of them map the part of its input
+the others reduce, each reduces its share of the elements with numpy, and each copies the
+result out. Ranks wait for
+one another on counters in the segment (a spin, then ``sched_yield``, then short sleeps), and
+while they wait they look at whether the ranks they wait for are still alive: a rank that
+died ends the others' wait with an error naming it, instead of a hang.
+
+The same counters carry the ranks' agreement on each collective's arguments (see
+``collectives.check_same``): a rank writes its fingerprint beside its data before the first
+wait, so a checked reduction costs no extra round.
+
+Messages up to ``SMALL_BYTES`` take one wait: every rank reduces the whole message from
+double-buffered slots. Longer ones go in chunks of ``CHUNK_BYTES`` (they stay in cache
+between the copy in, the reduction and the copy out) with two waits per chunk.
+
+The segment is a file in ``/dev/shm`` that rank 0 creates and removes as soon as every rank
+has mapped it, so nothing is left there however the run ends. ``FLYTE_HVD_SHM_COLLECTIVES``
+(``auto``, ``on``, ``off``) picks the path; see docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import platform
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from flyte_hvd.core import state
+from flyte_hvd.core.log import get_logger
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+MODE_ENV = state.SHM_ENV
+SHM_DIR = "/dev/shm"
+SMALL_BYTES = 32 << 10
+CHUNK_BYTES = 1 << 20
+_STORE_ORDERED = ("x86_64", "amd64")
+_MAX_VIEWS = 256  # cached typed views of the small slots
+_LINE = 64  # bytes: one cache line per rank's counter and per rank's fingerprint
+_WORDS = _LINE // 8
+# Waiting: spins that only re-read the counter, then ``sched_yield`` (a core may be shared),
+# then sleeps once the wait is long (the peer is computing, not about to arrive).
+_SPINS = 64
+_SLEEP_AFTER_S = 0.02
+_SLEEP_S = 50e-6
+_LIVENESS_EVERY_S = 0.05
+# Before raising on a peer that died: a launcher that sees the death itself (its stall watch
+# takes about 2 s for a rank that returned) stops this rank meanwhile and names the dead
+# rank and how it ended (a signal, its error) as the run's cause.
+DEAD_PEER_GRACE_S = 5.0
+
+logger = get_logger(__name__)
+
+# ufuncs of the reduction ops (collectives.ReduceOp values): AVERAGE sums, then divides.
+UFUNCS: dict[int, np.ufunc] = {
+    0: np.add,
+    1: np.add,
+    3: np.minimum,
+    4: np.maximum,
+    5: np.multiply,
+}
+
+
+class PeerExitedError(RuntimeError):
+    """A rank this one waited for in a shared-memory collective is no longer running."""
+
+
+def _start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` (``/proc/<pid>/stat`` field 22), None if gone or a
+    zombie: together with the pid it names one process, not a later one with the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+class Channel:
+    """The shared segment of one communicator's ranks on one host (all of its ranks)."""
+
+    def __init__(self, comm: MPI.Comm, global_ranks: list[int], peers: list[tuple[int, int]]):
+        self.size = size = comm.Get_size()
+        self.rank = comm.Get_rank()
+        self.global_ranks = global_ranks
+        self._peers = peers  # (pid, start time) per rank of ``comm``
+        self._epoch = 0
+        counters = size * _LINE
+        fingerprints = 2 * size * _LINE
+        small = 2 * size * SMALL_BYTES
+        total = counters + fingerprints + small + (size + 1) * CHUNK_BYTES
+        self._map = _shared_map(comm, total)
+        raw = np.frombuffer(self._map, np.uint8)
+        self._words = memoryview(self._map).cast("q")  # plain loads and stores, no numpy call
+        self._counter = [r * _WORDS for r in range(size)]
+        base = counters // 8
+        # fingerprint pair of rank r for epoch parity p at word base + (p * size + r) * _WORDS
+        self._fp_base = base
+        offset = counters + fingerprints
+        self._small = [
+            [raw[offset + (p * size + r) * SMALL_BYTES :][:SMALL_BYTES] for r in range(size)]
+            for p in range(2)
+        ]
+        offset += small
+        self._slots = [raw[offset + r * CHUNK_BYTES :][:CHUNK_BYTES] for r in range(size + 1)]
+        self._result = self._slots.pop()
+        self._views: dict[tuple[int, np.dtype, int], list[np.ndarray]] = {}
+
+    # -- waiting ---------------------------------------------------------------------------
+
+    def _post(self) -> int:
+        """Tell the others this rank reached the next step; returns the step's number."""
+        self._epoch += 1
+        self._words[self._counter[self.rank]] = self._epoch
+        return self._epoch
+
+    def _wait(self, epoch: int, what: Callable[[], str]) -> None:
+        words = self._words
+        for r in range(self.size):
+            if words[self._counter[r]] < epoch:
+                self._wait_for(r, epoch, what)
+
+    def _wait_for(self, peer: int, epoch: int, what: Callable[[], str]) -> None:
+        words, index = self._words, self._counter[peer]
+        spins = 0
+        start = checked = time.monotonic()
+        while words[index] < epoch:
+            spins += 1
+            if spins < _SPINS:
+                continue
+            if spins % 64:
+                os.sched_yield()
+                continue
+            now = time.monotonic()
+            if now - checked > _LIVENESS_EVERY_S:
+                checked = now
+                self._check_alive(peer, what)
+            if now - start > _SLEEP_AFTER_S:
+                time.sleep(_SLEEP_S)
+            else:
+                os.sched_yield()
+
+    def _check_alive(self, peer: int, what: Callable[[], str]) -> None:
+        pid, started = self._peers[peer]
+        if _start_time(pid) != started:
+            time.sleep(DEAD_PEER_GRACE_S)
+            kind = what().split("(", 1)[0]
+            raise PeerExitedError(
+                f"rank {self.global_ranks[peer]} (pid {pid}) exited while rank "
+                f"{self.global_ranks[self.rank]} waited for it in `{kind}` on the shared-memory "
+                f"path; the run cannot go on. Its own output says why it ended."
+            )
+
+    # -- agreement -------------------------------------------------------------------------
+
+    def _write_pair(self, epoch: int, pair: tuple[int, int]) -> None:
+        at = self._fp_base + ((epoch & 1) * self.size + self.rank) * _WORDS
+        self._words[at] = pair[0]
+        self._words[at + 1] = pair[1]
+
+    def _max_pair(self, epoch: int, pair: tuple[int, int]) -> tuple[int, int] | None:
+        """None when every rank wrote ``pair``; else the elementwise max over ranks."""
+        words, at = self._words, self._fp_base + (epoch & 1) * self.size * _WORDS
+        first, second = pair
+        for r in range(self.size):
+            if words[at + r * _WORDS] != first or words[at + r * _WORDS + 1] != second:
+                break
+        else:
+            return None
+        pairs = [(words[at + r * _WORDS], words[at + r * _WORDS + 1]) for r in range(self.size)]
+        return max(p[0] for p in pairs), max(p[1] for p in pairs)
+
+    def exchange(self, pair: tuple[int, int], what: Callable[[], str]) -> tuple[int, int]:
+        """The elementwise max of every rank's ``pair`` (what one MPI MAX allreduce of it
+        gives), in one wait."""
+        epoch = self._epoch + 1
+        self._write_pair(epoch, pair)
+        self._post()
+        self._wait(epoch, what)
+        return self._max_pair(epoch, pair) or pair
+
+    # -- allreduce -------------------------------------------------------------------------
+
+    def allreduce(
+        self,
+        src: np.ndarray | Pieces,
+        dst: np.ndarray,
+        ufunc: np.ufunc,
+        divisor: int,
+        pair: tuple[int, int],
+        what: Callable[[], str],
+    ) -> tuple[int, int] | None:
+        """Reduce the 1-D ``src`` of every rank with ``ufunc`` into the 1-D ``dst`` (may be
+        ``src``), divided by ``divisor`` unless it is 1. ``src`` may be given as ``Pieces``
+        (a fusion buffer's parts, packed straight into the segment).
+
+        ``pair`` is this rank's agreement pair (see ``exchange``), written beside the first
+        data. Returns None when done, or, with nothing reduced, the max pair when the ranks'
+        pairs differ (the caller raises or serves joined ranks).
+        """
+        nbytes, dtype, itemsize = dst.nbytes, dst.dtype, dst.itemsize
+        if isinstance(src, np.ndarray):
+            if nbytes <= SMALL_BYTES:  # first: the latency of small messages is all overhead
+                return self._allreduce_small(src, None, dst, ufunc, divisor, pair, what)
+            src_bytes = src.view(np.uint8)
+
+            def fill(target: np.ndarray, start: int, stop: int) -> None:
+                target[: stop - start] = src_bytes[start:stop]
+
+        else:
+
+            def fill(target: np.ndarray, start: int, stop: int) -> None:
+                fill_pieces(src, target, start, stop)
+
+        if nbytes <= SMALL_BYTES:
+            return self._allreduce_small(src, fill, dst, ufunc, divisor, pair, what)
+        dst_bytes = dst.view(np.uint8)
+        own = src.view(np.uint8) if isinstance(src, np.ndarray) else None
+        step = CHUNK_BYTES - CHUNK_BYTES % itemsize
+        mine = self._slots[self.rank]
+        for start in range(0, nbytes, step):
+            stop = min(start + step, nbytes)
+            length = stop - start
+            # This rank's share of the chunk, on item boundaries.
+            count = length // itemsize
+            lo = count * self.rank // self.size * itemsize
+            hi = count * (self.rank + 1) // self.size * itemsize
+            if own is None:
+                fill(mine, start, stop)
+            else:  # only what the others reduce: this rank reads its share from ``src``
+                mine[:lo] = own[start : start + lo]
+                mine[hi:length] = own[start + hi : stop]
+            epoch = self._epoch + 1
+            if start == 0:
+                self._write_pair(epoch, pair)
+            self._post()
+            self._wait(epoch, what)
+            if start == 0:
+                differ = self._max_pair(epoch, pair)
+                if differ is not None:
+                    return differ
+            # Operands in rank order, whichever rank reduces the share.
+            parts = [slot[lo:hi] for slot in self._slots]
+            if own is not None:
+                parts[self.rank] = own[start + lo : start + hi]
+            out = self._result[lo:hi].view(dtype)
+            ufunc(parts[0].view(dtype), parts[1].view(dtype), out=out)
+            for part in parts[2:]:
+                ufunc(out, part.view(dtype), out=out)
+            self._wait(self._post(), what)
+            result = self._result[:length].view(dtype)
+            target = dst_bytes[start:stop].view(dtype)
+            if divisor == 1:
+                np.copyto(target, result)
+            else:
+                np.divide(result, divisor, out=target)
+        return None
+
+    def _allreduce_small(
+        self,
+        src: np.ndarray | Pieces,
+        fill: Callable[[np.ndarray, int, int], None] | None,
+        dst: np.ndarray,
+        ufunc: np.ufunc,
+        divisor: int,
+        pair: tuple[int, int],
+        what: Callable[[], str],
+    ) -> tuple[int, int] | None:
+        epoch = self._epoch + 1
+        slots = self._views.get((epoch & 1, dst.dtype, dst.size))
+        if slots is None:
+            slots = self._small_views(epoch & 1, dst.dtype, dst.size)
+        if isinstance(src, np.ndarray):
+            np.copyto(slots[self.rank], src)
+        elif fill is not None:
+            fill(slots[self.rank].view(np.uint8), 0, dst.nbytes)
+        # _write_pair, _post and _wait's first look, inlined: a 4 KB call is mostly overhead.
+        words, at = self._words, self._fp_base + ((epoch & 1) * self.size + self.rank) * _WORDS
+        words[at], words[at + 1] = pair
+        self._epoch = epoch
+        words[self._counter[self.rank]] = epoch
+        for r, index in enumerate(self._counter):
+            if words[index] < epoch:
+                self._wait_for(r, epoch, what)
+        if pair != (0, 0):  # (0, 0): the argument check is off on every rank
+            differ = self._max_pair(epoch, pair)
+            if differ is not None:
+                return differ
+        # Every rank reduces all of it, in rank order: the same result everywhere, one wait.
+        ufunc(slots[0], slots[1], out=dst)
+        for r in range(2, self.size):
+            ufunc(dst, slots[r], out=dst)
+        if divisor != 1:
+            np.divide(dst, divisor, out=dst)
+        return None
+
+    def _small_views(self, parity: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
+        """Each rank's small slot of ``parity`` as ``count`` items of ``dtype``: kept, since a
+        training loop reduces the same few shapes over and over (making views costs more
+        than the reduction of a few KB)."""
+        key = (parity, dtype, count)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= _MAX_VIEWS:
+                self._views.clear()
+            nbytes = count * dtype.itemsize
+            views = [slot[:nbytes].view(dtype) for slot in self._small[parity]]
+            self._views[key] = views
+        return views
+
+
+# A message given as parts: (byte offset, its bytes as a 1-D uint8 array), in order, end to
+# end (a fusion buffer's padding is a part of zeros).
+Pieces = list[tuple[int, np.ndarray]]
+
+
+def fill_pieces(pieces: Pieces, target: np.ndarray, start: int, stop: int) -> None:
+    """Copy bytes ``[start, stop)`` of the message ``pieces`` make up to ``target[0:]``."""
+    i = bisect.bisect_right(pieces, start, key=lambda p: p[0]) - 1
+    while i < len(pieces) and pieces[i][0] < stop:
+        offset, part = pieces[i]
+        lo, hi = max(start, offset), min(stop, offset + part.size)
+        target[lo - start : hi - start] = part[lo - offset : hi - offset]
+        i += 1
+
+
+def _shared_map(comm: MPI.Comm, total: int) -> mmap.mmap:
+    """A ``total``-byte mapping shared by the ranks of ``comm``; its file in ``/dev/shm`` is
+    gone before this returns (only the mappings keep the memory)."""
+    path, fd, error = "", -1, ""
+    if comm.Get_rank() == 0:
+        path = os.path.join(SHM_DIR, f"flyte-hvd-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            # Claimed now: a full /dev/shm is an error here, not a SIGBUS on first touch.
+            os.posix_fallocate(fd, 0, total)
+        except OSError as e:
+            error = f"cannot create {total} bytes in {SHM_DIR}: {e}"
+            if fd >= 0:
+                os.close(fd)
+                os.unlink(path)
+    path, error = comm.bcast((path, error), root=0)
+    if error:
+        raise OSError(error)
+    try:
+        if comm.Get_rank() != 0:
+            fd = os.open(path, os.O_RDWR)
+        mapped = mmap.mmap(fd, total)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        comm.Barrier()  # every rank has mapped it (or failed to)
+        if comm.Get_rank() == 0:
+            os.unlink(path)
+    return mapped
+
+
+# -- one channel per communicator -------------------------------------------------------------
+
+_channels: dict[int, Channel | None] = {}
+
+
+def channel(comm: MPI.Comm) -> Channel | None:
+    """The shared-memory channel of ``comm``, made on first use (collective: every rank of
+    ``comm`` gets here in the same collective), or None where MPI carries the collectives."""
+    key = comm.py2f()
+    if key in _channels:
+        return _channels[key]
+    made = _make(comm)
+    _channels[key] = made
+    return made
+
+
+def _make(comm: MPI.Comm) -> Channel | None:
+    from mpi4py import MPI
+
+    wanted = state.shm_mode()
+    if wanted == "off" or comm.Get_size() == 1:
+        return None
+    # A rank stores its data, then its counter, and the others read them in that order: x86
+    # keeps stores in order; weaker memory models (ARM) would need fences Python cannot give.
+    if platform.machine().lower() not in _STORE_ORDERED:
+        _refuse(wanted, f"this CPU ({platform.machine()}) may reorder stores")
+        return None
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    one_host = local.Get_size() == comm.Get_size()
+    local.Free()
+    me = (os.getpid(), _start_time(os.getpid()) or 0)
+    peers = comm.allgather(me)
+    global_ranks = comm.allgather(state.rank())
+    # Liveness needs the others' processes: ranks in other PID namespaces (containers of a
+    # pod) cannot see them.
+    visible = comm.allreduce(int(all(_start_time(pid) == t for pid, t in peers)), op=MPI.MIN)
+    why = (
+        "the ranks run on more than one host"
+        if not one_host
+        else "the ranks cannot see one another's processes (separate PID namespaces)"
+        if not visible
+        else ""
+    )
+    if not why:
+        try:
+            return Channel(comm, global_ranks, peers)
+        except OSError as e:
+            why = str(e)
+    _refuse(wanted, why)
+    return None
+
+
+def _refuse(wanted: str, why: str) -> None:
+    """Where the segment cannot serve: an error if it was asked for (``on``), else a note."""
+    if wanted == "on":
+        raise RuntimeError(
+            f"{MODE_ENV}=on, but {why}; set {MODE_ENV}=auto to let MPI carry these collectives."
+        )
+    logger.debug("collectives on MPI, not shared memory: %s", why)
+
+
+def forget(comm: MPI.Comm) -> None:
+    """Drop ``comm``'s channel (before the communicator is freed); its memory goes when the
+    last view of it does."""
+    _channels.pop(comm.py2f(), None)
+
+
+def forget_all() -> None:
+    _channels.clear()
+
+
+state.on_shutdown(forget_all, order=2)

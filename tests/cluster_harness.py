@@ -385,18 +385,8 @@ class SimCluster:
 
     def _write_driver_conf(self) -> None:
         """spark-defaults.conf of the driver host: the master, and the one substitution."""
-        conf = {
-            "spark.master": self.master_url,
-            "spark.ui.enabled": "false",
-            "spark.hadoop.fs.s3.impl": "org.apache.hadoop.fs.viewfs.ViewFileSystemOverloadScheme",
-            f"spark.hadoop.fs.viewfs.mounttable.{RAW_BUCKET}.linkFallback":
-                f"file://{OBJSTORE}/{RAW_BUCKET}",
-            "spark.hadoop.fs.viewfs.overload.scheme.target.s3.impl":
-                "org.apache.hadoop.fs.s3a.S3AFileSystem",
-            "spark.hadoop.fs.s3.impl.disable.cache": "true",
-        }  # fmt: skip
         (self.root / "conf" / "spark-defaults.conf").write_text(
-            "".join(f"{key} {value}\n" for key, value in conf.items())
+            driver_spark_defaults(self.master_url)
         )
 
     def driver_env(self) -> dict[str, str]:
@@ -462,3 +452,20 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def driver_spark_defaults(master_url: str) -> str:
+    """spark-defaults.conf of a driver: the master, and the one substitution (Spark's own
+    Parquet of Flyte DataFrames at ``s3://RAW_BUCKET/...`` goes to ``OBJSTORE``, which every
+    host mounts, since no S3A jars are here)."""
+    conf = {
+        "spark.master": master_url,
+        "spark.ui.enabled": "false",
+        "spark.hadoop.fs.s3.impl": "org.apache.hadoop.fs.viewfs.ViewFileSystemOverloadScheme",
+        f"spark.hadoop.fs.viewfs.mounttable.{RAW_BUCKET}.linkFallback":
+            f"file://{OBJSTORE}/{RAW_BUCKET}",
+        "spark.hadoop.fs.viewfs.overload.scheme.target.s3.impl":
+            "org.apache.hadoop.fs.s3a.S3AFileSystem",
+        "spark.hadoop.fs.s3.impl.disable.cache": "true",
+    }  # fmt: skip
+    return "".join(f"{key} {value}\n" for key, value in conf.items())

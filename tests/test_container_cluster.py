@@ -38,14 +38,14 @@ import time
 from pathlib import Path
 
 import pytest
+from cluster_harness import OBJSTORE, RAW_BUCKET, driver_spark_defaults
 
 pytestmark = [pytest.mark.container, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGE = os.environ.get("FLYTE_HVD_TEST_IMAGE", "localhost/flyte-hvd:latest")
-RAW_BUCKET, STORE_BUCKET = "flyte-raw", "flyte-hvd-store"
+STORE_BUCKET = "flyte-hvd-store"
 ACCESS_KEY, SECRET_KEY = "container-key", "container-secret"
-OBJSTORE = "/tmp/flyte-hvd-objstore"
 SPARK_CONF_DIR = "/opt/flyte-hvd-conf"
 WORKERS = 2
 # podman here: runc (crun fails on this kernel) and the caller's ulimits (podman's defaults are
@@ -128,18 +128,8 @@ class ContainerCluster:
             self.s3.create_bucket(Bucket=bucket)
 
     def _write_driver_conf(self) -> None:
-        conf = {
-            "spark.master": self.master_url,
-            "spark.ui.enabled": "false",
-            "spark.hadoop.fs.s3.impl": "org.apache.hadoop.fs.viewfs.ViewFileSystemOverloadScheme",
-            f"spark.hadoop.fs.viewfs.mounttable.{RAW_BUCKET}.linkFallback":
-                f"file://{OBJSTORE}/{RAW_BUCKET}",
-            "spark.hadoop.fs.viewfs.overload.scheme.target.s3.impl":
-                "org.apache.hadoop.fs.s3a.S3AFileSystem",
-            "spark.hadoop.fs.s3.impl.disable.cache": "true",
-        }  # fmt: skip
         (self.root / "conf" / "spark-defaults.conf").write_text(
-            "".join(f"{key} {value}\n" for key, value in conf.items())
+            driver_spark_defaults(self.master_url)
         )
 
     def env(self, role: str) -> dict[str, str]:

@@ -44,7 +44,9 @@ pytestmark = [pytest.mark.container, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGE = os.environ.get("FLYTE_HVD_TEST_IMAGE", "localhost/flyte-hvd:latest")
-STORE_BUCKET = "flyte-hvd-store"
+# moto's in-process servers share one backend per test process: the simulated-host test's
+# Rossmann run leaves its runs in "flyte-hvd-store", so this test's store is a bucket of its own.
+STORE_BUCKET = "flyte-hvd-container-store"
 ACCESS_KEY, SECRET_KEY = "container-key", "container-secret"
 SPARK_CONF_DIR = "/opt/flyte-hvd-conf"
 WORKERS = 2
@@ -126,6 +128,7 @@ class ContainerCluster:
         )  # fmt: skip
         for bucket in (RAW_BUCKET, STORE_BUCKET):
             self.s3.create_bucket(Bucket=bucket)
+        assert not self.keys(STORE_BUCKET, ""), f"s3://{STORE_BUCKET} is not empty"
 
     def _write_driver_conf(self) -> None:
         (self.root / "conf" / "spark-defaults.conf").write_text(

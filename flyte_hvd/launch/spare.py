@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from flyte_hvd.launch import messages, process_group, rendezvous
+from flyte_hvd.launch.environment import DRIVER_VERSION_ENV
 from flyte_hvd.launch.job import MAX_RESULT_ENV, collector_paused
 from flyte_hvd.launch.output import open_rank_pipes
 
@@ -64,8 +65,11 @@ _SPARES: list[Spare] = []  # this process's idle spares
 
 
 def key_of(env: dict[str, str], preload: tuple[str, ...], command: list[str]) -> tuple:
-    """What a rank started now would be: a spare started the same way can stand in for it."""
-    return (tuple(command), preload, tuple(sorted(env.items())))
+    """What a rank started now would be: a spare started the same way can stand in for it.
+    The driver's version is not part of it: spares started ahead of a run have none, and the
+    executor that claims them has checked it against its own (the spares' package)."""
+    same = {k: v for k, v in env.items() if k != DRIVER_VERSION_ENV}
+    return (tuple(command), preload, tuple(sorted(same.items())))
 
 
 def start(env: dict[str, str], preload: tuple[str, ...], command: list[str], base: str,

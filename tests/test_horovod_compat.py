@@ -27,8 +27,9 @@ HOROVOD_MODULES = {
     "flyte_hvd.spark": ["run", "HorovodRunner"],
     "flyte_hvd.spark.keras": ["KerasEstimator", "KerasModel"],
     "flyte_hvd.spark.torch": ["TorchEstimator", "TorchModel"],
+    "flyte_hvd.spark.torch.estimator": ["TorchEstimator", "EstimatorParams"],
     "flyte_hvd.spark.lightning": ["TorchEstimator", "TorchModel", "MIN_PL_VERSION"],
-    "flyte_hvd.spark.lightning.estimator": ["TorchEstimator", "MIN_PL_VERSION"],
+    "flyte_hvd.spark.lightning.estimator": ["TorchEstimator", "MIN_PL_VERSION", "EstimatorParams"],
     "flyte_hvd.spark.common.store": [
         "Store", "AbstractFilesystemStore", "FilesystemStore", "LocalStore", "HDFSStore",
         "DBFSLocalStore",
@@ -36,7 +37,8 @@ HOROVOD_MODULES = {
     "flyte_hvd.spark.common.backend": ["SparkBackend"],
     "flyte_hvd.spark.common.util": [
         "prepare_data", "get_simple_meta_from_parquet", "get_dataset_properties",
-        "clear_training_cache", "to_list",
+        "clear_training_cache", "to_list", "check_shape_compatibility",
+        "get_spark_df_output_schema", "host_hash", "_get_metadata", "_train_val_split",
     ],
     "flyte_hvd.tensorflow.keras": ["DistributedOptimizer", "init", "rank", "callbacks"],
     "flyte_hvd.tensorflow.keras.callbacks": [
@@ -503,3 +505,200 @@ def test_a_plain_module_without_optimizer_or_loss_is_refused(tmp_path):
                                label_cols=["y"])  # fmt: skip
     with pytest.raises(ValueError, match="give `optimizer` and `loss` \\(Horovod's legacy mode"):
         estimator._check_model(["f"], ["y"])
+
+
+# -- metadata, shapes and prediction types -----------------------------------------------------
+
+
+def _meta(*columns):
+    from flyte_hvd.data.dataset import ColumnInfo, DatasetMetadata
+
+    infos = tuple(ColumnInfo(name, kind, dtype, shape) for name, kind, dtype, shape in columns)
+    return DatasetMetadata(columns=infos, rows=10, bytes=0, files=0, row_groups=0)
+
+
+def test_check_shape_compatibility_checks_each_shape_against_its_column():
+    from flyte_hvd.spark.common.util import check_shape_compatibility
+
+    meta = _meta(("x", "scalar", "float64", ()), ("v", "dense_vector", "float64", (12,)),
+                 ("y", "scalar", "float32", ()))  # fmt: skip
+    ok = [
+        ([[1], [-1, 3, 4]], [[1]], None),
+        ([[1], [3, 2, 2]], [[1, 1]], None),
+        ([[-1, 1], [-1, 12]], None, [[1]]),
+    ]
+    for inputs, outputs, labels in ok:
+        check_shape_compatibility(meta, ["x", "v"], ["y"], inputs, outputs, labels)
+    bad = [
+        (
+            {"input_shapes": [[1], [-1, 3, 5]]},
+            r"`input_shapes`\[1\]=\[-1, 3, 5\] does not fit "
+            r"column `v`, which holds 12 value",
+        ),
+        ({"input_shapes": [[2], [12]]}, r"`input_shapes`\[0\]=\[2\] does not fit column `x`"),
+        ({"input_shapes": [[1]]}, r"`input_shapes` must give one shape per column \(2"),
+        ({"output_shapes": [[7]]}, r"`output_shapes`\[0\]=\[7\] does not fit column `y`"),
+        ({"label_shapes": [[1], [1]]}, r"`label_shapes` must give one shape per column \(1"),
+        ({"input_shapes": [[1], [0, 12]]}, r"does not fit column `v`"),
+    ]
+    for given, match in bad:
+        with pytest.raises(ValueError, match=match):
+            check_shape_compatibility(meta, ["x", "v"], ["y"], **given)
+    # What get_simple_meta_from_parquet gives (a shape per column) is read the same way.
+    check_shape_compatibility({"v": {"shape": (12,)}}, ["v"], [], [[4, 3]])
+    with pytest.raises(ValueError, match=r"column `w` is not in the metadata"):
+        check_shape_compatibility({"v": {"shape": (12,)}}, ["w"], [], [[12]])
+
+
+def test_each_prediction_has_its_labels_type():
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import types as T
+
+    from flyte_hvd.spark.common.util import get_spark_df_output_schema
+
+    schema = T.StructType([
+        T.StructField("x", T.DoubleType()),
+        T.StructField("f", T.FloatType(), nullable=False),
+        T.StructField("d", T.DoubleType()),
+        T.StructField("i", T.IntegerType()),
+        T.StructField("v", VectorUDT()),
+        T.StructField("a", T.ArrayType(T.DoubleType())),
+    ])  # fmt: skip
+    labels = ["f", "d", "i", "v", "a"]
+    out = get_spark_df_output_schema(schema, labels, [f"{c}_pred" for c in labels])
+    assert out.fieldNames() == [*schema.fieldNames(), *[f"{c}_pred" for c in labels]]
+    added = {f.name: f for f in out.fields[len(schema.fields):]}  # fmt: skip
+    assert isinstance(added["f_pred"].dataType, T.FloatType) and not added["f_pred"].nullable
+    assert isinstance(added["d_pred"].dataType, T.DoubleType) and added["d_pred"].nullable
+    assert isinstance(added["i_pred"].dataType, T.DoubleType)  # never rounded to the label's
+    assert isinstance(added["v_pred"].dataType, VectorUDT)
+    assert added["a_pred"].dataType == T.ArrayType(T.FloatType())
+
+    from flyte_hvd.estimators.prediction import output_schema
+
+    # Class scores for a scalar label are a vector, as Spark ML's `probability`; a DataFrame
+    # without the label (new data) takes the label's type from the model's metadata.
+    scores = output_schema(schema, ["i"], ["p"], None, [3]).fields[-1]
+    assert isinstance(scores.dataType, VectorUDT)
+    meta = _meta(("y", "scalar", "float32", ()), ("z", "dense_vector", "float64", (2,)))
+    new_data = T.StructType([T.StructField("x", T.DoubleType())])
+    added = output_schema(new_data, ["y", "z"], ["y1", "z1"], meta, [1, 2]).fields[1:]
+    assert isinstance(added[0].dataType, T.FloatType) and isinstance(added[1].dataType, VectorUDT)
+    with pytest.raises(ValueError, match=r"`output_cols` must list one column per label \(2"):
+        output_schema(new_data, ["y", "z"], ["y1"], meta)
+
+
+def test_host_hash_is_the_host_with_its_container_and_salt(monkeypatch):
+    from flyte_hvd.core.state import Topology
+    from flyte_hvd.spark.common.util import host_hash
+
+    monkeypatch.delenv("CONTAINER_ID", raising=False)
+    plain = host_hash()
+    assert host_hash() == plain and host_hash("salt") not in (plain, host_hash())
+    monkeypatch.setenv("CONTAINER_ID", "container_1")
+    in_container = host_hash()
+    assert in_container != plain and host_hash("salt") != in_container
+    monkeypatch.setenv("CONTAINER_ID", "container_2")
+    # Two containers that share a host name are two hosts to the ranks.
+    hosts = [in_container, host_hash(), in_container]
+    assert [Topology.from_hosts(hosts, r).local_rank for r in range(3)] == [0, 0, 1]
+    assert Topology.from_hosts(hosts, 1).local_size == 1
+
+
+@pytest.mark.spark
+def test_dataframe_metadata_is_what_prepare_data_records(spark_local2):
+    from pyspark.ml.linalg import Vectors
+
+    from flyte_hvd.spark.common.util import _get_metadata
+
+    df = spark_local2.createDataFrame(
+        [(1.0, 2, Vectors.dense([1.0] * 12), [1.0, 2.0], Vectors.sparse(4, {1: 1.0}))] * 3,
+        ["x", "n", "v", "a", "s"],
+    )
+    meta = _get_metadata(df)
+    assert meta.rows == 3
+    kinds = {c.name: (c.kind, c.dtype, c.shape) for c in meta.columns}
+    assert kinds == {
+        "x": ("scalar", "float64", ()),
+        "n": ("scalar", "int64", ()),
+        "v": ("dense_vector", "float64", (12,)),
+        "a": ("array", "float64", (2,)),
+        "s": ("sparse_vector", "float64", (4,)),
+    }
+    assert [c.name for c in _get_metadata(df, ["v"]).columns] == ["v"]
+    ragged = spark_local2.createDataFrame([(Vectors.dense([1.0, 1.0]),), (Vectors.dense([1.0]),)],
+                                          ["v"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"column `v` has rows of different lengths \(1 to 2\)"):
+        _get_metadata(ragged)
+    with pytest.raises(ValueError, match=r"`columns` names `nope`, which the DataFrame does not"):
+        _get_metadata(df, ["nope"])
+
+
+@pytest.mark.spark
+def test_a_torch_module_given_as_it_is_predicts(spark_local2):
+    """Horovod builds a model by hand: ``TorchModel(model=module, input_shapes=[[2]], ...,
+    _metadata=util._get_metadata(df))``."""
+    torch = pytest.importorskip("torch")
+    from pyspark.ml.linalg import DenseVector, Vectors, VectorUDT
+    from pyspark.sql import types as T
+
+    from flyte_hvd.spark.common.util import _get_metadata
+    from flyte_hvd.spark.torch import TorchModel
+
+    schema = T.StructType(
+        [T.StructField("features", VectorUDT()), T.StructField("y", T.FloatType())]
+    )
+    df = spark_local2.createDataFrame(
+        [(Vectors.dense([float(i), 1.0]), float(i % 2)) for i in range(6)], schema
+    )
+    torch.manual_seed(0)
+    two = torch.nn.Linear(2, 2)
+    model = TorchModel(model=two, input_shapes=[[2]], feature_columns=["features"],
+                       label_columns=["y"], _metadata=_get_metadata(df))  # fmt: skip
+    rows = model.transform(df).collect()
+    assert dict(model.transform(df).dtypes)["y__output"] == "vector"
+    expected = two(torch.tensor([list(r.features) for r in rows], dtype=torch.float32))
+    expected = expected.detach().numpy()
+    got = np.array([r.y__output.toArray() for r in rows])
+    assert isinstance(rows[0].y__output, DenseVector)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    one = TorchModel(model=torch.nn.Linear(2, 1), input_shapes=[[-1, 2]],
+                     feature_columns=["features"], label_columns=["y"])  # fmt: skip
+    assert dict(one.transform(df).dtypes)["y__output"] == "float"
+    with pytest.raises(TypeError, match="give `metadata` or `_metadata`, not both"):
+        TorchModel(model=two, metadata=None, _metadata=None)
+    with pytest.raises(TypeError, match="give `model` or `model_bytes`, not both"):
+        TorchModel(model=two, model_bytes=b"x")
+
+
+def test_an_estimator_saves_and_loads_its_params_but_backend_and_store(tmp_path):
+    """A saved ``Pipeline`` saves its estimator stages: every param but the ones that hold a
+    live session or credentials; the model and its optimizer stay linked."""
+    torch = pytest.importorskip("torch")
+    from flyte_hvd.estimators.base import SparkBackend
+    from flyte_hvd.spark.torch import TorchEstimator
+    from flyte_hvd.spark.torch.estimator import EstimatorParams, _torch_param_serialize
+
+    assert _torch_param_serialize(EstimatorParams.backend.name, "x") is None
+    assert _torch_param_serialize(EstimatorParams.store.name, "x") is None
+    assert _torch_param_serialize("epochs", 3) == 3
+    model = torch.nn.Linear(2, 1)
+    estimator = TorchEstimator(
+        backend=SparkBackend(num_proc=2), store=Store.create(str(tmp_path / "store")),
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loss=torch.nn.functional.mse_loss, feature_cols=["x"], label_cols=["y"], epochs=3,
+    )  # fmt: skip
+    assert isinstance(estimator, EstimatorParams)
+    path = str(tmp_path / "saved")
+    estimator.save(path)
+    with pytest.raises(ValueError, match=r"already exists; use .write\(\).overwrite\(\)"):
+        estimator.save(path)
+    loaded = TorchEstimator.load(path)
+    assert loaded.getEpochs() == 3 and loaded.getFeatureCols() == ["x"]
+    assert loaded.getBackend() is None and loaded.getStore() is None
+    weights = dict(loaded.getModel().named_parameters())["weight"]
+    assert weights.data_ptr() in [
+        p.data_ptr() for p in loaded.getOptimizer().param_groups[0]["params"]
+    ]
+    with pytest.raises(ValueError, match="holds no saved TorchEstimator"):
+        TorchEstimator.load(str(tmp_path))

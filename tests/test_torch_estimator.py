@@ -125,9 +125,10 @@ def test_multiclass_transform_with_integer_labels_and_weights(spark_local2, stor
         label_cols=["cls"], sample_weight_col="weight", input_shapes=[[-1, 2]], epochs=3,
     ).fit(df)  # fmt: skip
     out = fitted.transform(df)
-    assert dict(out.dtypes)["cls__output"] == "array<float>"
+    # Class scores for an integer label are a vector, as Spark ML's `probability`.
+    assert dict(out.dtypes)["cls__output"] == "vector"
     rows = out.select("cls", "cls__output").collect()
-    assert np.mean([r[0] == np.argmax(r[1]) for r in rows]) > 0.95
+    assert np.mean([r[0] == np.argmax(r[1].toArray()) for r in rows]) > 0.95
 
 
 def test_resume_continues_after_the_last_epoch(spark_local2, store):

@@ -7,6 +7,7 @@ this process (``flyte-hvd-run``, ``flyte_hvd.spark.run``), or ``MPI.COMM_WORLD``
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from collections.abc import Callable
@@ -64,8 +65,17 @@ class Topology:
 
 
 def host_name() -> str:
-    """This process's host as ranks are grouped by; overridable so tests can fake hosts."""
+    """This process's host name; overridable so tests can fake hosts."""
     return os.environ.get(HOSTNAME_ENV) or socket.gethostname()
+
+
+def host_hash(salt: str | None = None) -> str:
+    """What ranks are grouped into hosts by (``local_rank``, ``local_size``): the host name,
+    and ``CONTAINER_ID`` where it is set, since containers that share a host name (YARN's,
+    Docker's with the host's network) share no memory. ``salt`` gives another key for the
+    same host."""
+    parts = [host_name(), os.environ.get("CONTAINER_ID", ""), salt or ""]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
 class _State:
@@ -104,7 +114,7 @@ def init(comm: MPI.Comm | None = None) -> None:
         )
     # A private duplicate keeps our collectives from matching the user's own messages.
     own = comm.Dup()
-    hosts = own.allgather(host_name())
+    hosts = own.allgather(host_hash())
     _state.comm = own
     # Made here, while every rank is in init(): a rank that has joined must be able to serve
     # the others' background collectives on it (see ``collectives.join``).

@@ -20,7 +20,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -167,6 +167,73 @@ class DatasetMetadata:
             feature_columns=tuple(d.get("feature_columns", ())),
             sample_weight_col=d.get("sample_weight_col"),
         )
+
+
+# What ``check_shape_compatibility`` reads column sizes from: a split's metadata (or the
+# (train, validation) pair), or a mapping of column to ColumnInfo or to a dict with a
+# ``shape`` (``get_simple_meta_from_parquet``'s; a per-row shape or a count of values).
+ShapeSource: TypeAlias = (
+    "DatasetMetadata | Sequence[DatasetMetadata | None] | dict[str, ColumnInfo | JSONObject]"
+)
+
+
+def values_per_row(metadata: ShapeSource, column: str) -> int:
+    """How many values one row of ``column`` holds (1 for a scalar)."""
+    if isinstance(metadata, list | tuple):
+        metadata = metadata[0]
+    if isinstance(metadata, DatasetMetadata):
+        return metadata.column(column).size
+    if not isinstance(metadata, dict):
+        raise ValueError(
+            f"`metadata` must be a dataset's metadata (DatasetMetadata) or a dict of column "
+            f"to its metadata; found {type(metadata).__name__}."
+        )
+    if column not in metadata:
+        raise ValueError(f"column `{column}` is not in the metadata; it has {sorted(metadata)}.")
+    info = metadata[column]
+    if isinstance(info, ColumnInfo):
+        return info.size
+    shape = info.get("shape", ())
+    return int(shape) if isinstance(shape, int) else math.prod(shape)  # type: ignore[arg-type]
+
+
+def check_shape_compatibility(
+    metadata: ShapeSource,
+    feature_columns: Sequence[str],
+    label_columns: Sequence[str],
+    input_shapes: Sequence[Sequence[int]] | None = None,
+    output_shapes: Sequence[Sequence[int]] | None = None,
+    label_shapes: Sequence[Sequence[int]] | None = None,
+) -> None:
+    """Each given shape fits its column: one shape per column, and its dimensions (a batch
+    dimension -1 left out) multiply to the values one row of the column holds.
+    ``input_shapes`` pair with ``feature_columns``, ``output_shapes`` and ``label_shapes``
+    with ``label_columns``.
+
+    Raises:
+        ValueError: naming the column, the shape and the size that fits.
+    """
+    for arg, shapes, columns in (
+        ("input_shapes", input_shapes, feature_columns),
+        ("output_shapes", output_shapes, label_columns),
+        ("label_shapes", label_shapes, label_columns),
+    ):
+        if shapes is None:
+            continue
+        if len(shapes) != len(columns):
+            raise ValueError(
+                f"`{arg}` must give one shape per column ({len(columns)}: {list(columns)}); "
+                f"found {len(shapes)}: {list(shapes)}."
+            )
+        for i, (shape, column) in enumerate(zip(shapes, columns, strict=True)):
+            have = values_per_row(metadata, column)
+            dims = list(shape)[1:] if list(shape)[:1] == [-1] else list(shape)
+            if any(d < 1 for d in dims) or math.prod(dims) != have:
+                raise ValueError(
+                    f"`{arg}`[{i}]={list(shape)} does not fit column `{column}`, which holds "
+                    f"{have} value(s) per row: its dimensions (after a batch dimension -1) "
+                    f"must multiply to {have}."
+                )
 
 
 def get_dataset_metadata(

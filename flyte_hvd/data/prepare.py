@@ -56,6 +56,7 @@ logger = get_logger(__name__)
 __all__ = [
     "ColumnInfo",
     "DatasetMetadata",
+    "dataframe_metadata",
     "get_dataset_metadata",
     "prepare_data",
     "read_metadata",
@@ -241,8 +242,8 @@ def _prepare(
         cols.append(validation_flag(validation).alias(_SPLIT_COL))
     sel = df.select(*cols)
     checked = set(labels) | set(weight) | (set() if allow_non_finite_features else set(features))
-    stats = _collect_stats(sel, kinds, checked, validation is not None, set(features))
-    infos = _column_infos(selected, kinds, stats, compress_sparse)
+    stats, infos = _inspect(sel, kinds, checked, validation is not None, set(features),
+                            compress_sparse)  # fmt: skip
     _check_split_rows(stats, validation, num_processes)
     if on_checked is not None:
         on_checked()
@@ -295,6 +296,44 @@ def _prepare(
         logger.log(level, f"{split}: {meta.rows} rows, {meta.files} files, {meta.bytes} bytes")
     _prepared_stores[idx] = store
     return idx
+
+
+def dataframe_metadata(
+    df: DataFrame, columns: Sequence[str] | None = None, compress_sparse: bool = False
+) -> DatasetMetadata:
+    """What ``prepare_data`` records of ``df``'s columns (all of them by default), without
+    writing anything: each column's kind, numpy dtype and per-row shape, and the row count,
+    from one Spark aggregation. The estimators' models take it as their ``metadata``, and
+    ``check_shape_compatibility`` checks model shapes against it.
+
+    Raises:
+        ValueError: a missing column, or one a model cannot take: an unsupported type, nulls,
+            NaN or infinity, arrays or vectors of different lengths in different rows.
+    """
+    from pyspark.sql import functions as F
+
+    names = list(df.columns) if columns is None else _names("columns", columns)
+    _check_exist("columns", names, list(df.columns))
+    types = {f.name: f.dataType for f in df.schema.fields}
+    kinds = {c: _spark_kind(c, types[c]) for c in names}
+    sel = df.select(*[F.col(_q(c)) for c in names])
+    stats, infos = _inspect(sel, kinds, set(names), False, set(), compress_sparse)
+    return DatasetMetadata(columns=tuple(infos), rows=stats["rows"], bytes=0, files=0,
+                           row_groups=0)  # fmt: skip
+
+
+def _inspect(
+    sel: DataFrame,
+    kinds: dict[str, tuple[str, str]],
+    nan_checked: set[str],
+    has_split: bool,
+    features: set[str],
+    compress_sparse: bool,
+) -> tuple[Stats, list[ColumnInfo]]:
+    """The statistics of ``sel``'s columns (``_collect_stats``) and the column records they
+    give."""
+    stats = _collect_stats(sel, kinds, nan_checked, has_split, features)
+    return stats, _column_infos(list(kinds), kinds, stats, compress_sparse)
 
 
 # The store each dataset this process prepared went to, by index: Horovod's helpers for

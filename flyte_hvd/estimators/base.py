@@ -24,11 +24,13 @@ from pyspark.ml.util import MLReadable, MLWritable
 
 from flyte_hvd.core.checks import require_int
 from flyte_hvd.data.loader import AUTO_CACHE_MAX_BYTES, BaseDataLoader
-from flyte_hvd.estimators import report, tracking
+from flyte_hvd.estimators import prediction, report, tracking
 from flyte_hvd.estimators.params import (
     ESTIMATOR_PARAMS,
     INERT_PARAMS,
     MODEL_PARAMS,
+    EstimatorParams,
+    param_to_save,
     with_params,
 )
 from flyte_hvd.spark.dispatch import (
@@ -44,7 +46,7 @@ from flyte_hvd.spark.dispatch import (
 
 if TYPE_CHECKING:
     import pyarrow as pa
-    from pyspark.sql import DataFrame
+    from pyspark.sql import Column, DataFrame
     from pyspark.sql.types import DataType
 
     from flyte_hvd.data.dataset import DatasetMetadata
@@ -157,8 +159,12 @@ class SparkBackend:
 
 
 @with_params(ESTIMATOR_PARAMS)
-class HorovodEstimator(Estimator):
-    """A ``pyspark.ml`` Estimator whose ``fit`` trains on ranks inside a Spark barrier stage."""
+class HorovodEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
+    """A ``pyspark.ml`` Estimator whose ``fit`` trains on ranks inside a Spark barrier stage.
+    ``save``/``load`` keep its params but ``backend`` and ``store`` (so it can be a stage of
+    a saved ``Pipeline``); set those again after loading."""
+
+    _archive_name = "estimator.zip"  # what save() writes: the params
 
     if TYPE_CHECKING:  # ``with_params`` adds a ``getX``/``setX`` pair per param
         _param_defaults: ClassVar[dict[str, Any]]
@@ -189,6 +195,22 @@ class HorovodEstimator(Estimator):
         self._set(**kwargs)
         given = {k: v for k, v in kwargs.items() if v != self._param_defaults[k]}
         _warn_inert(type(self).__name__, {**INERT_PARAMS, **self._inert_params}, given)
+
+    def write(self) -> ArchiveWriter:  # type: ignore[override]
+        return ArchiveWriter(self)
+
+    @classmethod
+    def read(cls) -> ArchiveReader:  # type: ignore[override]
+        return ArchiveReader(cls)
+
+    def _saved_files(self) -> dict[str, bytes]:
+        params = {p.name: param_to_save(p.name, v) for p, v in self._paramMap.items()}
+        kept = {name: v for name, v in params.items() if v is not None}
+        return {_PARAMS_FILE: cloudpickle.dumps(kept)}
+
+    @classmethod
+    def _from_saved(cls, files: dict[str, bytes]) -> HorovodEstimator:
+        return cls(**cloudpickle.loads(files[_PARAMS_FILE]))
 
     # -- checks that run before any rank starts ---------------------------------------------
 
@@ -469,8 +491,21 @@ class HorovodModel(Model, MLWritable, MLReadable):
     _model_file = "model.bin"
 
     def __init__(self, model_bytes: bytes | None = None, **kwargs: object):  # params
+        """``model_bytes`` (what ``fit`` and ``load`` give), or ``model=``, a framework model
+        to predict with as it is (Horovod's way to build a model by hand); ``_metadata`` is
+        Horovod's name for ``metadata``."""
         super().__init__()
         self._setDefault(**_fresh(self._param_defaults))
+        for horovod_name, name in (("_metadata", "metadata"),):
+            if horovod_name in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"give `{name}` or `{horovod_name}`, not both.")
+                kwargs[name] = kwargs.pop(horovod_name)
+        model = kwargs.pop("model", None)
+        if model is not None:
+            if model_bytes is not None:
+                raise TypeError("give `model` or `model_bytes`, not both.")
+            model_bytes = self._model_to_bytes(model)
         self._set(**kwargs)
         self._model_bytes = model_bytes
         self._model: FrameworkModel | None = None
@@ -506,11 +541,11 @@ class HorovodModel(Model, MLWritable, MLReadable):
 
     def _transform(self, df: DataFrame) -> DataFrame:
         import pyarrow as pa
-        from pyspark.ml.functions import array_to_vector, vector_to_array
+        from pyspark.ml.functions import vector_to_array
         from pyspark.ml.linalg import VectorUDT
         from pyspark.sql import functions as F
         from pyspark.sql.functions import ArrowUDFType
-        from pyspark.sql.types import StructField, StructType
+        from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, StructType
 
         outputs = self._output_cols()
         clash = [c for c in outputs if c in df.columns]
@@ -537,9 +572,18 @@ class HorovodModel(Model, MLWritable, MLReadable):
             for c in features
         ]
         names = [f"_{i}" for i in range(len(outputs))]
+        widths = self._output_widths()
+        # The UDF returns doubles and float lists; the select below gives each prediction
+        # its label's type (``prediction.output_schema``).
         result_type = StructType(
-            [StructField(n, t, True) for n, t in zip(names, self._output_types(), strict=True)]
+            [
+                StructField(n, DoubleType() if width == 1 else ArrayType(FloatType()), True)
+                for n, width in zip(names, widths, strict=True)
+            ]
         )
+        target = prediction.output_schema(
+            df.schema, self.getLabelColumns(), outputs, self.getMetadata(), widths
+        ).fields[len(df.columns):]  # fmt: skip
         predict = self._batch_predictor(_broadcaster(df.sparkSession))
 
         def predict_batches(batches: Iterator[Any]) -> Iterator[Any]:
@@ -558,43 +602,24 @@ class HorovodModel(Model, MLWritable, MLReadable):
         predicted = "__flyte_hvd_prediction"
         merged = _merge_small_partitions(df, partition_bytes)
         with_predictions = merged.withColumn(predicted, predict_batches(*inputs))  # type: ignore[arg-type]
-        vector_labels = self._vector_labels() & {
-            label
-            for label, field in zip(self.getLabelColumns(), result_type.fields, strict=True)
-            if field.dataType.typeName() == "array"
-        }
         return with_predictions.select(
             *[F.col(f"`{c}`") for c in df.columns],
             *[
-                # A label that was a vector gets vector predictions, as in Horovod.
-                (array_to_vector(column) if label in vector_labels else column).alias(c)
-                for n, c, label in zip(names, outputs, self.getLabelColumns(), strict=True)
-                for column in [F.col(f"{predicted}.{n}")]
+                _as_type(F.col(f"{predicted}.{n}"), field.dataType).alias(field.name)
+                for n, field in zip(names, target, strict=True)
             ],
         )
-
-    def _vector_labels(self) -> set[str]:
-        """Labels that were ``pyspark.ml`` vector columns (their predictions are vectors of
-        the same width, where the model outputs more than one value per row)."""
-        from flyte_hvd.data.dataset import VECTOR_KINDS
-
-        metadata = self.getMetadata()
-        train = metadata[0] if isinstance(metadata, list | tuple) else metadata
-        if train is None:
-            return set()
-        kinds = {c.name: (c.kind, c.size) for c in train.columns}
-        return {
-            label
-            for label in self.getLabelColumns()
-            if label in kinds and kinds[label][0] in VECTOR_KINDS and kinds[label][1] > 1
-        }
 
     # -- framework hooks ----------------------------------------------------------------------
 
     def _load_model(self, data: bytes) -> FrameworkModel:
         raise NotImplementedError
 
-    def _output_types(self) -> list[DataType]:
+    def _model_to_bytes(self, model: FrameworkModel) -> bytes:
+        raise NotImplementedError
+
+    def _output_widths(self) -> list[int]:
+        """Values per row of each model output."""
         raise NotImplementedError
 
     def _batch_predictor(self, sc: Broadcaster) -> BatchPredictor:
@@ -604,25 +629,43 @@ class HorovodModel(Model, MLWritable, MLReadable):
 
     # pyspark's MLWriter/MLReader go through the JVM; these write one archive through the Store
     # (any scheme, and Spark Connect too) and keep pyspark's `write().overwrite().save()` shape.
-    def write(self) -> ModelWriter:  # type: ignore[override]
-        return ModelWriter(self)
+    def write(self) -> ArchiveWriter:  # type: ignore[override]
+        return ArchiveWriter(self)
 
     @classmethod
-    def read(cls) -> ModelReader:  # type: ignore[override]
-        return ModelReader(cls)
+    def read(cls) -> ArchiveReader:  # type: ignore[override]
+        return ArchiveReader(cls)
+
+    def _saved_files(self) -> dict[str, bytes]:
+        params = {p.name: v for p, v in self._paramMap.items()}
+        return {_PARAMS_FILE: cloudpickle.dumps(params), self._model_file: self._trained_bytes()}
+
+    @classmethod
+    def _from_saved(cls, files: dict[str, bytes]) -> HorovodModel:
+        params = cloudpickle.loads(files[_PARAMS_FILE])
+        return cls(model_bytes=files[cls._model_file], **params)
 
 
 _PARAMS_FILE = "params.pkl"
 
 
-class ModelWriter:
-    """Saves a model as one zip (params and model bytes) under ``path`` (local or a URL)."""
+class Saved(Protocol):
+    """What ``ArchiveWriter`` saves and ``ArchiveReader`` loads: an estimator or a model."""
 
-    def __init__(self, instance: HorovodModel):
+    _archive_name: str
+
+    def _saved_files(self) -> dict[str, bytes]: ...
+
+
+class ArchiveWriter:
+    """Saves an estimator or a model as one zip (its params, and a model's bytes) under
+    ``path`` (local or a URL)."""
+
+    def __init__(self, instance: Saved):
         self.instance = instance
         self._overwrite = False
 
-    def overwrite(self) -> ModelWriter:
+    def overwrite(self) -> ArchiveWriter:
         self._overwrite = True
         return self
 
@@ -636,22 +679,21 @@ class ModelWriter:
         fs, root = url_to_fs(path)
         if fs.exists(root) and not self._overwrite:
             raise ValueError(
-                f"{path!r} already exists; use model.write().overwrite().save(path) to replace it."
+                f"{path!r} already exists; use .write().overwrite().save(path) to replace it."
             )
-        params = {p.name: v for p, v in instance._paramMap.items()}
         buffer = io.BytesIO()
         with zipfile.ZipFile(buffer, "w") as archive:
-            archive.writestr(_PARAMS_FILE, cloudpickle.dumps(params))
-            archive.writestr(instance._model_file, instance._trained_bytes())
+            for name, data in instance._saved_files().items():
+                archive.writestr(name, data)
         store = Store.create(path)  # fails here, naming the path, if it cannot be written
         store.write_bytes(store.join(store.prefix_path, instance._archive_name), buffer.getvalue())
 
 
-class ModelReader:
-    def __init__(self, cls: type[HorovodModel]):
+class ArchiveReader:
+    def __init__(self, cls: type[HorovodModel] | type[HorovodEstimator]):
         self.cls = cls
 
-    def load(self, path: str) -> HorovodModel:
+    def load(self, path: str) -> HorovodModel | HorovodEstimator:
         from flyte_hvd.data.store import url_to_fs
 
         cls = self.cls
@@ -660,9 +702,19 @@ class ModelReader:
         if not fs.exists(target):
             raise ValueError(f"{path!r} holds no saved {cls.__name__} (expected {target}).")
         with fs.open(target, "rb") as f, zipfile.ZipFile(io.BytesIO(f.read())) as archive:
-            params = cloudpickle.loads(archive.read(_PARAMS_FILE))
-            model_bytes = archive.read(cls._model_file)
-        return cls(model_bytes=model_bytes, **params)
+            files = {name: archive.read(name) for name in archive.namelist()}
+        return cls._from_saved(files)
+
+
+def _as_type(column: Column, target: DataType) -> Column:
+    """A prediction column (double, or array of float) as ``target``."""
+    from pyspark.ml.functions import array_to_vector
+
+    if type(target).__name__ == "VectorUDT":
+        return array_to_vector(column)
+    if target.typeName() == "float":
+        return column.cast("float")
+    return column
 
 
 def _partition_bytes(value: object) -> int | None:

@@ -41,7 +41,6 @@ from flyte_hvd.estimators.training import TrainingSpec
 if TYPE_CHECKING:
     import pyarrow as pa
     import tensorflow as tf
-    from pyspark.sql.types import DataType
 
     from flyte_hvd.core.compression import Compressor
     from flyte_hvd.data.dataset import DatasetMetadata
@@ -264,8 +263,8 @@ class KerasEstimator(HorovodEstimator):
 
 
 class KerasModel(HorovodModel):
-    """A trained Keras model as a Transformer. Scalar outputs become ``double`` columns;
-    vector outputs (e.g. class probabilities) become ``array<float>`` columns."""
+    """A trained Keras model as a Transformer. Each prediction column has its label's type
+    (``prediction.output_schema``): class probabilities for a scalar label are a vector."""
 
     _archive_name = "keras_model.zip"
     _model_file = "model.keras"
@@ -277,14 +276,14 @@ class KerasModel(HorovodModel):
     def _load_model(self, data: bytes) -> keras.Model:
         return model_from_bytes(data, self.getCustomObjects())
 
-    def _output_types(self) -> list[DataType]:
-        from pyspark.sql.types import ArrayType, DoubleType, FloatType
+    def _model_to_bytes(self, model: keras.Model) -> bytes:
+        return model_to_bytes(model)
 
-        types: list[DataType] = []
-        for output in self.getModel().outputs:
-            width = math.prod(d for d in output.shape[1:] if d is not None)
-            types.append(DoubleType() if width == 1 else ArrayType(FloatType()))
-        return types
+    def _output_widths(self) -> list[int]:
+        return [
+            math.prod(d for d in output.shape[1:] if d is not None)
+            for output in self.getModel().outputs
+        ]
 
     def _batch_predictor(self, sc: Broadcaster) -> BatchPredictor:
         model_bytes = sc.broadcast(self._trained_bytes())

@@ -70,6 +70,18 @@ ESTIMATOR_PARAMS: dict[str, tuple[Any, str]] = {
     "transformation_removed_fields": (None, "Horovod's petastorm schema edit (no effect here)"),
 }
 
+# Params ``save`` leaves out of a saved estimator: they hold a live session or a store with its
+# credentials, and are given again after ``load``.
+UNSAVED_PARAMS = ("backend", "store")
+
+
+def param_to_save(name: str, value: object) -> object:
+    """What a saved estimator keeps of one param: None (nothing) for ``UNSAVED_PARAMS`` and
+    unset values, otherwise the value (all kept values are pickled together, so an optimizer
+    keeps pointing at its model's parameters)."""
+    return None if name in UNSAVED_PARAMS else value
+
+
 # TorchEstimator's and LightningEstimator's choice of how gradients are averaged.
 DISTRIBUTED_CHOICES = ("horovod", "ddp")
 DISTRIBUTED_PARAM: dict[str, tuple[Any, str]] = {
@@ -202,3 +214,8 @@ def _getter(name: str):
 
     get_value.__name__ = f"get{_camel(name)}"
     return get_value
+
+
+@with_params(ESTIMATOR_PARAMS)
+class EstimatorParams(Params):
+    """The params every estimator has (Horovod's class name), as ``pyspark.ml`` Params."""

@@ -5,11 +5,14 @@ model outputs back into Arrow columns."""
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
+
+if TYPE_CHECKING:
+    from pyspark.sql.types import DataType, StructType
 
 M = TypeVar("M")  # the framework's model
 
@@ -63,3 +66,71 @@ def prediction_columns(outputs: list[Any], rows: int) -> list[pa.Array]:
             values = pa.array(np.ascontiguousarray(flat, dtype=np.float32).reshape(-1))
             columns.append(pa.ListArray.from_arrays(offsets, values))
     return columns
+
+
+def output_schema(
+    schema: StructType,
+    label_columns: Sequence[str],
+    output_columns: Sequence[str],
+    metadata: object = None,
+    output_widths: Sequence[int] | None = None,
+) -> StructType:
+    """``schema`` with one prediction column per label appended: the type of what
+    ``transform`` adds. A prediction has its label's type: a vector for a vector label, an
+    ``array<float>`` for an array label, ``float`` or ``double`` as a floating label is;
+    other scalar labels (integers, booleans) get ``double`` predictions, never rounded. Where
+    the model gives more than one value per row for a scalar label (class scores), the
+    prediction is a vector, as Spark ML's classifiers give ``probability``. The label's type
+    comes from ``schema`` or, when the DataFrame has no label column (new data), from
+    ``metadata`` (what ``prepare_data`` recorded); each output column is as nullable as its
+    label."""
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import types as T
+
+    if len(output_columns) != len(label_columns):
+        raise ValueError(
+            f"`output_cols` must list one column per label ({len(label_columns)}: "
+            f"{list(label_columns)}); found {list(output_columns)}."
+        )
+    fields = {f.name: f for f in schema.fields}
+    recorded = _recorded_columns(metadata)
+    added = []
+    for i, (label, output) in enumerate(zip(label_columns, output_columns, strict=True)):
+        width = output_widths[i] if output_widths is not None else None
+        field = fields.get(label)
+        kind, dtype = _label_kind(field.dataType if field else None, recorded.get(label))
+        if kind == "vector" or (kind == "scalar" and width is not None and width > 1):
+            out: T.DataType = VectorUDT()
+        elif kind == "array" or (kind is None and width is not None and width > 1):
+            out = T.ArrayType(T.FloatType())
+        else:
+            out = T.FloatType() if dtype == "float32" else T.DoubleType()
+        added.append(T.StructField(output, out, field.nullable if field else True))
+    return T.StructType([*schema.fields, *added])
+
+
+def _recorded_columns(metadata: object) -> dict[str, Any]:
+    """Column name -> ColumnInfo of a model's metadata (a split's, or the pair)."""
+    if isinstance(metadata, list | tuple):
+        metadata = metadata[0] if metadata else None
+    columns = getattr(metadata, "columns", None)
+    if columns is not None:
+        return {c.name: c for c in columns}
+    return dict(metadata) if isinstance(metadata, dict) else {}
+
+
+def _label_kind(spark_type: DataType | None, info: Any) -> tuple[str | None, str | None]:
+    """("scalar" | "array" | "vector" | None, numpy dtype or None) of a label."""
+    from pyspark.sql import types as T
+
+    if spark_type is not None:
+        if isinstance(spark_type, T.ArrayType):
+            return "array", None
+        if type(spark_type).__name__ == "VectorUDT":
+            return "vector", None
+        floats: dict[type, str] = {T.FloatType: "float32", T.DoubleType: "float64"}
+        return "scalar", floats.get(type(spark_type))
+    kind = getattr(info, "kind", None)
+    if kind is None:
+        return None, None
+    return ("vector" if kind.endswith("vector") else kind), getattr(info, "dtype", None)

@@ -22,7 +22,6 @@ from flyte_hvd.estimators.training import TrainingSpec
 if TYPE_CHECKING:
     import pyarrow as pa
     import torch
-    from pyspark.sql.types import DataType
 
     from flyte_hvd.data.dataset import DatasetMetadata
 
@@ -63,23 +62,19 @@ def resolve_input_shapes(
     given: list[list[int]] | None, features: list[str], metadata: DatasetMetadata
 ) -> list[list[int]]:
     """One input shape per feature column (batch dimension -1), checked against the number of
-    values per row the column holds."""
+    values per row the column holds (``check_shape_compatibility``). A row's shape without
+    the batch dimension, as Horovod also accepts, gets one."""
+    from flyte_hvd.data.dataset import check_shape_compatibility
+
     if given is None:
         return [[-1, *(metadata.column(c).shape or (1,))] for c in features]
-    shapes = [list(s) for s in given]
-    for i, (shape, column) in enumerate(zip(shapes, features, strict=True)):
-        info = metadata.column(column)
-        if shape and shape[0] != -1 and math.prod(shape) == info.size:
-            shape = shapes[i] = [-1, *shape]  # a row's shape, as Horovod also accepts
-        per_row = math.prod(d for d in shape[1:])
-        if not shape or shape[0] != -1 or any(d < 1 for d in shape[1:]) or per_row != info.size:
-            raise ValueError(
-                f"`input_shapes`[{i}]={shape} does not fit column `{column}`, which holds "
-                f"{info.size} value(s) per row (shape {info.shape or '()'}): expected a shape "
-                f"starting with the batch dimension -1 whose other dimensions multiply to "
-                f"{info.size}, e.g. {[-1, *(info.shape or (1,))]}."
-            )
-    return shapes
+    check_shape_compatibility(metadata, features, [], input_shapes=given)
+    return with_batch_dimension(given)
+
+
+def with_batch_dimension(shapes: list[list[int]]) -> list[list[int]]:
+    """Input shapes with the batch dimension -1 first (added where a shape is a row's)."""
+    return [list(s) if list(s)[:1] == [-1] else [-1, *s] for s in shapes]
 
 
 def probe_outputs(
@@ -154,8 +149,8 @@ class ShapedInputs:
 
 @with_params({**MODEL_PARAMS, **TORCH_MODEL_PARAMS})
 class TorchModel(HorovodModel):
-    """A trained PyTorch (or Lightning) model as a Transformer. Outputs of one value per row
-    become ``double`` columns; wider outputs become ``array<float>`` columns."""
+    """A trained PyTorch (or Lightning) model as a Transformer. Each prediction column has its
+    label's type (``prediction.output_schema``): class scores for a scalar label are a vector."""
 
     _archive_name = "torch_model.zip"
     _model_file = "model.pkl"
@@ -176,17 +171,21 @@ class TorchModel(HorovodModel):
         _import_torch()
         return cloudpickle.loads(data)
 
-    def _output_types(self) -> list[DataType]:
-        from pyspark.sql.types import ArrayType, DoubleType, FloatType
+    def _model_to_bytes(self, model: torch.nn.Module) -> bytes:
+        return cloudpickle.dumps({"model": model, "optimizer": None})
 
-        return [
-            DoubleType() if math.prod(shape) == 1 else ArrayType(FloatType())
-            for shape in self.getOutputShapes()
-        ]
+    def _output_widths(self) -> list[int]:
+        shapes = self.getOutputShapes()
+        if shapes is None:  # a model given as it is, not from a fit: run it once
+            shapes = probe_outputs(
+                self.getModel(), with_batch_dimension(self.getInputShapes()),
+                list(self.getLabelColumns()),
+            )  # fmt: skip
+        return [math.prod(shape) for shape in shapes]
 
     def _batch_predictor(self, sc: Broadcaster) -> BatchPredictor:
         model_bytes = sc.broadcast(self._trained_bytes())
-        shapes = self.getInputShapes()
+        shapes = with_batch_dimension(self.getInputShapes())
 
         def load(data: bytes) -> torch.nn.Module:
             return cloudpickle.loads(data)["model"].eval()
@@ -197,7 +196,9 @@ class TorchModel(HorovodModel):
             model = prediction.worker_model(model_bytes.value, load)
             inputs = [
                 torch.from_numpy(
-                    np.require(prediction.column_array(column, shape[1:]), np.float32, ["C", "W"])
+                    np.require(
+                        prediction.column_array(column, tuple(shape[1:])), np.float32, ["C", "W"]
+                    )
                 )
                 for column, shape in zip(columns, shapes, strict=True)
             ]

@@ -55,7 +55,7 @@ def main() -> None:
         # Rank 0's torch.distributed port, held until the job runs (see process_group).
         reserved = process_group.reserve_port() if rank == 0 else None
         gathered = comm.allgather(
-            process_group.rendezvous_value(rank, state.host_name(), env, reserved)
+            process_group.rendezvous_value(rank, state.host_hash(), env, reserved)
         )
         env.pop(process_group.ADDRESS_ENV, None)  # the launcher's, not the job's
         hosts = [value[0] for value in gathered]
@@ -65,7 +65,7 @@ def main() -> None:
         logger.log(
             logging.INFO if env.get(LOG_LEVEL_ENV) else logging.DEBUG,
             "rank %d of %d on host %s: local_rank %d of %d, cross_rank %d of %d",
-            rank, size, hosts[rank], topo.local_rank, topo.local_size, topo.cross_rank,
+            rank, size, state.host_name(), topo.local_rank, topo.local_size, topo.cross_rank,
             topo.cross_size,
         )  # fmt: skip
         env.update(

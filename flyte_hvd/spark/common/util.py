@@ -3,20 +3,53 @@ training on Parquet they wrote themselves call."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from flyte_hvd.core.checks import to_list
-from flyte_hvd.data.prepare import forget_prepared, prepare_data, prepared_store, train_val_split
+from flyte_hvd.core.state import host_hash
+from flyte_hvd.data.dataset import check_shape_compatibility
+from flyte_hvd.data.prepare import (
+    dataframe_metadata,
+    forget_prepared,
+    prepare_data,
+    prepared_store,
+    train_val_split,
+)
 from flyte_hvd.data.store import Store
 
+if TYPE_CHECKING:
+    from pyspark.sql.types import StructType
+
 __all__ = [
+    "check_shape_compatibility",
     "clear_training_cache",
     "get_dataset_properties",
     "get_simple_meta_from_parquet",
+    "get_spark_df_output_schema",
+    "host_hash",
     "prepare_data",
     "to_list",
 ]
 
-# Horovod's name for the split ``prepare_data`` makes: ``(train_df, val_df, ratio)``.
+# Horovod's names for what ``prepare_data`` uses: the split it makes, ``(train_df, val_df,
+# ratio)``, and the metadata it records of a DataFrame's columns (which a model takes as its
+# ``metadata``, and ``check_shape_compatibility`` reads).
 _train_val_split = train_val_split
+_get_metadata = dataframe_metadata
+
+
+def get_spark_df_output_schema(
+    schema: StructType,
+    label_columns: Sequence[str],
+    output_columns: Sequence[str],
+    metadata: object = None,
+) -> StructType:
+    """``schema`` with the prediction columns a model's ``transform`` appends, one per label,
+    each typed as its label (see ``flyte_hvd.estimators.prediction.output_schema``)."""
+    from flyte_hvd.estimators.prediction import output_schema
+
+    return output_schema(schema, label_columns, output_columns, metadata)
 
 
 def get_simple_meta_from_parquet(

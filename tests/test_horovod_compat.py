@@ -26,6 +26,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 HOROVOD_MODULES = {
     "flyte_hvd.spark": ["run", "HorovodRunner"],
     "flyte_hvd.spark.keras": ["KerasEstimator", "KerasModel"],
+    "flyte_hvd.spark.keras.estimator": ["KerasEstimator", "KerasModel", "EstimatorParams"],
     "flyte_hvd.spark.torch": ["TorchEstimator", "TorchModel"],
     "flyte_hvd.spark.torch.estimator": ["TorchEstimator", "EstimatorParams"],
     "flyte_hvd.spark.lightning": ["TorchEstimator", "TorchModel", "MIN_PL_VERSION"],

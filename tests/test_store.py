@@ -1062,7 +1062,8 @@ def test_resume_falls_back_to_an_intact_checkpoint(lease_store, caplog):
         ('{"epoch": 1, "best": 0.5}', "good", "half",
          r"its checkpoint `.*/runs/r/checkpoint.keras`, the best model of its earlier epochs, "
          r"is damaged"),
-        ('{"epoch": 3}', "good", "good", r"run `r` already finished: it trained 3 epoch\(s\)"),
+        ('{"epoch": 3}', "good", "half", r"run `r` trained 3 epoch\(s\) \(`epochs`=3\), but its "
+                                        r"model `.*/runs/r/checkpoint.keras` is damaged"),
     ],
 )  # fmt: skip
 def test_a_damaged_run_record_is_refused_naming_the_file(lease_store, state, last, checkpoint,
@@ -1088,3 +1089,20 @@ def test_a_best_checkpoint_does_not_stand_in_where_the_model_holds_the_epoch(tmp
                                          r"best model of an earlier epoch"):  # fmt: skip
         check_resumable(remote, 3, ".ckpt", epoch_in_model=True)
     check_resumable(remote, 3, ".ckpt")  # a framework that resumes at state.json's epoch
+
+
+def test_a_finished_run_is_returned_not_refused(lease_store, caplog):
+    """A refit of a run that trained its epochs (a retried task whose fit had finished)
+    returns its model: ``check_resumable`` says so, with one warning on how to go on."""
+    from flyte_hvd.estimators.runs import check_resumable
+
+    caplog.set_level(logging.WARNING, logger="flyte_hvd")
+    good = _zip_bytes()
+    remote = _run_record(lease_store, "r", '{"epoch": 3}', good, good)
+    assert check_resumable(remote, 3, ".keras") is True
+    assert check_resumable(remote, 2, ".keras") is True
+    assert check_resumable(remote, 4, ".keras") is False
+    warned = [r.getMessage() for r in caplog.records if "already trained" in r.getMessage()]
+    assert len(warned) == 2
+    assert "run `r` already trained 3 epoch(s) and `epochs`=3: its model is returned" in warned[0]
+    assert "fit again with `epochs` > 3 and the same `run_id`" in warned[0]

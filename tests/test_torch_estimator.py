@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 pl = pytest.importorskip("lightning.pytorch")
 
 import cloudpickle  # noqa: E402
+from conftest import rank_processes  # noqa: E402
 
 from flyte_hvd.data.store import Store  # noqa: E402
 from flyte_hvd.estimators.lightning import LightningEstimator  # noqa: E402
@@ -142,6 +143,23 @@ def test_resume_continues_after_the_last_epoch(spark_local2, store):
     assert json.loads(store.read(store.get_state_path("resumed")))["epoch"] == 3
     assert again.getOptimizer().param_groups[0]["lr"] == pytest.approx(0.01)
 
+    # A refit of the finished run (a retried task) starts no rank: the run's model and
+    # optimizer come back from its checkpoint, still linked, with the learning rate given.
+    estimator = _torch_estimator(store, lr=0.01, epochs=3, run_id="resumed")
+    loaded = []
+    load = estimator._load_checkpoint
+    estimator._load_checkpoint = lambda run_id: loaded.append(run_id) or load(run_id)
+    same = estimator.fit(df)
+    assert loaded == ["resumed"] and rank_processes() == []
+    assert same.getHistory() == history
+    for name, value in same.getModel().state_dict().items():
+        torch.testing.assert_close(value, again.getModel().state_dict()[name])
+    optimizer = same.getOptimizer()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
+    assert {id(p) for p in same.getModel().parameters()} == {
+        id(p) for p in optimizer.param_groups[0]["params"]
+    }
+
 
 class Regressor(pl.LightningModule):
     def __init__(self):
@@ -205,6 +223,16 @@ def test_lightning_fit_transform_with_early_stopping(spark_local2, store, no_lef
     assert state["epoch"] == 4 and state["best"] == pytest.approx(history["val_loss"][1])
     best = fitted.getModel().state_dict()
     for name, value in resumed.getModel().state_dict().items():
+        torch.testing.assert_close(value, best[name])
+
+    # The run has trained its 4 epochs: a refit returns its best model, with no rank started.
+    refit = LightningEstimator(
+        num_proc=2, store=store, model=WorseOnValidation(), feature_cols=["features"],
+        label_cols=["label"], validation="is_val", batch_size=16, epochs=4, verbose=0,
+        run_id="lightning", partitions_per_process=2,
+    ).fit(df)  # fmt: skip
+    assert rank_processes() == [] and refit.getHistory() == again
+    for name, value in refit.getModel().state_dict().items():
         torch.testing.assert_close(value, best[name])
 
 

@@ -287,16 +287,17 @@ class HorovodEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
             backend.check_slots()
 
     @contextlib.contextmanager
-    def _run(self) -> Iterator[str]:
+    def _run(self) -> Iterator[tuple[str, bool]]:
         """The run this fit trains (``flyte_hvd.estimators.runs``): leased for the block, and
-        checked for resuming, before any data is prepared."""
+        checked for resuming, before any data is prepared. Yields its id, and whether it has
+        trained ``epochs`` already (its model is then returned without training)."""
         from flyte_hvd.estimators.runs import check_resumable, leased_run
 
         store = self.getStore()
         with leased_run(store, self.getRunId(), self._framework) as run_id:
-            check_resumable(store.to_remote(run_id), self.getEpochs(), self._extension,
-                            self._epoch_in_model)  # fmt: skip
-            yield run_id
+            finished = check_resumable(store.to_remote(run_id), self.getEpochs(),
+                                       self._extension, self._epoch_in_model)  # fmt: skip
+            yield run_id, finished
 
     # -- fit ---------------------------------------------------------------------------------
 
@@ -308,7 +309,7 @@ class HorovodEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
         backend = self._backend()
         self._check_slots(backend)
         with (
-            self._run() as run_id,
+            self._run() as (run_id, finished),
             self._mlflow_run(backend, run_id) as mlflow_run,
             prepare_data(
                 backend.num_processes(),
@@ -322,11 +323,13 @@ class HorovodEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
                 compress_sparse=bool(self.getCompressSparseCols()),
                 verbose=self.getVerbose(),
                 # Good data: the ranks' framework imports run while Spark writes it.
-                on_checked=backend.start_spares if isinstance(backend, SparkBackend) else None,
+                on_checked=backend.start_spares
+                if isinstance(backend, SparkBackend) and not finished
+                else None,
             ) as dataset_idx,
         ):
             return self._fit_on_prepared(backend, dataset_idx, self._feature_cols(df.columns),
-                                         run_id, mlflow_run)  # fmt: skip
+                                         run_id, mlflow_run, finished)  # fmt: skip
 
     def fit_on_parquet(self, params: dict | None = None, dataset_idx: str | None = None) -> Model:
         """Train on data already in the store's train/val paths (written by ``prepare_data``
@@ -341,9 +344,9 @@ class HorovodEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
         self._check_model(list(features), self.getLabelCols())
         backend = self._backend()
         self._check_slots(backend)
-        with self._run() as run_id, self._mlflow_run(backend, run_id) as mlflow_run:
+        with self._run() as (run_id, finished), self._mlflow_run(backend, run_id) as mlflow_run:
             return self._fit_on_prepared(backend, dataset_idx, list(features), run_id,
-                                         mlflow_run)  # fmt: skip
+                                         mlflow_run, finished)  # fmt: skip
 
     @contextlib.contextmanager
     def _mlflow_run(self, backend: Backend, run_id: str) -> Iterator[tracking.MlflowRun | None]:
@@ -372,16 +375,24 @@ class HorovodEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
         features: list[str],
         run_id: str,
         mlflow_run: tracking.MlflowRun | None = None,
+        finished: bool = False,
     ) -> Model:
         from flyte_hvd.data.prepare import get_dataset_metadata
+        from flyte_hvd.estimators.training import read_run_state
 
         store = self.getStore()
         metadata = get_dataset_metadata(store, dataset_idx)  # (train, validation or None)
         model_params = self._check_data(features, metadata)
         remote_store = store.to_remote(run_id, dataset_idx)
-        spec = self._training_spec(remote_store, features, metadata, backend.num_processes())
-        spec.mlflow_run = mlflow_run
-        results = backend.run(self._remote_trainer(), args=(spec,))
+        if finished:  # no rank starts: the run's model, from its checkpoint in the store
+            state = read_run_state(remote_store) or {}
+            results = [{"model": self._finished_model(run_id, features),
+                        "history": state.get("history", {})}]  # fmt: skip
+        else:
+            spec = self._training_spec(remote_store, features, metadata,
+                                       backend.num_processes())  # fmt: skip
+            spec.mlflow_run = mlflow_run
+            results = backend.run(self._remote_trainer(), args=(spec,))
         result = results[0]
         self._add_report(results, remote_store, run_id, mlflow_run)
         if not store.saving_runs:  # the trained model is in `result`; the run folder can go
@@ -456,6 +467,19 @@ class HorovodEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
 
     def _check_model(self, features: list[str], labels: list[str]) -> None:
         """Checks that need only the params (before the data is prepared)."""
+        raise NotImplementedError
+
+    def _read_checkpoint(self, run_id: str) -> bytes:
+        """The run's model file in the store, as bytes: the best model with a checkpoint
+        callback, else the last (``training.checkpoint_path``)."""
+        from flyte_hvd.estimators.training import checkpoint_path
+
+        remote = self.getStore().to_remote(run_id)
+        return remote.read(checkpoint_path(remote, self._extension))
+
+    def _finished_model(self, run_id: str, features: list[str]) -> bytes:
+        """The model bytes a fit returns for a run that trained its epochs already, as a
+        fit's ranks would hand them back."""
         raise NotImplementedError
 
     def _check_data(self, features: list[str], metadata: Metadata) -> dict[str, Any]:

@@ -261,6 +261,13 @@ class KerasEstimator(HorovodEstimator):
     def _remote_trainer(self):
         return train_on_rank
 
+    def _finished_model(self, run_id: str, features: list[str]) -> bytes:
+        model = model_from_bytes(self._read_checkpoint(run_id), self._custom_objects())
+        rate = _learning_rate(self._compiled_model().optimizer)
+        if rate is not None:
+            model.optimizer.learning_rate = rate  # the rate given, as a fit hands back
+        return model_to_bytes(model)
+
 
 class KerasModel(HorovodModel):
     """A trained Keras model as a Transformer. Each prediction column has its label's type

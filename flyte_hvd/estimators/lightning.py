@@ -17,6 +17,7 @@ Lightning's own restore (loops, optimizers, callbacks).
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -273,6 +274,16 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
             checkpoint_callback=self.getCheckpointCallback(),
             compression=self.getGradientCompression(),
         )
+
+    def _finished_model(self, run_id: str, features: list[str]) -> bytes:
+        import torch
+
+        module = cloudpickle.loads(cloudpickle.dumps(self._lightning_module(features)))
+        # Written by the run's rank 0 with Lightning's own state (not only tensors).
+        saved = torch.load(io.BytesIO(self._read_checkpoint(run_id)), map_location="cpu",
+                           weights_only=False)  # fmt: skip
+        module.load_state_dict(saved["state_dict"])
+        return cloudpickle.dumps({"model": module, "optimizer": None})
 
     def _lightning_module(self, features: list[str]) -> pl.LightningModule:
         """The module the ranks train: the model, or for a plain ``torch.nn.Module`` (Horovod's

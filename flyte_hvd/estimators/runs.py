@@ -238,26 +238,36 @@ def _file_problem(store: RemoteStore, path: str) -> str | None:
 
 
 def check_resumable(store: RemoteStore, epochs: int, extension: str,
-                    epoch_in_model: bool = False) -> None:  # fmt: skip
-    """Before any rank starts: the run's ``state.json`` is valid, it has epochs left to
-    train, and the model it resumes from is intact. A damaged or missing last model is
-    replaced by the run's checkpoint when that is intact (one warning); otherwise, and for a
-    damaged best model, the error names the file, what is wrong and what to do.
+                    epoch_in_model: bool = False) -> bool:  # fmt: skip
+    """Before any rank starts: the run's ``state.json`` is valid and the model it resumes
+    from is intact. A damaged or missing last model is replaced by the run's checkpoint when
+    that is intact (one warning); otherwise, and for a damaged best model, the error names
+    the file, what is wrong and what to do. True when the run has trained ``epochs`` already:
+    the fit then returns its model without training (one warning), so a retried task whose fit
+    had finished gets the same model.
 
     ``epoch_in_model``: the framework resumes at the epoch its model file records
     (Lightning), so a checkpoint that holds the best of earlier epochs cannot stand in for
     the last model."""
     state = read_run_state(store)
     if state is None:
-        return
+        return False
     run_id, done = store.run_id, state["epoch"]
     if done >= epochs:
-        raise ValueError(
-            f"run `{run_id}` already finished: it trained {done} epoch(s) and `epochs`={epochs}. "
-            f"Its model is in the store under runs/{run_id}/. To train it further, fit again "
-            f"with `epochs` > {done} and the same `run_id`; to train from the start, give a "
-            f"new `run_id`."
-        )
+        checkpoint = checkpoint_path(store, extension)
+        problem = _file_problem(store, checkpoint)
+        if problem is not None:
+            raise ValueError(
+                f"run `{run_id}` trained {done} epoch(s) (`epochs`={epochs}), but its model "
+                f"`{checkpoint}` {problem}. Restore it, or give a new `run_id` to train anew."
+            )
+        logger.warning(
+            "run `%s` already trained %d epoch(s) and `epochs`=%d: its model is returned "
+            "without training. To train it further, fit again with `epochs` > %d and the same "
+            "`run_id`; to train anew, give a new `run_id`.",
+            run_id, done, epochs, done,
+        )  # fmt: skip
+        return True
     todo = (
         f"Restore it, or delete the run's folder `{store.run_path}` to train it from the "
         f"start, or give a new `run_id`."
@@ -287,3 +297,4 @@ def check_resumable(store: RemoteStore, epochs: int, extension: str,
             f"run `{run_id}` cannot resume: its checkpoint `{checkpoint}`, the best model of "
             f"its earlier epochs, {saved}. {todo}"
         )
+    return False

@@ -15,6 +15,7 @@ a Spark retry, resumes after the last completed epoch.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -249,6 +250,24 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
 
     def _remote_trainer(self) -> Callable[[TorchTrainingSpec], dict]:
         return train_on_rank
+
+    def _finished_model(self, run_id: str, features: list[str]) -> bytes:
+        return cloudpickle.dumps(self._load_checkpoint(run_id))
+
+    def _load_checkpoint(self, run_id: str) -> dict:
+        """The run's last model and optimizer: copies of the estimator's (still linked to
+        each other) holding the state the run saved, with the learning rate given."""
+        import torch
+
+        saved = torch.load(io.BytesIO(self._read_checkpoint(run_id)), map_location="cpu",
+                           weights_only=True)  # fmt: skip
+        packed = cloudpickle.loads(
+            cloudpickle.dumps({"model": self.getModel(), "optimizer": self.getOptimizer()})
+        )
+        packed["model"].load_state_dict(saved["model"])
+        if packed["optimizer"] is not None:
+            packed["optimizer"].load_state_dict(saved["optimizer"])
+        return packed
 
 
 TorchEstimator._model_class = TorchModel

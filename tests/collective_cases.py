@@ -108,6 +108,18 @@ def allreduce_of_several_chunks():
 
 
 @case
+def long_allreduces_back_to_back():
+    """Long reductions of different lengths, each right after the other: the two sets of
+    slots and results alternate between chunks and calls without one call's copies
+    overtaking the others' reads."""
+    r, n = hvd.rank(), hvd.size()
+    for i, count in enumerate((900_000, 262_145, 70_000, 1_300_001, 10, 524_288)):
+        value = float(i + 1)
+        got = hvd.allreduce(np.full(count, value * (r + 1), np.float32), op=hvd.Sum)
+        np.testing.assert_array_equal(got, np.full(count, value * n * (n + 1) / 2, np.float32))
+
+
+@case
 def allreduce_scale_factors():
     n = hvd.size()
     out = hvd.allreduce(

@@ -13,6 +13,7 @@ import traceback
 import numpy as np
 
 import flyte_hvd.core as hvd
+from flyte_hvd.core import shm
 
 DTYPES = [np.float32, np.float64, np.int32, np.int64]
 SHAPES = [(), (5,), (3, 4), (2, 3, 4)]
@@ -105,6 +106,24 @@ def allreduce_of_several_chunks():
             got = hvd.allreduce(np.ones(300_000), op=hvd.Sum)
             np.testing.assert_array_equal(got, np.full(300_000, n - 1.0))
             hvd.join()
+
+
+@case
+def long_allreduces_back_to_back():
+    """Long reductions of different lengths, each right after the other: the two sets of
+    slots and results alternate between chunks and calls without one call's copies
+    overtaking the others' reads."""
+    from flyte_hvd.core import state
+
+    r, n = hvd.rank(), hvd.size()
+    channel = shm.channel(state.comm()) if n > 1 else None
+    for i, count in enumerate((900_000, 262_145, 70_000, 1_300_001, 10, 524_288)):
+        value = float(i + 1)
+        before = channel._epoch if channel else 0
+        got = hvd.allreduce(np.full(count, value * (r + 1), np.float32), op=hvd.Sum)
+        np.testing.assert_array_equal(got, np.full(count, value * n * (n + 1) / 2, np.float32))
+        if channel and count * 4 > shm.SMALL_BYTES:  # one wait per chunk, and one at the end
+            assert channel._epoch - before == -(-count * 4 // shm.CHUNK_BYTES) + 1
 
 
 @case

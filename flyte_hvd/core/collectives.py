@@ -489,10 +489,15 @@ def allreduce_on(
     )
     wire = np.asarray(_scale(wire, prescale_factor), order="C")
     small = wire.nbytes < MIN_POOLED_BYTES  # the pool's bookkeeping is a tenth of a 4 KB call
-    out = np.empty_like(wire) if small else pool.empty(wire.shape, wire.dtype)
+    out = np.empty(wire.shape, wire.dtype) if small else pool.empty(wire.shape, wire.dtype)
     _reduce(comm, agreement, op, wire, out, "allreduce", name)
     scale_in_place(out, postscale_factor)
     return compression.decompress(out, ctx)
+
+
+# Padding between a fusion buffer's parts (under ALIGNMENT bytes), read only.
+_PAD = np.zeros(ALIGNMENT, np.uint8)
+_PAD.flags.writeable = False
 
 
 def _pieces(parts: list[np.ndarray], offsets: list[int], total: int, itemsize: int) -> shm.Pieces:
@@ -501,8 +506,9 @@ def _pieces(parts: list[np.ndarray], offsets: list[int], total: int, itemsize: i
     for part, offset, end in zip(parts, offsets, [*offsets[1:], total], strict=True):
         pieces.append((offset * itemsize, part.reshape(-1).view(np.uint8)))
         if end > offset + part.size:
-            pad = (end - offset - part.size) * itemsize
-            pieces.append(((offset + part.size) * itemsize, np.zeros(pad, np.uint8)))
+            pieces.append(
+                ((offset + part.size) * itemsize, _PAD[: (end - offset - part.size) * itemsize])
+            )
     return pieces
 
 

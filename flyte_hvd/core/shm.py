@@ -13,8 +13,11 @@ The same counters carry the ranks' agreement on each collective's arguments (see
 wait, so a checked reduction costs no extra round.
 
 Messages up to ``SMALL_BYTES`` take one wait: every rank reduces the whole message from
-double-buffered slots. Longer ones go in chunks of ``CHUNK_BYTES`` (they stay in cache
-between the copy in, the reduction and the copy out) with two waits per chunk.
+double-buffered slots. Longer ones go in chunks of ``CHUNK_BYTES`` with one wait per chunk
+(and one more at the end): the post after copying in chunk k also says chunk k-1 is reduced,
+so a rank copies out k-1 and reduces k after the same wait. Chunks alternate between two
+sets of slots and result areas, so a set is written again only after every rank has posted
+past its last read of it.
 
 The segment is a file in ``/dev/shm`` that rank 0 creates and removes as soon as every rank
 has mapped it, so nothing is left there however the run ends. ``FLYTE_HVD_SHM_COLLECTIVES``
@@ -100,7 +103,7 @@ class Channel:
         counters = size * _LINE
         fingerprints = 2 * size * _LINE
         small = 2 * size * SMALL_BYTES
-        total = counters + fingerprints + small + (size + 1) * CHUNK_BYTES
+        total = counters + fingerprints + small + 2 * (size + 1) * CHUNK_BYTES
         self._map = _shared_map(comm, total)
         raw = np.frombuffer(self._map, np.uint8)
         self._words = memoryview(self._map).cast("q")  # plain loads and stores, no numpy call
@@ -108,14 +111,17 @@ class Channel:
         base = counters // 8
         # fingerprint pair of rank r for epoch parity p at word base + (p * size + r) * _WORDS
         self._fp_base = base
+        self._firsts = [[base + (p * size + r) * _WORDS for r in range(size)] for p in range(2)]
         offset = counters + fingerprints
         self._small = [
             [raw[offset + (p * size + r) * SMALL_BYTES :][:SMALL_BYTES] for r in range(size)]
             for p in range(2)
         ]
         offset += small
-        self._slots = [raw[offset + r * CHUNK_BYTES :][:CHUNK_BYTES] for r in range(size + 1)]
-        self._result = self._slots.pop()
+        # Two sets (chunks alternate): each rank's slot, then the set's result area.
+        areas = [raw[offset + i * CHUNK_BYTES :][:CHUNK_BYTES] for i in range(2 * (size + 1))]
+        self._slots = [areas[: size + 1], areas[size + 1 :]]
+        self._results = [slots.pop() for slots in self._slots]
         self._views: dict[tuple[int, np.dtype, int], list[np.ndarray]] = {}
 
     # -- waiting ---------------------------------------------------------------------------
@@ -171,13 +177,13 @@ class Channel:
         self._words[at + 1] = pair[1]
 
     def _max_pair(self, epoch: int, pair: tuple[int, int]) -> tuple[int, int] | None:
-        """None when every rank wrote ``pair``; else the elementwise max over ranks."""
+        """None when every rank wrote ``pair``; else the elementwise max over ranks.
+
+        Pairs are ``(fp, -fp)`` with ``fp >= 0``, or ``(_ABSENT, 1)`` from a joined rank
+        (collectives.py): equal first words mean equal pairs."""
         words, at = self._words, self._fp_base + (epoch & 1) * self.size * _WORDS
-        first, second = pair
-        for r in range(self.size):
-            if words[at + r * _WORDS] != first or words[at + r * _WORDS + 1] != second:
-                break
-        else:
+        first = pair[0]
+        if all(words[index] == first for index in self._firsts[epoch & 1]):
             return None
         pairs = [(words[at + r * _WORDS], words[at + r * _WORDS + 1]) for r in range(self.size)]
         return max(p[0] for p in pairs), max(p[1] for p in pairs)
@@ -210,68 +216,83 @@ class Channel:
         data. Returns None when done, or, with nothing reduced, the max pair when the ranks'
         pairs differ (the caller raises or serves joined ranks).
         """
-        nbytes, dtype, itemsize = dst.nbytes, dst.dtype, dst.itemsize
-        if isinstance(src, np.ndarray):
-            if nbytes <= SMALL_BYTES:  # first: the latency of small messages is all overhead
-                return self._allreduce_small(src, None, dst, ufunc, divisor, pair, what)
-            src_bytes = src.view(np.uint8)
-
-            def fill(target: np.ndarray, start: int, stop: int) -> None:
-                target[: stop - start] = src_bytes[start:stop]
-
-        else:
-
-            def fill(target: np.ndarray, start: int, stop: int) -> None:
-                fill_pieces(src, target, start, stop)
-
-        if nbytes <= SMALL_BYTES:
-            return self._allreduce_small(src, fill, dst, ufunc, divisor, pair, what)
+        nbytes = dst.nbytes
+        if nbytes <= SMALL_BYTES:  # first: the latency of small messages is all overhead
+            return self._allreduce_small(src, dst, ufunc, divisor, pair, what)
+        pieces = [(0, src.view(np.uint8))] if isinstance(src, np.ndarray) else src
+        dtype, itemsize, size, rank = dst.dtype, dst.itemsize, self.size, self.rank
         dst_bytes = dst.view(np.uint8)
-        own = src.view(np.uint8) if isinstance(src, np.ndarray) else None
         step = CHUNK_BYTES - CHUNK_BYTES % itemsize
-        mine = self._slots[self.rank]
-        for start in range(0, nbytes, step):
+        starts = range(0, nbytes, step)
+        # One wait per chunk (see the module's docstring): after it, chunk k-1's result is
+        # complete and every rank's chunk k is in its slot.
+        for k, start in enumerate(starts):
             stop = min(start + step, nbytes)
-            length = stop - start
-            # This rank's share of the chunk, on item boundaries.
-            count = length // itemsize
-            lo = count * self.rank // self.size * itemsize
-            hi = count * (self.rank + 1) // self.size * itemsize
-            if own is None:
-                fill(mine, start, stop)
-            else:  # only what the others reduce: this rank reads its share from ``src``
-                mine[:lo] = own[start : start + lo]
-                mine[hi:length] = own[start + hi : stop]
+            count = (stop - start) // itemsize
+            lo = count * rank // size * itemsize  # this rank's share, on item boundaries
+            hi = count * (rank + 1) // size * itemsize
+            slots = self._slots[k & 1]
+            # Only what the others reduce: this rank reads its share from ``src``.
+            fill_pieces(pieces, slots[rank][:lo], start, start + lo)
+            fill_pieces(pieces, slots[rank][hi : stop - start], start + hi, stop)
             epoch = self._epoch + 1
-            if start == 0:
+            if k == 0:
                 self._write_pair(epoch, pair)
             self._post()
             self._wait(epoch, what)
-            if start == 0:
+            if k == 0:
                 differ = self._max_pair(epoch, pair)
                 if differ is not None:
                     return differ
-            # Operands in rank order, whichever rank reduces the share.
-            parts = [slot[lo:hi] for slot in self._slots]
-            if own is not None:
-                parts[self.rank] = own[start + lo : start + hi]
-            out = self._result[lo:hi].view(dtype)
-            ufunc(parts[0].view(dtype), parts[1].view(dtype), out=out)
-            for part in parts[2:]:
-                ufunc(out, part.view(dtype), out=out)
-            self._wait(self._post(), what)
-            result = self._result[:length].view(dtype)
-            target = dst_bytes[start:stop].view(dtype)
-            if divisor == 1:
-                np.copyto(target, result)
             else:
-                np.divide(result, divisor, out=target)
+                self._copy_out(k - 1, starts[k - 1], start, dst_bytes, dtype, divisor)
+            self._reduce_share(k & 1, pieces, start, lo, hi, ufunc, dtype)
+        self._wait(self._post(), what)
+        last = len(starts) - 1
+        self._copy_out(last, starts[last], nbytes, dst_bytes, dtype, divisor)
         return None
+
+    def _reduce_share(
+        self,
+        parity: int,
+        pieces: Pieces,
+        start: int,
+        lo: int,
+        hi: int,
+        ufunc: np.ufunc,
+        dtype: np.dtype,
+    ) -> None:
+        """Reduce bytes ``[lo, hi)`` of the chunk at ``start`` into its result, operands in
+        rank order (whichever rank reduces a share, all get the same result); this rank's
+        operand is read from its input, piece by piece."""
+        slots, result, rank = self._slots[parity], self._results[parity], self.rank
+        for at, own in _pieces_in(pieces, start + lo, start + hi):
+            a, b = at - start, at - start + own.size
+            parts = [(own if r == rank else slot[a:b]).view(dtype) for r, slot in enumerate(slots)]
+            out = result[a:b].view(dtype)
+            ufunc(parts[0], parts[1], out)
+            for part in parts[2:]:
+                ufunc(out, part, out)
+
+    def _copy_out(
+        self,
+        k: int,
+        start: int,
+        stop: int,
+        dst_bytes: np.ndarray,
+        dtype: np.dtype,
+        divisor: int,
+    ) -> None:
+        result = self._results[k & 1][: stop - start].view(dtype)
+        target = dst_bytes[start:stop].view(dtype)
+        if divisor == 1:
+            np.copyto(target, result)
+        else:
+            np.divide(result, divisor, target)
 
     def _allreduce_small(
         self,
         src: np.ndarray | Pieces,
-        fill: Callable[[np.ndarray, int, int], None] | None,
         dst: np.ndarray,
         ufunc: np.ufunc,
         divisor: int,
@@ -284,8 +305,8 @@ class Channel:
             slots = self._small_views(epoch & 1, dst.dtype, dst.size)
         if isinstance(src, np.ndarray):
             np.copyto(slots[self.rank], src)
-        elif fill is not None:
-            fill(slots[self.rank].view(np.uint8), 0, dst.nbytes)
+        else:
+            fill_pieces(src, slots[self.rank].view(np.uint8), 0, dst.nbytes)
         # _write_pair, _post and _wait's first look, inlined: a 4 KB call is mostly overhead.
         words, at = self._words, self._fp_base + ((epoch & 1) * self.size + self.rank) * _WORDS
         words[at], words[at + 1] = pair
@@ -294,16 +315,18 @@ class Channel:
         for r, index in enumerate(self._counter):
             if words[index] < epoch:
                 self._wait_for(r, epoch, what)
-        if pair != (0, 0):  # (0, 0): the argument check is off on every rank
-            differ = self._max_pair(epoch, pair)
-            if differ is not None:
-                return differ
+        first = pair[0]
+        if first:  # 0: the argument check is off on every rank
+            for index in self._firsts[epoch & 1]:  # _max_pair's look, inlined
+                if words[index] != first:
+                    return self._max_pair(epoch, pair)
         # Every rank reduces all of it, in rank order: the same result everywhere, one wait.
-        ufunc(slots[0], slots[1], out=dst)
+        # (``out`` given by position: the keyword took 1 us more a call, measured.)
+        ufunc(slots[0], slots[1], dst)
         for r in range(2, self.size):
-            ufunc(dst, slots[r], out=dst)
+            ufunc(dst, slots[r], dst)
         if divisor != 1:
-            np.divide(dst, divisor, out=dst)
+            np.divide(dst, divisor, dst)
         return None
 
     def _small_views(self, parity: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
@@ -326,14 +349,29 @@ class Channel:
 Pieces = list[tuple[int, np.ndarray]]
 
 
-def fill_pieces(pieces: Pieces, target: np.ndarray, start: int, stop: int) -> None:
-    """Copy bytes ``[start, stop)`` of the message ``pieces`` make up to ``target[0:]``."""
-    i = bisect.bisect_right(pieces, start, key=lambda p: p[0]) - 1
+def _pieces_in(pieces: Pieces, start: int, stop: int) -> list[tuple[int, np.ndarray]]:
+    """Bytes ``[start, stop)`` of the message ``pieces`` make up, as (byte offset, bytes)."""
+    if len(pieces) == 1:  # one array: no search
+        return [(start, pieces[0][1][start:stop])] if start < stop else []
+    found = []
+    i = bisect.bisect_right(pieces, start, key=_offset) - 1
     while i < len(pieces) and pieces[i][0] < stop:
         offset, part = pieces[i]
         lo, hi = max(start, offset), min(stop, offset + part.size)
-        target[lo - start : hi - start] = part[lo - offset : hi - offset]
+        if lo < hi:
+            found.append((lo, part[lo - offset : hi - offset]))
         i += 1
+    return found
+
+
+def _offset(piece: tuple[int, np.ndarray]) -> int:
+    return piece[0]
+
+
+def fill_pieces(pieces: Pieces, target: np.ndarray, start: int, stop: int) -> None:
+    """Copy bytes ``[start, stop)`` of the message ``pieces`` make up to ``target[0:]``."""
+    for at, part in _pieces_in(pieces, start, stop):
+        target[at - start : at - start + part.size] = part
 
 
 def _shared_map(comm: MPI.Comm, total: int) -> mmap.mmap:

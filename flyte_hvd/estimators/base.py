@@ -158,8 +158,30 @@ class SparkBackend:
         ).results  # fmt: skip
 
 
+class Archived(MLWritable, MLReadable):
+    """Saved as one archive through the Store (``ArchiveWriter``, ``ArchiveReader``):
+    pyspark's MLWriter/MLReader go through the JVM; these work on any scheme, and on Spark
+    Connect too, and keep pyspark's ``write().overwrite().save()`` shape."""
+
+    _archive_name: ClassVar[str]
+
+    def write(self) -> ArchiveWriter:  # type: ignore[override]
+        return ArchiveWriter(self)
+
+    @classmethod
+    def read(cls) -> ArchiveReader:  # type: ignore[override]
+        return ArchiveReader(cls)
+
+    def _saved_files(self) -> dict[str, bytes]:
+        raise NotImplementedError
+
+    @classmethod
+    def _from_saved(cls, files: dict[str, bytes]) -> Archived:
+        raise NotImplementedError
+
+
 @with_params(ESTIMATOR_PARAMS)
-class HorovodEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
+class HorovodEstimator(Estimator, EstimatorParams, Archived):
     """A ``pyspark.ml`` Estimator whose ``fit`` trains on ranks inside a Spark barrier stage.
     ``save``/``load`` keep its params but ``backend`` and ``store`` (so it can be a stage of
     a saved ``Pipeline``); set those again after loading."""
@@ -195,13 +217,6 @@ class HorovodEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
         self._set(**kwargs)
         given = {k: v for k, v in kwargs.items() if v != self._param_defaults[k]}
         _warn_inert(type(self).__name__, {**INERT_PARAMS, **self._inert_params}, given)
-
-    def write(self) -> ArchiveWriter:  # type: ignore[override]
-        return ArchiveWriter(self)
-
-    @classmethod
-    def read(cls) -> ArchiveReader:  # type: ignore[override]
-        return ArchiveReader(cls)
 
     def _saved_files(self) -> dict[str, bytes]:
         params = {p.name: param_to_save(p.name, v) for p, v in self._paramMap.items()}
@@ -499,7 +514,7 @@ class HorovodEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
 
 
 @with_params(MODEL_PARAMS)
-class HorovodModel(Model, MLWritable, MLReadable):
+class HorovodModel(Model, Archived):
     """A trained model as a ``pyspark.ml`` Transformer: ``transform`` appends one prediction
     column per label, computed on Arrow batches by an iterator Arrow UDF with the model loaded
     once per Python worker (never one row at a time), after merging small input partitions
@@ -651,15 +666,6 @@ class HorovodModel(Model, MLWritable, MLReadable):
 
     # -- persistence --------------------------------------------------------------------------
 
-    # pyspark's MLWriter/MLReader go through the JVM; these write one archive through the Store
-    # (any scheme, and Spark Connect too) and keep pyspark's `write().overwrite().save()` shape.
-    def write(self) -> ArchiveWriter:  # type: ignore[override]
-        return ArchiveWriter(self)
-
-    @classmethod
-    def read(cls) -> ArchiveReader:  # type: ignore[override]
-        return ArchiveReader(cls)
-
     def _saved_files(self) -> dict[str, bytes]:
         params = {p.name: v for p, v in self._paramMap.items()}
         return {_PARAMS_FILE: cloudpickle.dumps(params), self._model_file: self._trained_bytes()}
@@ -673,19 +679,11 @@ class HorovodModel(Model, MLWritable, MLReadable):
 _PARAMS_FILE = "params.pkl"
 
 
-class Saved(Protocol):
-    """What ``ArchiveWriter`` saves and ``ArchiveReader`` loads: an estimator or a model."""
-
-    _archive_name: str
-
-    def _saved_files(self) -> dict[str, bytes]: ...
-
-
 class ArchiveWriter:
     """Saves an estimator or a model as one zip (its params, and a model's bytes) under
     ``path`` (local or a URL)."""
 
-    def __init__(self, instance: Saved):
+    def __init__(self, instance: Archived):
         self.instance = instance
         self._overwrite = False
 
@@ -714,10 +712,10 @@ class ArchiveWriter:
 
 
 class ArchiveReader:
-    def __init__(self, cls: type[HorovodModel] | type[HorovodEstimator]):
+    def __init__(self, cls: type[Archived]):
         self.cls = cls
 
-    def load(self, path: str) -> HorovodModel | HorovodEstimator:
+    def load(self, path: str) -> Archived:
         from flyte_hvd.data.store import url_to_fs
 
         cls = self.cls

@@ -549,6 +549,8 @@ def test_check_shape_compatibility_checks_each_shape_against_its_column():
     check_shape_compatibility({"v": {"shape": (12,)}}, ["v"], [], [[4, 3]])
     with pytest.raises(ValueError, match=r"column `w` is not in the metadata"):
         check_shape_compatibility({"v": {"shape": (12,)}}, ["w"], [], [[12]])
+    with pytest.raises(ValueError, match=r"`metadata` must be a dataset's metadata .* found str"):
+        check_shape_compatibility("v: 12", ["v"], [], [[12]])
 
 
 def test_each_prediction_has_its_labels_type():

@@ -583,6 +583,9 @@ def test_each_prediction_has_its_labels_type():
     # without the label (new data) takes the label's type from the model's metadata.
     scores = output_schema(schema, ["i"], ["p"], None, [3]).fields[-1]
     assert isinstance(scores.dataType, VectorUDT)
+    # One value per row is a scalar prediction, whatever the label (what the model returns).
+    narrow = output_schema(schema, ["v", "a"], ["v1", "a1"], None, [1, 1]).fields[-2:]
+    assert [type(f.dataType) for f in narrow] == [T.DoubleType, T.DoubleType]
     meta = _meta(("y", "scalar", "float32", ()), ("z", "dense_vector", "float64", (2,)))
     new_data = T.StructType([T.StructField("x", T.DoubleType())])
     added = output_schema(new_data, ["y", "z"], ["y1", "z1"], meta, [1, 2]).fields[1:]

@@ -535,11 +535,10 @@ class HorovodModel(Model, Archived):
         Horovod's name for ``metadata``."""
         super().__init__()
         self._setDefault(**_fresh(self._param_defaults))
-        for horovod_name, name in (("_metadata", "metadata"),):
-            if horovod_name in kwargs:
-                if name in kwargs:
-                    raise TypeError(f"give `{name}` or `{horovod_name}`, not both.")
-                kwargs[name] = kwargs.pop(horovod_name)
+        if "_metadata" in kwargs:
+            if "metadata" in kwargs:
+                raise TypeError("give `metadata` or `_metadata`, not both.")
+            kwargs["metadata"] = kwargs.pop("_metadata")
         model = kwargs.pop("model", None)
         if model is not None:
             if model_bytes is not None:

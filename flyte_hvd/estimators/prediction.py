@@ -99,9 +99,10 @@ def output_schema(
         width = output_widths[i] if output_widths is not None else None
         field = fields.get(label)
         kind, dtype = _label_kind(field.dataType if field else None, recorded.get(label))
-        if kind == "vector" or (kind == "scalar" and width is not None and width > 1):
+        wide = width is None or width > 1  # one value per row is a scalar, whatever the label
+        if wide and (kind == "vector" or (kind == "scalar" and width is not None)):
             out: T.DataType = VectorUDT()
-        elif kind == "array" or (kind is None and width is not None and width > 1):
+        elif wide and (kind == "array" or (kind is None and width is not None)):
             out = T.ArrayType(T.FloatType())
         else:
             out = T.FloatType() if dtype == "float32" else T.DoubleType()

@@ -11,12 +11,16 @@ Two ranks, float32, 4 KB to 256 MB, all measured in this one run:
   ``allreduce`` of a single 25 MB buffer;
 - ours takes the shared-memory path on one host (``FLYTE_HVD_SHM_COLLECTIVES=auto``); "ours,
   MPI path" is the same call with that path off;
+- allgather and broadcast of 4 KB to 64 MB per rank: ours (shared memory), ours with MPI
+  carrying it, and raw mpi4py ``Allgather``/``Bcast`` on the same communicator;
 - two hosts: raw mpi4py ``Allreduce`` of 2 ranks on two simulated hosts (each rank in its own
-  mount and UTS namespaces, as tests/cluster_harness.py's hosts), MPICH forced onto TCP
-  (libfabric's tcp provider on loopback, no shared memory), beside the same 2 ranks on one
-  host with the same TCP settings; then 2 hosts x 1 rank and 2 hosts x 2 ranks (MPICH's shared
-  memory within a host, TCP between), ours (``hvd.allreduce``: MPI carries a communicator that
-  spans hosts) against raw in the same mpiexec run. Needs root and ``unshare``; skipped (None)
+  UTS namespace, as tests/cluster_harness.py's ``mpiexec_on_hosts`` starts them), MPICH forced
+  onto TCP (libfabric's tcp provider on loopback, no shared memory), beside the same 2 ranks
+  on one host with the same TCP settings; then 2 hosts x 1 rank and 2 hosts x 2 ranks
+  (MPICH's shared memory within a host, TCP between), ours (``hvd.allreduce``) against raw,
+  alternating runs: with 1 rank per host MPI carries ours; with 2, ours reduces within each
+  host in shared memory first (hierarchical), and "flat" is ours with that off
+  (``HOROVOD_HIERARCHICAL_ALLREDUCE=0``). Needs root and ``unshare``; skipped (None)
   otherwise.
 Prints a table and ends with one JSON line.
 """
@@ -32,14 +36,23 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
+# Simulated hosts and MPICH's TCP settings for them come from the tests' cluster harness.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from cluster_harness import MPI_TCP_ENV, mpiexec_on_hosts
+
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 QUICK_SIZES = [4 << 10, 1 << 20, 16 << 20]
+GATHER_SIZES = [4 << 10, 1 << 20, 16 << 20, 64 << 20]  # allgather and broadcast (per rank)
 FUSION_BYTES = 25 << 20
 FUSION_ARRAYS = 200
 ROUNDS = 3
+# One host: a launch lands in a fast or a slow mode on this shared machine (the same size
+# took 0.2 or 0.5 ms from one launch to the next, raw MPICH too): more alternating launches.
+SAME_HOST_ROUNDS = 5
 
 
 def _timeit(fn, sync, agree=lambda n: n, repeats: int = 5) -> float:
@@ -115,6 +128,29 @@ def measure_ours(sizes: list[int]) -> dict:
         out["unchecked"][nbytes] = min(unchecked)
         out["raw_merged"][nbytes] = min(raw)
         out["mpi_path"][nbytes] = min(mpi_path)
+    # Allgather and broadcast: ours (shared memory), ours with MPI carrying it, raw mpi4py.
+    from flyte_hvd.core.collectives import allgather_on, broadcast_on
+
+    for kind in ("allgather", "broadcast", "allgather_mpi", "broadcast_mpi"):
+        out[kind] = {}
+    out["allgather_raw"], out["broadcast_raw"] = {}, {}
+    for nbytes in [b for b in sizes if b in GATHER_SIZES]:
+        x = np.ones(nbytes // 4, np.float32)
+        gathered = np.empty(x.size * comm.Get_size(), np.float32)
+        calls = {
+            "allgather": lambda x=x: hvd.allgather(x),
+            "allgather_mpi": lambda x=x: allgather_on(mpi_comm, x),
+            "allgather_raw": lambda x=x, g=gathered: comm.Allgather(x, g),
+            "broadcast": lambda x=x: hvd.broadcast(x, root_rank=0),
+            "broadcast_mpi": lambda x=x: broadcast_on(mpi_comm, x, 0),
+            "broadcast_raw": lambda x=x: comm.Bcast(x, root=0),
+        }
+        best: dict[str, list[float]] = {kind: [] for kind in calls}
+        for _ in range(2):  # interleaved, as above
+            for kind, call in calls.items():
+                best[kind].append(_timeit(call, hvd.barrier, agree))
+        for kind in calls:
+            out[kind][nbytes] = min(best[kind])
     shm.forget(mpi_comm)
     mpi_comm.Free()
     rng = np.random.default_rng(0)
@@ -244,25 +280,12 @@ def _run_raw(sizes: list[int]) -> dict:
             return {int(k): v for k, v in json.load(f).items()}
 
 
-# MPICH across simulated hosts (tests/cluster_harness.py): no shared memory, libfabric TCP.
-MPI_TCP_ENV = {
-    "MPIR_CVAR_NOLOCAL": "1",
-    "MPIR_CVAR_CH4_NETMOD": "ofi",
-    "FI_PROVIDER": "tcp",
-    "FI_TCP_IFACE": "lo",
-}
-# hydra's ssh launcher runs `LAUNCHER [ssh options] HOST COMMAND...`: this one starts the
-# command on a simulated host named after HOST's last octet, with a private /tmp.
-_NAMESPACE_LAUNCHER = """#!/bin/sh
-while [ "${1#-}" != "$1" ]; do shift; done
-host=$1; shift
-exec unshare --mount --uts --propagation private sh -c \\
-  'hostname "sim-host-$0"; mount -t tmpfs tmpfs /tmp; exec sh -c "$*"' "${host##*.}" "$@"
-"""
-
-
 def _run_raw_tcp(
-    sizes: list[int], two_hosts: bool, per_host: int = 1, ours: bool = False
+    sizes: list[int],
+    two_hosts: bool,
+    per_host: int = 1,
+    ours: bool = False,
+    extra_env: dict[str, str] | None = None,
 ) -> dict | None:
     """Raw ``Allreduce`` (``ours``: ``hvd.allreduce``) over TCP, on two simulated hosts with
     ``per_host`` ranks each (more than one: MPICH's shared memory within a host) or 2 ranks on
@@ -271,29 +294,16 @@ def _run_raw_tcp(
 
     if two_hosts and (os.geteuid() != 0 or not shutil.which("unshare")):
         return None
-    command = [find_mpiexec(), "-n", str(2 * per_host)]
-    env = {**os.environ, **MPI_TCP_ENV}
+    env = {**os.environ, **MPI_TCP_ENV, **(extra_env or {})}
     if per_host > 1:
         del env["MPIR_CVAR_NOLOCAL"]
     with tempfile.TemporaryDirectory() as d:
-        if two_hosts:
-            launcher = os.path.join(d, "launcher.sh")
-            with open(launcher, "w") as f:
-                f.write(_NAMESPACE_LAUNCHER)
-            os.chmod(launcher, 0o755)
-            hosts = "127.0.0.21,127.0.0.22"
-            command += [
-                "-launcher",
-                "ssh",
-                "-launcher-exec",
-                launcher,
-                "-hosts",
-                hosts,
-                "-ppn",
-                str(per_host),
-            ]
-        command += [sys.executable, "-m", "benchmarks.allreduce", "--raw-json", "-"]
+        command = [sys.executable, "-m", "benchmarks.allreduce", "--raw-json", "-"]
         command += ["--sizes", ",".join(map(str, sizes))] + (["--ours"] if ours else [])
+        if two_hosts:
+            command = mpiexec_on_hosts(Path(d), 2, per_host, command)
+        else:
+            command = [find_mpiexec(), "-n", "2", *command]
         result = subprocess.run(
             command,
             env=env,
@@ -356,7 +366,7 @@ def main() -> None:
     # Alternate whole runs and keep each figure's best: this machine's load drifts by tens of
     # percent within a minute, and the minimum is the least disturbed measurement.
     raw_runs, our_runs = [], []
-    for _ in range(ROUNDS):
+    for _ in range(SAME_HOST_ROUNDS):
         raw_runs.append(_run_raw(sizes))
         our_runs.append(launch_local(FunctionJob(measure_ours, (sizes,)), n)[0])
     raw = {b: min(run[b] for run in raw_runs) for b in sizes}
@@ -366,19 +376,29 @@ def main() -> None:
     }
     for key in ("fused_200", "single_25mb", "fusion_bytes"):
         ours[key] = min(run[key] for run in our_runs)
+    gather_kinds = [f"{c}{s}" for c in ("allgather", "broadcast") for s in ("", "_mpi", "_raw")]
+    gather_sizes = [b for b in sizes if b in GATHER_SIZES]
+    for key in gather_kinds:
+        ours[key] = {b: min(run[key][b] for run in our_runs) for b in gather_sizes}
     copy = measure_copy(sizes)
     gloo = measure_gloo(sizes)
     tcp_one = min_runs([_run_raw_tcp(sizes, two_hosts=False) for _ in range(ROUNDS)], sizes)
     tcp_two = min_runs([_run_raw_tcp(sizes, two_hosts=True) for _ in range(ROUNDS)], sizes)
     # Ours against raw on simulated hosts, 2 x 1 and 2 x 2 ranks, alternating.
+    # With 2 ranks per host, ours reduces within each host in shared memory first; "flat" is
+    # ours with that off (HOROVOD_HIERARCHICAL_ALLREDUCE=0: MPICH's own algorithm).
     hosts: dict[str, dict | None] = {}
+    flat_env = {"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}
     for per_host in (1, 2):
-        runs: dict[bool, list] = {False: [], True: []}
+        sides = {"raw": (False, None), "ours": (True, None)}
+        if per_host > 1:
+            sides["flat"] = (True, flat_env)
+        runs: dict[str, list] = {side: [] for side in sides}
         for _ in range(ROUNDS):
-            for ours_side in (False, True):
-                runs[ours_side].append(_run_raw_tcp(sizes, True, per_host, ours_side))
-        hosts[f"2x{per_host}_raw"] = min_runs(runs[False], sizes)
-        hosts[f"2x{per_host}_ours"] = min_runs(runs[True], sizes)
+            for side, (ours_side, extra) in sides.items():
+                runs[side].append(_run_raw_tcp(sizes, True, per_host, ours_side, extra))
+        for side in sides:
+            hosts[f"2x{per_host}_{side}"] = min_runs(runs[side], sizes)
 
     def bw(nbytes, seconds):
         return nbytes / seconds / 1e9
@@ -424,6 +444,11 @@ def main() -> None:
             row[f"hosts_2x{per_host}_ratio"] = (
                 round(h_raw[nbytes] / h_ours[nbytes], 3) if h_raw and h_ours else None
             )
+        flat = hosts["2x2_flat"]
+        row["hosts_2x2_flat_busbw"] = round(bw(nbytes, flat[nbytes]) * 1.5, 3) if flat else None
+        row["hosts_2x2_hier_vs_flat"] = (
+            round(flat[nbytes] / hosts["2x2_ours"][nbytes], 3) if flat else None
+        )
         rows.append(row)
         gloo_txt = f"{row['gloo_busbw']:11.2f}" if gloo else f"{'-':>11}"
         print(
@@ -433,7 +458,8 @@ def main() -> None:
         )
     print(
         f"\n{'size':>8} {'MPI path':>9} {'raw busbw':>10} {'tcp 1 host':>11} {'tcp 2 hosts':>12}"
-        f" {'2x1 ours':>9} {'2x1 raw':>8} {'2x2 ours':>9} {'2x2 raw':>8}  (busbw GB/s)"
+        f" {'2x1 ours':>9} {'2x1 raw':>8} {'2x2 ours':>9} {'2x2 flat':>9} {'2x2 raw':>8}"
+        "  (busbw GB/s)"
     )
 
     def txt(value, width):
@@ -444,7 +470,28 @@ def main() -> None:
             f"{_label(row['bytes']):>8} {row['mpi_path_busbw']:9.2f} {row['raw_busbw']:10.2f} "
             f"{row['raw_tcp_same_host_busbw']:11.2f} {txt(row['raw_tcp_two_hosts_busbw'], 12)} "
             f"{txt(row['hosts_2x1_ours_busbw'], 9)} {txt(row['hosts_2x1_raw_busbw'], 8)} "
-            f"{txt(row['hosts_2x2_ours_busbw'], 9)} {txt(row['hosts_2x2_raw_busbw'], 8)}"
+            f"{txt(row['hosts_2x2_ours_busbw'], 9)} {txt(row['hosts_2x2_flat_busbw'], 9)} "
+            f"{txt(row['hosts_2x2_raw_busbw'], 8)}"
+        )
+    print(
+        f"\n{'size':>8} {'allgather: ours us':>19} {'MPI path':>9} {'raw':>9} "
+        f"{'broadcast: ours us':>19} {'MPI path':>9} {'raw':>9}  (bytes per rank)"
+    )
+    gathers = []
+    for nbytes in gather_sizes:
+        g = {k: ours[k][nbytes] * 1e6 for k in gather_kinds}
+        gathers.append(
+            {
+                "bytes": nbytes,
+                **{f"{k}_us": round(v, 1) for k, v in g.items()},
+                "allgather_ratio_vs_raw": round(g["allgather_raw"] / g["allgather"], 3),
+                "broadcast_ratio_vs_raw": round(g["broadcast_raw"] / g["broadcast"], 3),
+            }
+        )
+        print(
+            f"{_label(nbytes):>8} {g['allgather']:19.1f} {g['allgather_mpi']:9.1f} "
+            f"{g['allgather_raw']:9.1f} {g['broadcast']:19.1f} {g['broadcast_mpi']:9.1f} "
+            f"{g['broadcast_raw']:9.1f}"
         )
     fused_ratio = ours["fused_200"] / ours["single_25mb"]
     print(
@@ -471,6 +518,16 @@ def main() -> None:
         "ratio_64mb": next((r["ratio_vs_raw"] for r in rows if r["bytes"] == 64 << 20), None),
         "hosts_2x1_min_ratio": _min_ratio(rows, "hosts_2x1_ratio"),
         "hosts_2x2_min_ratio": _min_ratio(rows, "hosts_2x2_ratio"),
+        "hosts_2x2_ratio_ge_1mb": _min_ratio(
+            [r for r in rows if r["bytes"] >= 1 << 20], "hosts_2x2_ratio"
+        ),
+        "hosts_2x2_hier_vs_flat_min": _min_ratio(rows, "hosts_2x2_hier_vs_flat"),
+        "hosts_2x2_hier_vs_flat_ge_1mb": _min_ratio(
+            [r for r in rows if r["bytes"] >= 1 << 20], "hosts_2x2_hier_vs_flat"
+        ),
+        "gathers": gathers,
+        "allgather_min_ratio_vs_raw": min(g["allgather_ratio_vs_raw"] for g in gathers),
+        "broadcast_min_ratio_vs_raw": min(g["broadcast_ratio_vs_raw"] for g in gathers),
         "fused_200_ms": round(ours["fused_200"] * 1e3, 3),
         "single_25mb_ms": round(ours["single_25mb"] * 1e3, 3),
         "fused_vs_single_ratio": round(fused_ratio, 3),

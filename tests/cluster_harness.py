@@ -78,6 +78,33 @@ MPI_TCP_ENV = {
 }
 
 
+# hydra's ssh launcher runs `LAUNCHER [ssh options] HOST COMMAND...`: this one starts the
+# command as a host named after HOST's last octet (its own UTS namespace; the files stay
+# this machine's, so a checkout and venv anywhere are seen as they are).
+RANK_HOST_LAUNCHER = """#!/bin/sh
+while [ "${1#-}" != "$1" ]; do shift; done
+host=$1; shift
+exec unshare --uts sh -c 'hostname "sim-host-$0"; exec sh -c "$*"' "${host##*.}" "$@"
+"""
+
+
+def mpiexec_on_hosts(
+    launcher_dir: Path, hosts: int, per_host: int, command: list[str]
+) -> list[str]:
+    """An ``mpiexec`` command line running ``command`` as ``per_host`` ranks on each of
+    ``hosts`` simulated hosts (127.0.0.21, .22, ...); MPICH takes shared memory within a host
+    and TCP between hosts (run it with ``MPI_TCP_ENV`` less ``MPIR_CVAR_NOLOCAL``)."""
+    launcher = launcher_dir / "rank-host-launcher.sh"
+    launcher.write_text(RANK_HOST_LAUNCHER)
+    launcher.chmod(0o755)
+    addresses = ",".join(f"127.0.0.{21 + i}" for i in range(hosts))
+    mpiexec = VENV_BIN / "mpiexec"
+    return [
+        str(mpiexec), "-n", str(hosts * per_host), "-launcher", "ssh", "-launcher-exec",
+        str(launcher), "-hosts", addresses, "-ppn", str(per_host), *command,
+    ]  # fmt: skip
+
+
 def namespaces_unavailable() -> str | None:
     """Why simulated hosts cannot run here, or None when they can."""
     if os.geteuid() != 0:

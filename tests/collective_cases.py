@@ -117,6 +117,7 @@ def long_allreduces_back_to_back():
 
     r, n = hvd.rank(), hvd.size()
     channel = shm.channel(state.comm()) if n > 1 else None
+    channel = channel if isinstance(channel, shm.Channel) else None  # one host: counted waits
     for i, count in enumerate((900_000, 262_145, 70_000, 1_300_001, 10, 524_288)):
         value = float(i + 1)
         before = channel._epoch if channel else 0
@@ -189,6 +190,49 @@ def allgather_ragged():
         assert out.dtype == dtype
         np.testing.assert_array_equal(out, expected)
     np.testing.assert_array_equal(hvd.allgather(np.int64(r)), np.arange(n))
+
+
+@case
+def long_gathers_and_broadcasts():
+    """Allgathers and broadcasts longer than a chunk, ragged, with empty ranks, between long
+    allreduces: each rank's bytes land at its offset, and no call's copies overtake another
+    call's reads of the shared segment."""
+    from flyte_hvd.core import state
+
+    r, n = hvd.rank(), hvd.size()
+    channel = shm.channel(state.comm()) if n > 1 else None
+    channel = channel if isinstance(channel, shm.Channel) else None  # one host: counted waits
+    rows = [(k * 700_001) % 900_000 for k in range(n)]  # rank 0 sends no rows
+    for i, row_items in enumerate((1, 3)):
+        mine = np.full((rows[r], row_items), r + 10 * i, np.float32)
+        before = channel._epoch if channel else 0
+        out = hvd.allgather(mine)
+        if channel:  # one wait per chunk of the longest part, and one at the end
+            assert channel._epoch - before == -(-max(rows) * row_items * 4 // shm.CHUNK_BYTES) + 1
+        expected = np.concatenate(
+            [np.full((rows[k], row_items), k + 10 * i, np.float32) for k in range(n)]
+        )
+        np.testing.assert_array_equal(out, expected)
+        got = hvd.allreduce(np.full(600_000, r + 1.0, np.float32), op=hvd.Sum)
+        np.testing.assert_array_equal(got, np.full(600_000, n * (n + 1) / 2, np.float32))
+    empty = hvd.allgather(np.zeros((0, 2), np.int64))
+    assert empty.shape == (0, 2), empty.shape
+    assert hvd.allgather(np.zeros((2, 0))).shape == (2 * n, 0)
+    for root in range(n):
+        long = np.arange(2_100_003, dtype=np.int64) * (r == root) + root
+        out = hvd.broadcast(long, root_rank=root)
+        np.testing.assert_array_equal(out, np.arange(2_100_003, dtype=np.int64) + root)
+        got = hvd.allreduce(np.full(700_000, float(r)), op=hvd.Max)
+        np.testing.assert_array_equal(got, np.full(700_000, n - 1.0))
+    assert hvd.broadcast(np.zeros((0, 3)), root_rank=0).shape == (0, 3)
+    if n > 1:  # a mismatch on the long path raises on every rank, and the next call works
+        try:
+            hvd.broadcast(np.ones(2_000_000 + r), root_rank=0)
+        except hvd.CollectiveMismatchError as e:
+            assert "shape=(2000000,)" in str(e) and "shape=(2000001,)" in str(e), str(e)
+        else:
+            raise AssertionError("broadcasts of different shapes ran")
+        assert hvd.broadcast(np.full(3, float(r)), root_rank=n - 1).tolist() == [n - 1.0] * 3
 
 
 @case

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import cloudpickle
 import numpy as np
 import pytest
+from cluster_harness import MPI_TCP_ENV, mpiexec_on_hosts, namespaces_unavailable
 
 import flyte_hvd.core as hvd
 from flyte_hvd.core import shm
@@ -43,6 +50,78 @@ def test_collective(name: str, size: int | str):
     assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
 
 
+# Cases that assume every rank on one host.
+_ONE_HOST_CASES = {"topology_single_host"}
+_HOSTS_SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import collective_cases
+import flyte_hvd.core as hvd
+from flyte_hvd.core import shm, state
+hvd.init()
+path = type(shm.channel(state.comm())).__name__
+failed = {{k: v for k, v in collective_cases.run_cases({names!r}).items() if v}}
+with open(f"{{sys.argv[1]}}/rank-{{hvd.rank()}}.json", "w") as f:  # ranks' stdout interleave
+    json.dump({{"rank": hvd.rank(), "path": path, "failed": failed}}, f)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.cluster
+def test_hierarchical_allreduce_on_two_simulated_hosts(tmp_path):
+    """2 hosts x 2 ranks: every collective case passes with allreduces reduced within each
+    host in shared memory, then across hosts over MPI (``HOROVOD_HIERARCHICAL_ALLREDUCE``)."""
+    if why := namespaces_unavailable():
+        pytest.skip(why)
+    names = [n for n in collective_cases.CASES if n not in _ONE_HOST_CASES]
+    script = _HOSTS_SCRIPT.format(tests=str(Path(__file__).parent), names=names)
+    env = {**os.environ, **MPI_TCP_ENV, shm.MODE_ENV: "auto"}
+    del env["MPIR_CVAR_NOLOCAL"]  # MPICH's shared memory within a host, as on real hosts
+    command = mpiexec_on_hosts(tmp_path, 2, 2, [sys.executable, "-c", script, str(tmp_path)])
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank-*.json"))]
+    assert len(results) == 4, done.stdout[-3000:] + done.stderr[-3000:]
+    assert {r["path"] for r in results} == {"Hierarchy"}
+    failures = {r["rank"]: r["failed"] for r in results if r["failed"]}
+    assert not failures, json.dumps(failures, indent=1)[-6000:]
+
+
+_UNEVEN_SCRIPT = """
+import sys
+import numpy as np
+import flyte_hvd.core as hvd
+hvd.init()
+try:
+    hvd.allreduce(np.ones(4))
+except RuntimeError as e:
+    with open(f"{sys.argv[1]}/rank-{hvd.rank()}.txt", "w") as f:  # ranks' stdout interleave
+        f.write(str(e))
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.cluster
+def test_shared_memory_forced_on_hosts_with_uneven_ranks_says_why(tmp_path):
+    """3 ranks on 2 hosts (2 + 1) with the segment forced on: every rank's first collective
+    raises why it cannot serve, instead of some ranks taking another path and hanging."""
+    if why := namespaces_unavailable():
+        pytest.skip(why)
+    env = {**os.environ, **MPI_TCP_ENV, shm.MODE_ENV: "on"}
+    del env["MPIR_CVAR_NOLOCAL"]
+    script = [sys.executable, "-c", _UNEVEN_SCRIPT, str(tmp_path)]
+    command = mpiexec_on_hosts(tmp_path, 2, 2, script)
+    command[command.index("-n") + 1] = "3"
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    raised = [p.read_text() for p in sorted(tmp_path.glob("rank-*.txt"))]
+    assert len(raised) == 3, done.stdout[-3000:] + done.stderr[-3000:]
+    for line in raised:
+        assert line == (
+            "FLYTE_HVD_SHM_COLLECTIVES=on, but the ranks run on more than one host, not the same "
+            "number of them (at least 2) on each (ranks per host, by rank: [2, 2, 1]); set "
+            "FLYTE_HVD_SHM_COLLECTIVES=auto to let MPI carry these collectives."
+        ), line
+
+
 def test_collective_before_init_names_init():
     hvd.shutdown()
     with pytest.raises(ValueError, match=r"hvd.init\(\)"):
@@ -74,6 +153,18 @@ def test_bad_shared_memory_setting_is_refused_at_init(monkeypatch):
     hvd.shutdown()
     monkeypatch.setenv(shm.MODE_ENV, "yes")
     with pytest.raises(ValueError, match=r"FLYTE_HVD_SHM_COLLECTIVES='yes': expected one of auto"):
+        hvd.init(comm=MPI.COMM_SELF)
+    assert not hvd.is_initialized()
+
+
+def test_bad_hierarchical_setting_is_refused_at_init(monkeypatch):
+    from mpi4py import MPI
+
+    hvd.shutdown()
+    monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLREDUCE", "maybe")
+    with pytest.raises(
+        ValueError, match=r"HOROVOD_HIERARCHICAL_ALLREDUCE='maybe': expected 1 or 0"
+    ):
         hvd.init(comm=MPI.COMM_SELF)
     assert not hvd.is_initialized()
 

@@ -15,6 +15,7 @@ has an ``*_async`` twin that runs on the background thread and returns a handle 
 from __future__ import annotations
 
 import enum
+import math
 import os
 import time
 import zlib
@@ -495,25 +496,24 @@ def allreduce_on(
     return compression.decompress(out, ctx)
 
 
-# Padding between a fusion buffer's parts (under ALIGNMENT bytes), read only.
-_PAD = np.zeros(ALIGNMENT, np.uint8)
-_PAD.flags.writeable = False
+def _pieces(parts: list[np.ndarray], offsets: list[int], itemsize: int) -> shm.Pieces:
+    """A fusion buffer's parts as ``shm.Pieces``. The padding between parts is left out: no
+    rank copies or reduces it (a numpy call per gap cost as much as one per part), and no
+    result is a view of it, so what it holds is never read or scaled."""
+    return [
+        (offset * itemsize, part.reshape(-1).view(np.uint8))
+        for part, offset in zip(parts, offsets, strict=True)
+    ]
 
 
-def _pieces(parts: list[np.ndarray], offsets: list[int], total: int, itemsize: int) -> shm.Pieces:
-    """A fusion buffer's contents as ``shm.Pieces``: each part, then zeros to the next."""
-    pieces: shm.Pieces = []
-    for part, offset, end in zip(parts, offsets, [*offsets[1:], total], strict=True):
-        pieces.append((offset * itemsize, part.reshape(-1).view(np.uint8)))
-        if end > offset + part.size:
-            pieces.append(
-                ((offset + part.size) * itemsize, _PAD[: (end - offset - part.size) * itemsize])
-            )
-    return pieces
-
-
-def _shared_channel(comm: MPI.Comm) -> shm.Channel | None:
+def _shared_channel(comm: MPI.Comm) -> shm.Channel | shm.Hierarchy | None:
     return shm.channel(comm) if comm.Get_size() > 1 else None
+
+
+def _host_channel(comm: MPI.Comm) -> shm.Channel | None:
+    """``comm``'s segment where all of its ranks share it (not a ``Hierarchy``)."""
+    channel = _shared_channel(comm)
+    return channel if isinstance(channel, shm.Channel) else None
 
 
 # What the ranks agree on before a reduction: ``check_same``'s fields, describe, reduction.
@@ -542,6 +542,8 @@ def _reduce(
     """
     size = comm.Get_size()
     channel = shm.channel(comm) if shared and size > 1 else None
+    if isinstance(channel, shm.Hierarchy) and out.nbytes < shm.HIERARCHICAL_MIN_BYTES:
+        channel = None  # short messages: MPICH's own algorithm is faster across hosts
     if channel is not None and (out.dtype.kind != "c" or op not in (ReduceOp.MIN, ReduceOp.MAX)):
         fp = _fingerprint(agreement[0]) if agreement and state.checks_collectives() else 0
         describe = agreement[1] if agreement else (lambda: kind)
@@ -639,7 +641,7 @@ def grouped_allreduce_on(
         buf = pool.empty((total,), dtype)
         if shared:  # the parts go straight into the shared segment: no packing pass
             parts = [np.ascontiguousarray(_scale(wires[i], prescale_factor)) for i in members]
-            src: np.ndarray | shm.Pieces = _pieces(parts, offsets, total, dtype.itemsize)
+            src: np.ndarray | shm.Pieces = _pieces(parts, offsets, dtype.itemsize)
         else:
             for i, offset, end in zip(members, offsets, [*offsets[1:], total], strict=True):
                 part = wires[i]
@@ -651,10 +653,10 @@ def grouped_allreduce_on(
         if not _reduce(comm, agreement, op, src, buf, "grouped_allreduce", name, shared):
             shared = False
         agreement = None
-        scale_in_place(buf, postscale_factor)
         for i, offset in zip(members, offsets, strict=True):
             part, ctx = compressed[i]
             view = buf[offset : offset + part.size].reshape(part.shape)
+            scale_in_place(view, postscale_factor)  # the parts only: padding holds anything
             results[i] = compression.decompress(view, ctx)
     return results  # type: ignore[return-value]
 
@@ -704,15 +706,31 @@ def allgather_on(comm: MPI.Comm, array: ArrayLike, name: str | None = None) -> n
     arr = np.asarray(_as_array(array, "allgather"), order="C")
     if arr.ndim == 0:
         arr = arr.reshape(1)
-    check_same(
-        comm,
-        (3, arr.dtype.num, arr.shape[1:]),
-        lambda: f"allgather(dtype={arr.dtype}, shape=(*, {arr.shape[1:]}))",
-    )
+    fields = (3, arr.dtype.num, arr.shape[1:])
+
+    def describe() -> str:
+        return f"allgather(dtype={arr.dtype}, shape=(*, {arr.shape[1:]}))"
+
+    row_items = math.prod(arr.shape[1:])
+    channel = _host_channel(comm) if row_items else None  # else: rows of no bytes
+    if channel is not None:
+        row_bytes = row_items * arr.itemsize
+
+        def allocate(lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+            out = pool.empty((sum(lengths) // row_bytes, *arr.shape[1:]), arr.dtype)
+            return out, out.reshape(-1).view(np.uint8)
+
+        fp = _fingerprint(fields) if state.checks_collectives() else 0
+        start = _begin()
+        got = channel.allgather(arr.reshape(-1).view(np.uint8), (fp, -fp), describe, allocate)
+        if isinstance(got, np.ndarray):
+            _end("allgather", name, got.nbytes, start)
+            return got
+        _settle(comm, fp, got, describe, None)  # raises: a mismatch, or joined ranks
+    check_same(comm, fields, describe)
     size = comm.Get_size()
     rows = np.empty(size, dtype=np.int64)
     comm.Allgather(np.array([arr.shape[0]], dtype=np.int64), rows)
-    row_items = int(np.prod(arr.shape[1:], dtype=np.int64))
     out = pool.empty((int(rows.sum()), *arr.shape[1:]), arr.dtype)
     counts = rows * row_items
     start = _begin()
@@ -761,14 +779,24 @@ def broadcast_on(
 ) -> np.ndarray:
     """``broadcast`` on the given communicator (``root`` is a rank of ``comm``)."""
     arr = _as_array(array, "broadcast", _SUPPORTED_KINDS + "b")  # a copy: booleans too
-    check_same(
-        comm,
-        (4, arr.dtype.num, arr.shape, root),
-        lambda: f"broadcast(dtype={arr.dtype}, shape={arr.shape}, root_rank={root})",
-    )
+    fields = (4, arr.dtype.num, arr.shape, root)
+
+    def describe() -> str:
+        return f"broadcast(dtype={arr.dtype}, shape={arr.shape}, root_rank={root})"
+
     out = pool.empty(arr.shape, arr.dtype)
     if comm.Get_rank() == root:
         out[...] = arr
+    channel = _host_channel(comm)
+    if channel is not None:
+        fp = _fingerprint(fields) if state.checks_collectives() else 0
+        start = _begin()
+        differ = channel.broadcast(out.reshape(-1).view(np.uint8), root, (fp, -fp), describe)
+        if differ is None:
+            _end("broadcast", name, out.nbytes, start)
+            return out
+        _settle(comm, fp, differ, describe, None)  # raises: a mismatch, or joined ranks
+    check_same(comm, fields, describe)
     start = _begin()
     comm.Bcast(out, root=root)
     _end("broadcast", name, out.nbytes, start)

@@ -19,6 +19,15 @@ so a rank copies out k-1 and reduces k after the same wait. Chunks alternate bet
 sets of slots and result areas, so a set is written again only after every rank has posted
 past its last read of it.
 
+Broadcasts and allgathers use the same slots: the root (for an allgather, every rank)
+writes the next chunk, every rank posts and waits, and the others copy it out; the lengths
+of an allgather's parts ride on its first wait with the agreement.
+
+Where a communicator's ranks sit on several hosts, the same number on each, a ``Hierarchy``
+reduces within each host through the host's segment, has each rank of a host allreduce its
+slice over MPI with its peers on the other hosts, and shares the slices within the host
+again (``HOROVOD_HIERARCHICAL_ALLREDUCE``, on by default; measured in docs/performance.md).
+
 The segment is a file in ``/dev/shm`` that rank 0 creates and removes as soon as every rank
 has mapped it, so nothing is left there however the run ends. ``FLYTE_HVD_SHM_COLLECTIVES``
 (``auto``, ``on``, ``off``) picks the path; see docs/performance.md.
@@ -27,6 +36,8 @@ has mapped it, so nothing is left there however the run ends. ``FLYTE_HVD_SHM_CO
 from __future__ import annotations
 
 import bisect
+import functools
+import itertools
 import mmap
 import os
 import platform
@@ -47,6 +58,9 @@ MODE_ENV = state.SHM_ENV
 SHM_DIR = "/dev/shm"
 SMALL_BYTES = 32 << 10
 CHUNK_BYTES = 1 << 20
+# Across hosts, shorter allreduces go to MPI: measured on 2 simulated hosts x 2 ranks, the
+# hierarchical path took 1.3x MPICH's time at 64 KB, the same at 128 KB, 0.57x at 256 KB.
+HIERARCHICAL_MIN_BYTES = 256 << 10
 _STORE_ORDERED = ("x86_64", "amd64")
 _MAX_VIEWS = 256  # cached typed views of the small slots
 _LINE = 64  # bytes: one cache line per rank's counter and per rank's fingerprint
@@ -120,6 +134,10 @@ class Channel:
         offset += small
         # Two sets (chunks alternate): each rank's slot, then the set's result area.
         areas = [raw[offset + i * CHUNK_BYTES :][:CHUNK_BYTES] for i in range(2 * (size + 1))]
+        # Each set's slots as one area, for a broadcast (one writer: bigger chunks, fewer
+        # waits). Not the result areas: ranks copy the last result out after the last wait.
+        whole = size * CHUNK_BYTES
+        self._sets = [raw[offset + p * (whole + CHUNK_BYTES) :][:whole] for p in range(2)]
         self._slots = [areas[: size + 1], areas[size + 1 :]]
         self._results = [slots.pop() for slots in self._slots]
         self._views: dict[tuple[int, np.dtype, int], list[np.ndarray]] = {}
@@ -196,6 +214,131 @@ class Channel:
         self._post()
         self._wait(epoch, what)
         return self._max_pair(epoch, pair) or pair
+
+    # -- broadcast and allgather -------------------------------------------------------------
+
+    def broadcast(
+        self, buf: np.ndarray, root: int, pair: tuple[int, int], what: Callable[[], str]
+    ) -> tuple[int, int] | None:
+        """Copy ``root``'s bytes ``buf`` (1-D uint8, the same length on every rank) into
+        every other rank's ``buf``. Up to ``SMALL_BYTES``: through the root's small slot, in
+        one wait. Longer: in chunks as large as a set of slots; the root writes chunk k, every
+        rank posts, and the others copy it out before they post again, so the root writes a
+        set again only after every rank has read it. Returns as ``allreduce`` (a differing
+        ``pair``: nothing was copied out)."""
+        me_root = self.rank == root
+        if buf.size <= SMALL_BYTES:
+            epoch = self._epoch + 1
+            slot = self._small[epoch & 1][root][: buf.size]
+            if me_root:
+                slot[:] = buf
+            self._write_pair(epoch, pair)
+            self._post()
+            self._wait(epoch, what)
+            differ = self._max_pair(epoch, pair)
+            if differ is None and not me_root:
+                buf[:] = slot
+            return differ
+        step = self._sets[0].size
+        for k, start in enumerate(range(0, buf.size, step)):
+            stop = min(start + step, buf.size)
+            area = self._sets[k & 1]
+            if me_root:
+                area[: stop - start] = buf[start:stop]
+            epoch = self._epoch + 1
+            if k == 0:
+                self._write_pair(epoch, pair)
+            self._post()
+            self._wait(epoch, what)
+            if k == 0:
+                differ = self._max_pair(epoch, pair)
+                if differ is not None:
+                    return differ
+            if not me_root:
+                buf[start:stop] = area[: stop - start]
+        self._wait(self._post(), what)  # every rank has read the last chunk
+        return None
+
+    def allgather(
+        self, mine: np.ndarray, pair: tuple[int, int], what: Callable[[], str], allocate
+    ) -> np.ndarray | tuple[int, int]:
+        """Every rank's bytes ``mine`` (1-D uint8, lengths may differ), end to end in rank
+        order, in the array ``allocate(lengths)`` returns (it gets each rank's byte count and
+        returns the output and its bytes). The lengths ride on the first wait with ``pair``.
+        A part up to ``SMALL_BYTES`` goes through its rank's small slot; when all parts do,
+        that one wait is all. Returns the output, or the max pair when the ranks' pairs
+        differ (nothing copied)."""
+        size, rank, words = self.size, self.rank, self._words
+        epoch = self._epoch + 1
+        small = self._small[epoch & 1]
+        first = small if mine.size <= SMALL_BYTES else self._slots[0]
+        first[rank][: min(mine.size, CHUNK_BYTES)] = mine[:CHUNK_BYTES]
+        self._write_pair(epoch, pair)
+        at = self._fp_base + ((epoch & 1) * size + rank) * _WORDS + 2
+        words[at] = mine.size
+        self._post()
+        self._wait(epoch, what)
+        differ = self._max_pair(epoch, pair)
+        if differ is not None:
+            return differ
+        at -= rank * _WORDS
+        lengths = [words[at + r * _WORDS] for r in range(size)]
+        out, out_bytes = allocate(lengths)
+        offsets = [0] * size
+        for r in range(1, size):
+            offsets[r] = offsets[r - 1] + lengths[r - 1]
+        if max(lengths) <= SMALL_BYTES:
+            for r, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+                out_bytes[offset : offset + length] = mine if r == rank else small[r][:length]
+            return out
+        sources = [
+            small[r] if n <= SMALL_BYTES else self._slots[0][r] for r, n in enumerate(lengths)
+        ]
+        self._gather(mine, out_bytes, offsets, lengths, what, own=True, sources=sources)
+        return out
+
+    def share(self, buf: np.ndarray, bounds: list[int], what: Callable[[], str]) -> None:
+        """Rank r's bytes ``buf[bounds[r]:bounds[r + 1]]`` (1-D uint8) into every rank's
+        ``buf``: an allgather in place."""
+        lengths = [hi - lo for lo, hi in itertools.pairwise(bounds)]
+        mine = buf[bounds[self.rank] : bounds[self.rank + 1]]
+        self._slots[0][self.rank][: min(mine.size, CHUNK_BYTES)] = mine[:CHUNK_BYTES]
+        self._wait(self._post(), what)
+        self._gather(mine, buf, bounds[:-1], lengths, what, own=False, sources=self._slots[0])
+
+    def _gather(
+        self,
+        mine: np.ndarray,
+        out: np.ndarray,
+        offsets: list[int],
+        lengths: list[int],
+        what: Callable[[], str],
+        own: bool,
+        sources: list[np.ndarray],
+    ) -> None:
+        """Copy every rank's chunk k into ``out`` (this rank's own from ``mine``, if ``own``),
+        then write chunk k+1 into the next set of slots and wait, until the longest part is
+        out. Chunk 0 of rank r is in ``sources[r]`` on entry. A set is written again only
+        after every rank has posted past its reads of it; the last wait frees the slots for
+        the next collective."""
+        rank = self.rank
+        k = 0
+        while True:
+            start = k * CHUNK_BYTES
+            slots = sources if k == 0 else self._slots[k & 1]
+            for r, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+                n = min(CHUNK_BYTES, length - start)
+                if n <= 0 or (r == rank and not own):
+                    continue
+                source = mine[start : start + n] if r == rank else slots[r][:n]
+                out[offset + start :][:n] = source
+            k += 1
+            if k * CHUNK_BYTES >= max(lengths):
+                break
+            piece = mine[k * CHUNK_BYTES : (k + 1) * CHUNK_BYTES]
+            self._slots[k & 1][rank][: piece.size] = piece
+            self._wait(self._post(), what)
+        self._wait(self._post(), what)  # every rank has read the last chunk
 
     # -- allreduce -------------------------------------------------------------------------
 
@@ -305,8 +448,10 @@ class Channel:
             slots = self._small_views(epoch & 1, dst.dtype, dst.size)
         if isinstance(src, np.ndarray):
             np.copyto(slots[self.rank], src)
-        else:
-            fill_pieces(src, slots[self.rank].view(np.uint8), 0, dst.nbytes)
+        else:  # a fusion buffer's parts; zeros in the gaps, which are reduced here too
+            mine = slots[self.rank].view(np.uint8)
+            mine[:] = 0
+            fill_pieces(src, mine, 0, dst.nbytes)
         # _write_pair, _post and _wait's first look, inlined: a 4 KB call is mostly overhead.
         words, at = self._words, self._fp_base + ((epoch & 1) * self.size + self.rank) * _WORDS
         words[at], words[at + 1] = pair
@@ -344,8 +489,64 @@ class Channel:
         return views
 
 
-# A message given as parts: (byte offset, its bytes as a 1-D uint8 array), in order, end to
-# end (a fusion buffer's padding is a part of zeros).
+class Hierarchy:
+    """Ranks on several hosts, the same number on each: an allreduce reduces within each
+    host through the host's segment, then each rank of a host allreduces its slice of the
+    host's result over MPI with the ranks of the same local rank on the other hosts (every
+    rank carries a share of the traffic between hosts), then the ranks of a host share their
+    slices through the segment (Horovod's hierarchical allreduce, on shared memory)."""
+
+    def __init__(self, comm: MPI.Comm, local: Channel, cross: MPI.Comm):
+        self.comm = comm
+        self.local = local
+        self.cross = cross
+
+    def exchange(self, pair: tuple[int, int], what: Callable[[], str]) -> tuple[int, int]:
+        """As ``Channel.exchange``, over MPI: every rank of every host takes part."""
+        from mpi4py import MPI
+
+        buf = np.array(pair, dtype=np.int64)
+        self.comm.Allreduce(MPI.IN_PLACE, buf, MPI.MAX)
+        return int(buf[0]), int(buf[1])
+
+    def allreduce(
+        self,
+        src: np.ndarray | Pieces,
+        dst: np.ndarray,
+        ufunc: np.ufunc,
+        divisor: int,
+        pair: tuple[int, int],
+        what: Callable[[], str],
+    ) -> tuple[int, int] | None:
+        """As ``Channel.allreduce``; the agreement is one MPI reduction first (0: none)."""
+        from mpi4py import MPI
+
+        if pair[0]:
+            agreed = self.exchange(pair, what)
+            if agreed != pair:
+                return agreed
+        self.local.allreduce(src, dst, ufunc, 1, (0, 0), what)
+        count, ranks, me = dst.size, self.local.size, self.local.rank
+        bounds = [count * r // ranks for r in range(ranks + 1)]
+        mine = dst[bounds[me] : bounds[me + 1]]
+        if mine.size:
+            self.cross.Allreduce(MPI.IN_PLACE, mine, _mpi_op_names()[ufunc.__name__])
+        self.local.share(dst.view(np.uint8), [b * dst.itemsize for b in bounds], what)
+        if divisor != 1:
+            np.divide(dst, divisor, dst)
+        return None
+
+
+@functools.cache
+def _mpi_op_names() -> dict[str, MPI.Op]:
+    from mpi4py import MPI
+
+    return {"add": MPI.SUM, "minimum": MPI.MIN, "maximum": MPI.MAX, "multiply": MPI.PROD}
+
+
+# A message given as parts: (byte offset, its bytes as a 1-D uint8 array), in order. Bytes
+# between parts (a fusion buffer's padding) are neither copied nor reduced on the long path,
+# so the result holds anything there.
 Pieces = list[tuple[int, np.ndarray]]
 
 
@@ -407,10 +608,10 @@ def _shared_map(comm: MPI.Comm, total: int) -> mmap.mmap:
 
 # -- one channel per communicator -------------------------------------------------------------
 
-_channels: dict[int, Channel | None] = {}
+_channels: dict[int, Channel | Hierarchy | None] = {}
 
 
-def channel(comm: MPI.Comm) -> Channel | None:
+def channel(comm: MPI.Comm) -> Channel | Hierarchy | None:
     """The shared-memory channel of ``comm``, made on first use (collective: every rank of
     ``comm`` gets here in the same collective), or None where MPI carries the collectives."""
     key = comm.py2f()
@@ -421,7 +622,7 @@ def channel(comm: MPI.Comm) -> Channel | None:
     return made
 
 
-def _make(comm: MPI.Comm) -> Channel | None:
+def _make(comm: MPI.Comm) -> Channel | Hierarchy | None:
     from mpi4py import MPI
 
     wanted = state.shm_mode()
@@ -432,29 +633,47 @@ def _make(comm: MPI.Comm) -> Channel | None:
     if platform.machine().lower() not in _STORE_ORDERED:
         _refuse(wanted, f"this CPU ({platform.machine()}) may reorder stores")
         return None
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    one_host = local.Get_size() == comm.Get_size()
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    local_sizes = comm.allgather(local.Get_size())
+    one_host = local_sizes[0] == comm.Get_size()
+    why = ""
+    if not one_host and not state.hierarchical():
+        why = f"the ranks run on more than one host and {state.HIERARCHICAL_ENV}=0"
+    elif not one_host and (min(local_sizes) != max(local_sizes) or local_sizes[0] == 1):
+        why = (
+            f"the ranks run on more than one host, not the same number of them (at least 2) "
+            f"on each (ranks per host, by rank: {local_sizes})"
+        )
+    found = why or _local_channel(comm, local)
+    local_rank = local.Get_rank()
     local.Free()
+    if isinstance(found, str):
+        _refuse(wanted, found)
+        return None
+    if one_host:
+        return found
+    return Hierarchy(comm, found, comm.Split(local_rank, comm.Get_rank()))
+
+
+def _local_channel(comm: MPI.Comm, local: MPI.Comm) -> Channel | str:
+    """The channel of ``local`` (this host's ranks of ``comm``), or why there is none (the
+    same answer on every rank of ``comm``)."""
+    from mpi4py import MPI
+
     me = (os.getpid(), _start_time(os.getpid()) or 0)
-    peers = comm.allgather(me)
-    global_ranks = comm.allgather(state.rank())
+    peers = local.allgather(me)
+    global_ranks = local.allgather(state.rank())
     # Liveness needs the others' processes: ranks in other PID namespaces (containers of a
     # pod) cannot see them.
     visible = comm.allreduce(int(all(_start_time(pid) == t for pid, t in peers)), op=MPI.MIN)
-    why = (
-        "the ranks run on more than one host"
-        if not one_host
-        else "the ranks cannot see one another's processes (separate PID namespaces)"
-        if not visible
-        else ""
-    )
-    if not why:
-        try:
-            return Channel(comm, global_ranks, peers)
-        except OSError as e:
-            why = str(e)
-    _refuse(wanted, why)
-    return None
+    if not visible:
+        return "the ranks cannot see one another's processes (separate PID namespaces)"
+    try:
+        made: Channel | str = Channel(local, global_ranks, peers)
+    except OSError as e:
+        made = str(e)
+    failed = comm.allgather(made if isinstance(made, str) else "")
+    return next((why for why in failed if why), made)
 
 
 def _refuse(wanted: str, why: str) -> None:

@@ -27,6 +27,7 @@ CHECK_ENV = "FLYTE_HVD_CHECK_COLLECTIVES"
 # communicator is on this host), "on" (the same, an error where it cannot), "off" (MPI).
 SHM_ENV = "FLYTE_HVD_SHM_COLLECTIVES"
 SHM_MODES = ("auto", "on", "off")
+HIERARCHICAL_ENV = "HOROVOD_HIERARCHICAL_ALLREDUCE"
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class _State:
     launcher_comm: MPI.Comm | None = None
     check_collectives: bool = True
     shm_mode: str = "auto"
+    hierarchical: bool = True
 
 
 _state = _State()
@@ -105,6 +107,7 @@ def init(comm: MPI.Comm | None = None) -> None:
     from mpi4py import MPI
 
     shm_mode = _shm_mode()  # a bad value fails here, not in the first collective
+    hierarchical = _hierarchical()
     if comm is None:
         comm = _state.launcher_comm if _state.launcher_comm is not None else MPI.COMM_WORLD
     elif not isinstance(comm, MPI.Comm):
@@ -124,6 +127,7 @@ def init(comm: MPI.Comm | None = None) -> None:
     # Read once here: an environment lookup per call costs a tenth of a small reduction.
     _state.check_collectives = os.environ.get(CHECK_ENV, "1") != "0"
     _state.shm_mode = shm_mode
+    _state.hierarchical = hierarchical
     timeline.start_from_env(own.Get_rank())
 
 
@@ -167,6 +171,21 @@ def _shm_mode() -> str:
             f"when all ranks of a communicator share a host)."
         )
     return raw
+
+
+def _hierarchical() -> bool:
+    raw = os.environ.get(HIERARCHICAL_ENV, "1").strip().lower() or "1"
+    if raw not in ("0", "1", "true", "false"):
+        raise ValueError(
+            f"{HIERARCHICAL_ENV}={raw!r}: expected 1 or 0 (1: ranks on several hosts reduce "
+            f"within each host in shared memory first; 0: MPI carries their allreduces)."
+        )
+    return raw in ("1", "true")
+
+
+def hierarchical() -> bool:
+    """``HOROVOD_HIERARCHICAL_ALLREDUCE`` as ``init()`` read it."""
+    return _state.hierarchical
 
 
 def shm_mode() -> str:

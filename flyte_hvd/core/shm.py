@@ -686,9 +686,11 @@ def _refuse(wanted: str, why: str) -> None:
 
 
 def forget(comm: MPI.Comm) -> None:
-    """Drop ``comm``'s channel (before the communicator is freed); its memory goes when the
-    last view of it does."""
-    _channels.pop(comm.py2f(), None)
+    """Drop ``comm``'s channel (before the communicator is freed, on every rank of it); its
+    memory goes when the last view of it does, a hierarchy's communicator across hosts now."""
+    made = _channels.pop(comm.py2f(), None)
+    if isinstance(made, Hierarchy):
+        made.cross.Free()
 
 
 def forget_all() -> None:

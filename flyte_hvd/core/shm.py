@@ -187,6 +187,19 @@ class Channel:
                 f"path; the run cannot go on. Its own output says why it ended."
             )
 
+    def _step(
+        self, pair: tuple[int, int], what: Callable[[], str], first: bool
+    ) -> tuple[int, int] | None:
+        """Post, then wait for every rank. On a collective's first step this rank's agreement
+        pair goes beside its data, and the result is None or, where the ranks' pairs differ,
+        their max (see ``exchange``)."""
+        epoch = self._epoch + 1
+        if first:
+            self._write_pair(epoch, pair)
+        self._post()
+        self._wait(epoch, what)
+        return self._max_pair(epoch, pair) if first else None
+
     # -- agreement -------------------------------------------------------------------------
 
     def _write_pair(self, epoch: int, pair: tuple[int, int]) -> None:
@@ -209,11 +222,7 @@ class Channel:
     def exchange(self, pair: tuple[int, int], what: Callable[[], str]) -> tuple[int, int]:
         """The elementwise max of every rank's ``pair`` (what one MPI MAX allreduce of it
         gives), in one wait."""
-        epoch = self._epoch + 1
-        self._write_pair(epoch, pair)
-        self._post()
-        self._wait(epoch, what)
-        return self._max_pair(epoch, pair) or pair
+        return self._step(pair, what, first=True) or pair
 
     # -- broadcast and allgather -------------------------------------------------------------
 
@@ -228,14 +237,10 @@ class Channel:
         ``pair``: nothing was copied out)."""
         me_root = self.rank == root
         if buf.size <= SMALL_BYTES:
-            epoch = self._epoch + 1
-            slot = self._small[epoch & 1][root][: buf.size]
+            slot = self._small[(self._epoch + 1) & 1][root][: buf.size]
             if me_root:
                 slot[:] = buf
-            self._write_pair(epoch, pair)
-            self._post()
-            self._wait(epoch, what)
-            differ = self._max_pair(epoch, pair)
+            differ = self._step(pair, what, first=True)
             if differ is None and not me_root:
                 buf[:] = slot
             return differ
@@ -245,15 +250,9 @@ class Channel:
             area = self._sets[k & 1]
             if me_root:
                 area[: stop - start] = buf[start:stop]
-            epoch = self._epoch + 1
-            if k == 0:
-                self._write_pair(epoch, pair)
-            self._post()
-            self._wait(epoch, what)
-            if k == 0:
-                differ = self._max_pair(epoch, pair)
-                if differ is not None:
-                    return differ
+            differ = self._step(pair, what, first=k == 0)
+            if differ is not None:
+                return differ
             if not me_root:
                 buf[start:stop] = area[: stop - start]
         self._wait(self._post(), what)  # every rank has read the last chunk
@@ -273,12 +272,9 @@ class Channel:
         small = self._small[epoch & 1]
         first = small if mine.size <= SMALL_BYTES else self._slots[0]
         first[rank][: min(mine.size, CHUNK_BYTES)] = mine[:CHUNK_BYTES]
-        self._write_pair(epoch, pair)
         at = self._fp_base + ((epoch & 1) * size + rank) * _WORDS + 2
-        words[at] = mine.size
-        self._post()
-        self._wait(epoch, what)
-        differ = self._max_pair(epoch, pair)
+        words[at] = mine.size  # beside the pair, in the same wait
+        differ = self._step(pair, what, first=True)
         if differ is not None:
             return differ
         at -= rank * _WORDS
@@ -378,16 +374,10 @@ class Channel:
             # Only what the others reduce: this rank reads its share from ``src``.
             fill_pieces(pieces, slots[rank][:lo], start, start + lo)
             fill_pieces(pieces, slots[rank][hi : stop - start], start + hi, stop)
-            epoch = self._epoch + 1
-            if k == 0:
-                self._write_pair(epoch, pair)
-            self._post()
-            self._wait(epoch, what)
-            if k == 0:
-                differ = self._max_pair(epoch, pair)
-                if differ is not None:
-                    return differ
-            else:
+            differ = self._step(pair, what, first=k == 0)
+            if differ is not None:
+                return differ
+            if k:
                 self._copy_out(k - 1, starts[k - 1], start, dst_bytes, dtype, divisor)
             self._reduce_share(k & 1, pieces, start, lo, hi, ufunc, dtype)
         self._wait(self._post(), what)

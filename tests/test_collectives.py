@@ -99,26 +99,42 @@ except RuntimeError as e:
 """
 
 
+_NOT_THE_SAME = (
+    "the ranks run on more than one host, not the same number of them (at least 2) on each "
+    "(ranks per host, by rank: [2, 2, 1])"
+)
+
+
 @pytest.mark.mpi
 @pytest.mark.cluster
-def test_shared_memory_forced_on_hosts_with_uneven_ranks_says_why(tmp_path):
-    """3 ranks on 2 hosts (2 + 1) with the segment forced on: every rank's first collective
-    raises why it cannot serve, instead of some ranks taking another path and hanging."""
-    if why := namespaces_unavailable():
-        pytest.skip(why)
+@pytest.mark.parametrize(
+    ("ranks", "hierarchical", "why"),
+    [
+        (3, "1", _NOT_THE_SAME),
+        (4, "0", "the ranks run on more than one host and HOROVOD_HIERARCHICAL_ALLREDUCE=0"),
+    ],
+)
+def test_shared_memory_forced_on_where_hosts_cannot_use_it_says_why(
+    tmp_path, ranks, hierarchical, why
+):
+    """Ranks on 2 hosts with the segment forced on, where it cannot serve (2 + 1 ranks; or the
+    hierarchical allreduce off): every rank's first collective raises why, instead of some
+    ranks taking another path and hanging."""
+    if reason := namespaces_unavailable():
+        pytest.skip(reason)
     env = {**os.environ, **MPI_TCP_ENV, shm.MODE_ENV: "on"}
+    env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = hierarchical
     del env["MPIR_CVAR_NOLOCAL"]
     script = [sys.executable, "-c", _UNEVEN_SCRIPT, str(tmp_path)]
     command = mpiexec_on_hosts(tmp_path, 2, 2, script)
-    command[command.index("-n") + 1] = "3"
+    command[command.index("-n") + 1] = str(ranks)
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     raised = [p.read_text() for p in sorted(tmp_path.glob("rank-*.txt"))]
-    assert len(raised) == 3, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len(raised) == ranks, done.stdout[-3000:] + done.stderr[-3000:]
     for line in raised:
         assert line == (
-            "FLYTE_HVD_SHM_COLLECTIVES=on, but the ranks run on more than one host, not the same "
-            "number of them (at least 2) on each (ranks per host, by rank: [2, 2, 1]); set "
-            "FLYTE_HVD_SHM_COLLECTIVES=auto to let MPI carry these collectives."
+            f"FLYTE_HVD_SHM_COLLECTIVES=on, but {why}; set FLYTE_HVD_SHM_COLLECTIVES=auto to let "
+            f"MPI carry these collectives."
         ), line
 
 

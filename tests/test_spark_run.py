@@ -249,6 +249,38 @@ def test_a_failed_run_raises_once_its_ranks_are_gone(spark):
     assert set(rank_processes()) - before == set()
 
 
+def test_the_last_attempt_stops_at_once_for_a_killed_rank_and_waits_for_one_that_raised():
+    """A peer's "connection closed" can reach the driver before the task of the rank the
+    kernel killed reports the death: the stage is stopped only after a grace period then, so
+    the killed rank's report still arrives and the error names it."""
+    from flyte_hvd.spark.runner import on_rank_failure
+
+    cancels = []
+    handle = on_rank_failure(
+        max_attempts=2, cancel=lambda: cancels.append(time.monotonic()), grace=0.3
+    )
+    assert handle(1, 0, "RuntimeError: boom") is False  # Spark retries: nothing is cancelled
+    assert cancels == []
+
+    started = time.monotonic()
+    assert handle(2, 0, "RuntimeError: Connection closed by peer") is True
+    assert cancels == []  # not yet: the rank that died may still report
+    assert handle(2, 1, "rank 1 died: Killed (signal 9)") is True
+    assert len(cancels) == 1 and cancels[0] - started < 0.3  # the cause is known: at once
+    time.sleep(0.6)
+    assert len(cancels) == 2  # the grace timer fires too; cancelling twice is harmless
+
+    cancels.clear()
+    started = time.monotonic()
+    handle = on_rank_failure(
+        max_attempts=1, cancel=lambda: cancels.append(time.monotonic()), grace=0.3
+    )
+    assert handle(1, 1, "ValueError: bad input") is True
+    assert handle(1, 0, "RuntimeError: Connection closed by peer") is True  # one timer only
+    time.sleep(0.6)
+    assert len(cancels) == 1 and 0.3 <= cancels[0] - started < 0.6
+
+
 def _driver_old_gen(spark):
     """The driver JVM's old generation, where G1 puts any array too large for a young region
     (a task result of a few MB is one)."""

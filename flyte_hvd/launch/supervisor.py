@@ -609,11 +609,14 @@ def first_failure(failures: dict[int, str], order: Callable[[int], float] = floa
     and before its launcher has seen it go. SIGABRT is the exception: NCCL's watchdog and
     other libraries abort a process when a peer fails."""
 
-    def killed(rank: int) -> bool:
-        match = _SIGNALLED_TEXT.match(failures[rank])
-        return match is not None and int(match.group(1)) != signal.SIGABRT
+    return min(failures, key=lambda r: (not killed_by_signal(failures[r]), order(r)))
 
-    return min(failures, key=lambda r: (not killed(r), order(r)))
+
+def killed_by_signal(failure: str) -> bool:
+    """Whether a rank's failure text says a signal other than SIGABRT ended it: the cause of
+    a failed run, never a consequence (see ``first_failure``)."""
+    match = _SIGNALLED_TEXT.match(failure)
+    return match is not None and int(match.group(1)) != signal.SIGABRT
 
 
 def _kill(pid: int, sig: int) -> None:

@@ -33,7 +33,7 @@ from flyte_hvd.launch.environment import (
     version_mismatch,
 )
 from flyte_hvd.launch.job import FunctionJob
-from flyte_hvd.launch.supervisor import first_failure
+from flyte_hvd.launch.supervisor import first_failure, killed_by_signal
 
 if TYPE_CHECKING:
     from pyspark import SparkContext, TaskContext
@@ -179,17 +179,39 @@ def stage_failure(
     )
 
 
+# How long the driver waits, after a rank's error on the last attempt, for its peers' reports
+# before it stops the stage: a rank the kernel killed is reported by its task as soon as that
+# task sees the exit, but its peers' "connection closed" errors can arrive first.
+PEER_REPORT_GRACE_S = 2.0
+
+
 def on_rank_failure(
-    max_attempts: int, cancel: Callable[[], None]
+    max_attempts: int, cancel: Callable[[], None], grace: float = PEER_REPORT_GRACE_S
 ) -> Callable[[int, int, str], bool]:
     """What the driver does when a rank fails in attempt ``attempts_started``: after the last
     attempt it cancels the stage (a barrier stage is otherwise retried) and returns True (the
-    run ends here); before that it says once per attempt that Spark retries the stage."""
+    run ends here); before that it says once per attempt that Spark retries the stage.
+
+    The cancel is immediate when a signal killed the rank (that is the cause), else ``grace``
+    seconds later, so that the error names the rank that died rather than the peer that
+    noticed it first."""
     told: set[int] = set()
+    timers: list[threading.Timer] = []
+
+    def cancel_quietly() -> None:  # a timer may fire after the session went away
+        try:
+            cancel()
+        except Exception as error:
+            logger.debug("cancelling the stage: %s", error)
 
     def handle(attempts_started: int, rank: int, traceback: str) -> bool:
         if attempts_started >= max_attempts:
-            cancel()
+            if killed_by_signal(traceback) or grace <= 0:
+                cancel()
+            elif not timers:
+                timers.append(threading.Timer(grace, cancel_quietly))
+                timers[0].daemon = True
+                timers[0].start()
             return True
         if attempts_started not in told:
             told.add(attempts_started)

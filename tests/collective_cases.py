@@ -308,6 +308,10 @@ def mismatched_shapes_raise_on_every_rank():
     for call in (
         lambda: hvd.allreduce(np.ones(3 + r, np.float32)),
         lambda: hvd.allreduce(np.ones(3, np.float32 if r else np.float64)),
+        # One rank on the small path's shortcut, the other on the general path.
+        lambda: hvd.allreduce(
+            np.ones(3), compression=hvd.Compression.fp16 if r else hvd.Compression.none
+        ),
         lambda: hvd.broadcast(np.ones((2, 2 + r)), root_rank=0),
         lambda: hvd.allgather(np.ones((2, 1 + r))),
         lambda: hvd.grouped_allreduce([np.ones(2), np.ones(2 + r)]),
@@ -378,6 +382,44 @@ def timeline_records_each_collective():
         assert {"grad.0", "allgather", "broadcast"} <= names
         assert all(e["dur"] >= 0 and e["args"]["bytes"] > 0 for e in events)
     hvd.barrier()
+
+
+@case
+def small_allreduces_in_every_form():
+    """Small allreduces take a shortcut where they can (C-contiguous ndarray, no compression
+    or scaling): every other form, and a mix of forms across ranks, gives the same result."""
+    r, n = hvd.rank(), hvd.size()
+    total = n * (n + 1) // 2
+    base = np.arange(12, dtype=np.float32).reshape(3, 4)
+    for _ in range(3):  # the same kind of call again, as a training loop makes it
+        got = hvd.allreduce(base * (r + 1), op=hvd.Sum)
+        assert got.shape == (3, 4) and got.dtype == np.float32
+        np.testing.assert_array_equal(got, base * total)
+    strided = (np.arange(24, dtype=np.float64) * (r + 1))[::2]  # not contiguous
+    np.testing.assert_array_equal(hvd.allreduce(strided, op=hvd.Sum), np.arange(0, 24, 2) * total)
+    # One rank passes a list, the others an array: the same call, the same result.
+    mine = [1.0, 2.0] if r == 0 else np.array([1.0, 2.0])
+    np.testing.assert_array_equal(hvd.allreduce(mine, op=hvd.Sum), [n, 2.0 * n])
+    scalar = hvd.allreduce(np.float64(r + 1), op=hvd.Max)
+    assert scalar.shape == () and scalar == n
+    assert hvd.allreduce(np.array([r], np.int32), op=1)[0] == n * (n - 1) // 2  # op as an int
+    np.testing.assert_array_equal(
+        hvd.allreduce(np.array([r + 1, -(r + 1)], np.int64)),  # Average of ints: toward zero
+        np.trunc(np.array([total, -total]) / n).astype(np.int64),
+    )
+    np.testing.assert_allclose(
+        hvd.allreduce(np.full(2, r + 1.0), prescale_factor=2.0), np.full(2, 2.0 * total / n)
+    )
+    out = hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum)
+    out += 1  # the caller owns the result: the next call does not overwrite it
+    hvd.allreduce(np.zeros(2, np.float32), op=hvd.Sum)
+    np.testing.assert_array_equal(out, np.full(2, n + 1.0))
+    try:
+        hvd.allreduce(np.ones(2), op=1.0)
+    except ValueError as e:
+        assert "unknown reduction op" in str(e), str(e)
+    else:
+        raise AssertionError("a float op was accepted")
 
 
 @case

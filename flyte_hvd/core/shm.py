@@ -43,7 +43,7 @@ import os
 import platform
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -141,6 +141,9 @@ class Channel:
         self._slots = [areas[: size + 1], areas[size + 1 :]]
         self._results = [slots.pop() for slots in self._slots]
         self._views: dict[tuple[int, np.dtype, int], list[np.ndarray]] = {}
+        # What callers work out once per kind of call on this channel (collectives' small
+        # allreduce: its agreement pair, ufunc, divisor), dropped with the channel.
+        self.plans: dict[Hashable, tuple] = {}
 
     # -- waiting ---------------------------------------------------------------------------
 
@@ -357,7 +360,7 @@ class Channel:
         """
         nbytes = dst.nbytes
         if nbytes <= SMALL_BYTES:  # first: the latency of small messages is all overhead
-            return self._allreduce_small(src, dst, ufunc, divisor, pair, what)
+            return self.allreduce_small(src, dst, ufunc, divisor, pair, what)
         pieces = [(0, src.view(np.uint8))] if isinstance(src, np.ndarray) else src
         dtype, itemsize, size, rank = dst.dtype, dst.itemsize, self.size, self.rank
         dst_bytes = dst.view(np.uint8)
@@ -423,7 +426,7 @@ class Channel:
         else:
             np.divide(result, divisor, target)
 
-    def _allreduce_small(
+    def allreduce_small(
         self,
         src: np.ndarray | Pieces,
         dst: np.ndarray,
@@ -432,6 +435,8 @@ class Channel:
         pair: tuple[int, int],
         what: Callable[[], str],
     ) -> tuple[int, int] | None:
+        """``allreduce`` of at most ``SMALL_BYTES`` (what it calls for those), for callers
+        that know the size: one wait, every rank reducing all of it."""
         epoch = self._epoch + 1
         slots = self._views.get((epoch & 1, dst.dtype, dst.size))
         if slots is None:

@@ -537,7 +537,7 @@ def _small_shared_allreduce(
         if len(channel.plans) >= _MAX_PLANS:
             channel.plans.clear()
         channel.plans[key] = plan
-    pair, ufunc, divisor, average_after, describe = plan
+    reduce_op, pair, ufunc, divisor, average_after, describe = plan
     out = np.empty(arr.shape, arr.dtype)
     start = _begin()
     differ = channel.allreduce_small(
@@ -550,9 +550,8 @@ def _small_shared_allreduce(
         if average_after:
             finish_average(out, channel.size, ReduceOp.AVERAGE)
         return out
-    op = mpi_op(op)[0]
-    _settle(comm, pair[0], differ, describe, (op, arr))  # raises unless ranks joined
-    _reduce_over_mpi(comm, op, arr, out, "allreduce", name)
+    _settle(comm, pair[0], differ, describe, (reduce_op, arr))  # raises unless ranks joined
+    _reduce_over_mpi(comm, reduce_op, arr, out, "allreduce", name)
     return out
 
 
@@ -560,7 +559,7 @@ _MAX_PLANS = 256  # kinds of small allreduce kept per channel
 
 
 def _small_plan(channel: shm.Channel, op: ReduceOp, arr: np.ndarray) -> tuple | None:
-    """``(pair, ufunc, divisor, average_after, describe)`` for a small allreduce of ``op``
+    """``(op, pair, ufunc, divisor, average_after, describe)`` for a small allreduce of ``op``
     on arrays like ``arr``, or None where the shared path does not take it."""
     known = _KNOWN_OPS.get(op)
     if known is None or arr.dtype.kind not in "fiu":
@@ -576,7 +575,7 @@ def _small_plan(channel: shm.Channel, op: ReduceOp, arr: np.ndarray) -> tuple | 
     divisor = channel.size if op is ReduceOp.AVERAGE and floating else 1
     average_after = op is ReduceOp.AVERAGE and not floating
     describe = _allreduce_text(op, arr.dtype, arr.shape, Compression.none)
-    return (fp, -fp), shm.UFUNCS[op], divisor, average_after, describe
+    return op, (fp, -fp), shm.UFUNCS[op], divisor, average_after, describe
 
 
 def _pieces(parts: list[np.ndarray], offsets: list[int], itemsize: int) -> shm.Pieces:

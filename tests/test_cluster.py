@@ -16,6 +16,7 @@ from cluster_harness import (
     SimCluster,
     namespaces_unavailable,
 )
+from needs import require
 
 pytestmark = [pytest.mark.cluster, pytest.mark.spark, pytest.mark.flyte, pytest.mark.e2e]
 
@@ -31,9 +32,7 @@ def _keys(cluster: SimCluster, bucket: str, prefix: str = "") -> set[str]:
 
 @pytest.mark.timeout(1800)
 def test_rossmann_runs_on_two_simulated_hosts_that_share_only_s3():
-    reason = namespaces_unavailable()
-    if reason:
-        pytest.skip(reason)
+    require(namespaces_unavailable())
     started = time.monotonic()
     hp = {"num_proc": 2, "epochs": 1, "sample_rate": 0.3, "batch_size": 128}
     work_dir = f"s3://{STORE_BUCKET}/rossmann"
@@ -93,9 +92,7 @@ def test_rossmann_runs_on_two_simulated_hosts_that_share_only_s3():
 @pytest.mark.timeout(300)
 def test_an_interrupted_cluster_leaves_nothing_behind():
     """Ctrl-C (KeyboardInterrupt) while hosts run: every process, namespace and mount goes."""
-    reason = namespaces_unavailable()
-    if reason:
-        pytest.skip(reason)
+    require(namespaces_unavailable())
     cluster = SimCluster(workers=1)
     with pytest.raises(KeyboardInterrupt), cluster:
         # A process that leaves its host's session still dies with the host.

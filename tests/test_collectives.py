@@ -12,6 +12,7 @@ import cloudpickle
 import numpy as np
 import pytest
 from cluster_harness import MPI_TCP_ENV, mpiexec_on_hosts, namespaces_unavailable
+from needs import require
 
 import flyte_hvd.core as hvd
 from flyte_hvd.core import shm
@@ -71,8 +72,7 @@ with open(f"{{sys.argv[1]}}/rank-{{hvd.rank()}}.json", "w") as f:  # ranks' stdo
 def test_hierarchical_allreduce_on_two_simulated_hosts(tmp_path):
     """2 hosts x 2 ranks: every collective case passes with allreduces reduced within each
     host in shared memory, then across hosts over MPI (``HOROVOD_HIERARCHICAL_ALLREDUCE``)."""
-    if why := namespaces_unavailable():
-        pytest.skip(why)
+    require(namespaces_unavailable())
     names = [n for n in collective_cases.CASES if n not in _ONE_HOST_CASES]
     script = _HOSTS_SCRIPT.format(tests=str(Path(__file__).parent), names=names)
     env = {**os.environ, **MPI_TCP_ENV, shm.MODE_ENV: "auto"}
@@ -120,8 +120,7 @@ def test_shared_memory_forced_on_where_hosts_cannot_use_it_says_why(
     """Ranks on 2 hosts with the segment forced on, where it cannot serve (2 + 1 ranks; or the
     hierarchical allreduce off): every rank's first collective raises why, instead of some
     ranks taking another path and hanging."""
-    if reason := namespaces_unavailable():
-        pytest.skip(reason)
+    require(namespaces_unavailable())
     env = {**os.environ, **MPI_TCP_ENV, shm.MODE_ENV: "on"}
     env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = hierarchical
     del env["MPIR_CVAR_NOLOCAL"]

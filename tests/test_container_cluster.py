@@ -39,6 +39,7 @@ from pathlib import Path
 
 import pytest
 from cluster_harness import OBJSTORE, RAW_BUCKET, driver_spark_defaults
+from needs import image_tools, require
 
 pytestmark = [pytest.mark.container, pytest.mark.e2e]
 
@@ -238,12 +239,6 @@ class ContainerCluster:
         return left
 
 
-def _cannot_run() -> str | None:
-    if os.geteuid() != 0:
-        return "containers of the image need root (buildah, podman with runc)"
-    return None
-
-
 def _build_image() -> None:
     """The image, built by the script `make image` runs, unless it is current."""
     started = time.monotonic()
@@ -271,9 +266,7 @@ def _fast_registration_bundle(out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def container_cluster():
-    reason = _cannot_run()
-    if reason:  # `make test` must not pass without this test: say what is missing
-        pytest.fail(f"the container cluster test cannot run: {reason}", pytrace=False)
+    require(image_tools())
     _build_image()
     cluster = ContainerCluster()
     try:

@@ -25,6 +25,7 @@ import cloudpickle
 import numpy as np
 import pytest
 from conftest import REPO, idle_spares, rank_processes
+from needs import require
 
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.launch import stall
@@ -280,7 +281,7 @@ def private_shm(command: str) -> list[str]:
     output line lists what is left in ``/dev/shm``."""
     probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
     if probe.returncode != 0:
-        pytest.skip("needs `unshare -m` (root) for a private /dev/shm")
+        require("`unshare -m` (root) for a private /dev/shm")
     script = f"mount -t tmpfs tmpfs /dev/shm && {{ {command}; }}; echo LEFT: $(ls /dev/shm)"
     return ["unshare", "-m", "sh", "-c", script]
 

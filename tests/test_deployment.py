@@ -17,6 +17,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from needs import require
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
@@ -629,64 +630,9 @@ def test_schema_validation_rejects_a_misspelt_field():
         kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
 
 
-# A renderer for the subset of kustomize these kustomizations use; anything else is refused,
-# so a kustomization that outgrows it fails here rather than rendering wrongly. Where a
-# kustomize binary (or kubectl) is at hand, the renderer's output is compared with its.
-_SUPPORTED = {
-    "apiVersion",
-    "kind",
-    "namespace",
-    "labels",
-    "resources",
-    "patches",
-    "configMapGenerator",
-    "generatorOptions",
-}
-
-
-_CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding"}  # kustomize gives them no namespace
-# Lists that a strategic merge patch replaces whole (their fields have no merge key).
-_REPLACED_LISTS = {"subjects"}
-
-
-def render(directory: Path) -> list[dict]:
-    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    unsupported = set(spec) - _SUPPORTED
-    assert not unsupported, f"{directory}: the test renderer does not do {unsupported}"
-    docs: list[dict] = []
-    for entry in spec.get("resources", []):
-        target = (directory / entry).resolve()
-        docs += render(target) if target.is_dir() else load_all(target)
-    if spec.get("configMapGenerator"):
-        assert spec.get("generatorOptions", {}).get("disableNameSuffixHash") is True
-    for generator in spec.get("configMapGenerator", []):
-        assert set(generator) <= {"name", "files"}, generator
-        data = {}
-        for item in generator["files"]:
-            key, _, file = item.rpartition("=") if "=" in item else ("", "", item)
-            data[key or Path(file).name] = (directory / file).read_text()
-        docs.append(
-            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": generator["name"]}}
-            | {"data": data}
-        )
-    for patch_entry in spec.get("patches", []):
-        assert set(patch_entry) == {"path"}, patch_entry
-        patch = yaml.safe_load((directory / patch_entry["path"]).read_text())
-        matches = [d for d in docs if _key(d)[:2] == _key(patch)[:2]]
-        assert len(matches) == 1, f"patch {patch_entry['path']} matches {len(matches)} objects"
-        _merge(matches[0], patch)
-    namespace = spec.get("namespace")
-    for doc in docs:
-        metadata = doc.setdefault("metadata", {})
-        if namespace and doc["kind"] not in _CLUSTER_SCOPED:
-            metadata["namespace"] = namespace
-            for subject in doc.get("subjects", []):
-                if subject.get("kind") == "ServiceAccount":
-                    subject.setdefault("namespace", namespace)
-        for label_set in spec.get("labels", []):
-            assert set(label_set) == {"pairs"}, label_set
-            metadata.setdefault("labels", {}).update(label_set["pairs"])
-    return docs
+# The kustomizations rendered by kustomize itself (`kubectl kustomize`, what `kubectl apply -k`
+# applies), once per test session.
+_RENDERED: dict[str, dict[tuple[str, str, str], dict]] = {}
 
 
 def _key(doc: dict) -> tuple[str, str, str]:
@@ -694,23 +640,18 @@ def _key(doc: dict) -> tuple[str, str, str]:
     return (doc["kind"], metadata["name"], metadata.get("namespace", ""))
 
 
-def _merge(target: dict, patch: dict) -> None:
-    """A strategic merge patch of maps, and of lists that it replaces whole."""
-    for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(target.get(key), dict):
-            _merge(target[key], value)
-        else:
-            assert not isinstance(value, list) or key in _REPLACED_LISTS, (
-                f"list patch of `{key}` not supported"
-            )
-            target[key] = copy.deepcopy(value)
-
-
 def rendered(name: str) -> dict[tuple[str, str, str], dict]:
-    docs = render(K8S / name)
-    keys = [_key(doc) for doc in docs]
-    assert len(set(keys)) == len(keys), f"{name}: duplicate objects {keys}"
-    return dict(zip(keys, docs, strict=True))
+    """The objects `kubectl kustomize k8s/NAME` renders, by (kind, name, namespace)."""
+    if name not in _RENDERED:
+        require(None if shutil.which("kubectl") else "kubectl, whose `kustomize` renders k8s/")
+        result = subprocess.run(["kubectl", "kustomize", str(K8S / name)], capture_output=True,
+                                text=True, timeout=60)  # fmt: skip
+        assert result.returncode == 0, f"kubectl kustomize k8s/{name}: {result.stderr}"
+        docs = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+        keys = [_key(doc) for doc in docs]
+        assert len(set(keys)) == len(keys), f"{name}: duplicate objects {keys}"
+        _RENDERED[name] = dict(zip(keys, docs, strict=True))
+    return copy.deepcopy(_RENDERED[name])
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
@@ -720,25 +661,6 @@ def test_kustomization_renders_objects_that_pass_their_schemas(name):
     for doc in objects.values():
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "flyte-hvd"
-
-
-def kustomize_command() -> list[str] | None:
-    if shutil.which("kustomize"):
-        return ["kustomize", "build"]
-    if shutil.which("kubectl"):
-        return ["kubectl", "kustomize"]
-    return None
-
-
-@pytest.mark.skipif(kustomize_command() is None, reason="no kustomize or kubectl here")
-@pytest.mark.parametrize("name", KUSTOMIZATIONS)
-def test_renderer_agrees_with_kustomize(name):
-    result = subprocess.run(
-        [*kustomize_command(), str(K8S / name)], capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    theirs = {_key(doc): doc for doc in yaml.safe_load_all(result.stdout) if doc}
-    assert theirs == rendered(name)
 
 
 def test_sandbox_puts_execution_objects_and_flyte_configuration_in_their_namespaces():

@@ -33,7 +33,7 @@ from flyte_hvd.data.parquet import (
     as_arrow_filesystem,
     open_parquet_dataset,
 )
-from flyte_hvd.data.store import RemoteStore, Store
+from flyte_hvd.data.store import RemoteStore, Store, bounded
 
 if TYPE_CHECKING:
     import pyarrow.dataset as ds
@@ -241,9 +241,14 @@ def get_dataset_metadata(
 ) -> tuple[DatasetMetadata, DatasetMetadata | None]:
     """The train and (if prepared) validation metadata of ``dataset_idx``."""
     st = store.store if isinstance(store, RemoteStore) else store
-    train = read_metadata(st, st.get_train_data_path(dataset_idx))
+    # Within the store's timeout (``bounded``): a store that stops answering fails the fit.
+    train_path = st.get_train_data_path(dataset_idx)
+    train = bounded(st, ("reading", "from"), train_path, 0, read_metadata, st, train_path)
     val_path = st.get_val_data_path(dataset_idx)
-    val = read_metadata(st, val_path) if st.exists(val_path) else None
+    has_val = bounded(st, ("looking for", "in"), val_path, 0, st.exists, val_path)
+    val = None
+    if has_val:
+        val = bounded(st, ("reading", "from"), val_path, 0, read_metadata, st, val_path)
     return train, val
 
 

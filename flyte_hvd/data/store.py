@@ -14,8 +14,8 @@ object stores publish an object only when its single PUT (or multipart upload) c
 
 Horovod's Store API (``horovod.spark.common.store``, 0.28) is here under its names, so code
 written for Horovod runs with only the import changed: ``Store.create``,
-``AbstractFilesystemStore``, ``FilesystemStore`` (any fsspec URL: ``memory://``, ``gs://``,
-``abfs://``...), ``LocalStore``, ``HDFSStore``, ``DBFSLocalStore`` and their methods
+``AbstractFilesystemStore``, ``FilesystemStore`` (any fsspec URL: ``gs://``, ``abfs://``,
+``sftp://``...), ``LocalStore``, ``HDFSStore``, ``DBFSLocalStore`` and their methods
 (``get_checkpoint_filename``, ``get_local_output_dir_fn``, ``sync_fn``, ``get_full_path``,
 ``get_localized_path``, ``copy``, ``matches``...). Where a meaning differs, the method says so.
 
@@ -76,8 +76,8 @@ VAL_DATA_NAME = "intermediate_val_data"
 TEST_DATA_NAME = "intermediate_test_data"
 RUNS_DIRNAME = "runs"
 _TMP_SUFFIX = ".tmp"
-# How long one store operation of the ranks (a checkpoint upload, reading state.json...) may
-# take before the run fails: a hung store must not hang training.
+# How long one store operation of the ranks (a checkpoint upload, reading state.json...) or of
+# the driver (Store.create's check, the metadata) may take: a hung store must not hang a fit.
 TIMEOUT_ENV = "FLYTE_HVD_STORE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 50.0  # below the stall check time (60 s): the error comes first
 # A transfer gets this much more per MiB moved: a large file on a slow link is not a hung store.
@@ -184,7 +184,8 @@ class Store:
         temp_dir: local folder for temporary files (``get_local_output_dir_fn``'s folders,
             files staged before an upload); default: the system's temporary folder.
         timeout: seconds one store operation of the ranks (a checkpoint, state or log upload,
-            a read to resume) may take, plus one second per MiB it moves; then the run fails
+            a read to resume) or of the driver (``Store.create``'s write check, the prepared
+            data's metadata) may take, plus one second per MiB it moves; then the run fails
             naming the operation. Default: ``FLYTE_HVD_STORE_TIMEOUT_S``, else 50.
         **kwargs: other keyword arguments are accepted, as Horovod's stores accept them, and
             ignored with a warning (once per name), since they mean nothing here.
@@ -260,12 +261,13 @@ class Store:
 
         Local paths and ``file://`` give a ``LocalStore``, ``s3://``/``s3a://`` an
         ``S3Store``, ``hdfs://`` an ``HDFSStore``, ``dbfs:/`` and ``/dbfs/`` a
-        ``DBFSLocalStore``; any other protocol fsspec knows (``memory://``, ``gs://``,
-        ``abfs://``...) a ``FilesystemStore``. ``kwargs`` go to that class (e.g. ``temp_dir``,
+        ``DBFSLocalStore``; any other protocol fsspec knows (``gs://``, ``abfs://``,
+        ``sftp://``...) a ``FilesystemStore``. ``kwargs`` go to that class (e.g. ``temp_dir``,
         or ``user``/``kerb_ticket`` for HDFS).
 
         Raises:
-            ValueError: an unsupported scheme or a malformed argument.
+            ValueError: an unsupported scheme, a filesystem whose files only this process
+                sees (``memory://``), or a malformed argument.
             ImportError: fsspec knows the scheme but the package serving it is not installed
                 (the message names it, and the flyte-hvd extra that installs it: ``gcs``,
                 ``azure``).
@@ -692,9 +694,17 @@ class Store:
         be written fails now, naming the path and the cause, and not in the middle of a run.
 
         Raises:
+            ValueError: only this process sees the store's files (``memory://``).
             RuntimeError: the prefix cannot be created or written.
+            StoreTimeoutError: the store did not answer within its ``timeout``.
         """
+        self._check_shared()
         probe = self.join(self.prefix_path, f".flyte-hvd-write-check-{uuid.uuid4().hex}")
+        # Within the store's timeout, as every operation of the ranks: an endpoint that
+        # accepts connections and never answers must not hang `Store.create`.
+        bounded(self, ("writing", "to"), probe, 0, self._write_probe, probe)
+
+    def _write_probe(self, probe: str) -> None:
         try:
             self._connect()
         except Exception as error:
@@ -709,6 +719,10 @@ class Store:
             raise RuntimeError(
                 f"cannot write to the store at `{self.prefix_path}`: {self._explain(error)}"
             ) from error
+
+    def _check_shared(self) -> None:
+        """The ranks and Spark's executors are other processes: a filesystem whose content
+        lives inside this process is refused (ValueError)."""
 
     def _explain(self, error: Exception) -> str:
         if isinstance(error, PermissionError):
@@ -963,6 +977,14 @@ class S3Store(Store):
         return True
 
     def _explain(self, error: Exception) -> str:
+        if type(error).__name__ == "NoCredentialsError":  # botocore's: nothing to sign with
+            return (
+                f"no AWS credentials were found ({_brief(error)}). Give them in "
+                f"`storage_options` ('key' and 'secret', or 'profile'), or set "
+                f"AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or an instance "
+                f"role) where the driver and the executors run; for a public bucket, "
+                f"storage_options={{'anon': True}}."
+            )
         if isinstance(error, FileNotFoundError):
             return (
                 f"the bucket `{self.bucket}` does not exist or is not visible with these "
@@ -1110,9 +1132,10 @@ class HDFSStore(Store):
 
 
 class FilesystemStore(Store):
-    """A Store on any filesystem fsspec knows: ``memory://``, ``gs://`` (gcsfs),
-    ``abfs://`` (adlfs), ``sftp://``... and local paths (``file://``). ``Store.create`` picks
-    it for protocols without a class of their own.
+    """A Store on any filesystem fsspec knows: ``gs://`` (gcsfs), ``abfs://`` (adlfs),
+    ``sftp://``... and local paths (``file://``). ``Store.create`` picks it for protocols
+    without a class of their own; it refuses ``memory://``, whose files only this process sees
+    (the class itself accepts it, for tests in one process).
 
     The filesystem is built as fsspec builds it for the URL (options the URL carries, such
     as a user or host), updated with ``storage_options`` (credentials, endpoint...). Paths
@@ -1263,6 +1286,18 @@ class FilesystemStore(Store):
             f"{_brief(error)}. Check the path, the `storage_options` (credentials, endpoint) "
             f"and that the `{self.protocol}://` filesystem is reachable."
         )
+
+    def _check_shared(self) -> None:
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        if issubclass(self._fs_class(), MemoryFileSystem):
+            raise ValueError(
+                f"`{self.prefix_path}` is on fsspec's in-memory filesystem ({self.protocol}://), "
+                f"whose files live inside this Python process only: the ranks and Spark's "
+                f"executors are other processes and would not see them. Use a folder every "
+                f"process can reach (a local path on one machine, e.g. '/tmp/flyte-hvd'; a "
+                f"shared mount) or an object store (s3://, gs://, abfs://, hdfs://)."
+            )
 
     def _connect(self) -> None:
         fs = self.fs
@@ -1421,50 +1456,71 @@ class RemoteStore:
 
     def _bounded(self, verb: tuple[str, str], path: str, size: int,
                  fn: Callable[..., T], *args: object) -> T:  # fmt: skip
-        """``fn(*args)`` in a thread of its own, waited for up to the Store's timeout (plus
-        ``SECONDS_PER_MIB`` per MiB of ``size``). A hung store leaves that thread blocked;
-        the rank fails and its process ends with it."""
+        """``fn(*args)`` within the Store's timeout (``bounded``); an error that says the
+        store cannot be reached becomes a ``StoreUnreachableError`` naming the operation."""
         store = self.store
         prefix = store.prefix_path
-        rel = path[len(prefix) :].lstrip("/") if path.startswith(prefix) else path
-        doing = f"{verb[0]} {rel} {verb[1]} {prefix}"
-        base = getattr(store, "timeout", DEFAULT_TIMEOUT_S)
-        limit = base + SECONDS_PER_MIB * size / (1 << 20)
-        outcome: dict[str, Any] = {}
-        done = threading.Event()
-
-        def call() -> None:
-            try:
-                outcome["value"] = fn(*args)
-            except BaseException as error:
-                outcome["error"] = error
-            finally:
-                done.set()
-
-        with stall.activity(doing):
-            threading.Thread(target=call, name="flyte-hvd-store", daemon=True).start()
-            finished = done.wait(limit)
-        if not finished:
-            raise StoreTimeoutError(
-                f"{doing} did not finish within {round(limit, 1):g}s: the store does not answer "
-                f"({store.address()}). Check that it is up and reachable from every executor; "
-                f"if the link is that slow, raise the Store's `timeout` or {TIMEOUT_ENV} "
-                f"(now {base:g}s, plus {SECONDS_PER_MIB:g}s per MiB moved)."
-            )
-        error = outcome.get("error")
-        if error is None:
-            return outcome["value"]  # type: ignore[no-any-return]  # fn's own result
-        if _unreachable(error):
+        try:
+            return bounded(store, verb, path, size, fn, *args)
+        except StoreTimeoutError:
+            raise
+        except Exception as error:
+            if not _unreachable(error):
+                raise
+            doing = _doing(store, verb, path)
             raise StoreUnreachableError(
                 f"cannot reach the store at `{prefix}` while {doing}: {_brief(error)}. Check "
                 f"that the store is up and reachable from every executor ({store.address()})."
             ) from None
-        raise error
 
     def _run(self) -> str:
         if self.run_id is None:
             raise ValueError("this RemoteStore has no `run_id`; pass one to `to_remote`.")
         return self.run_id
+
+
+def _doing(store: Store, verb: tuple[str, str], path: str) -> str:
+    """What a store operation does, for messages: "uploading runs/r/x to s3://bucket/exp"."""
+    prefix = store.prefix_path
+    rel = path[len(prefix) :].lstrip("/") if path.startswith(prefix) else path
+    return f"{verb[0]} {rel} {verb[1]} {prefix}"
+
+
+def bounded(store: Store, verb: tuple[str, str], path: str, size: int,
+            fn: Callable[..., T], *args: object) -> T:  # fmt: skip
+    """``fn(*args)`` (one operation on ``store``, on ``path``) in a thread of its own, waited
+    for up to the Store's timeout (plus ``SECONDS_PER_MIB`` per MiB of ``size``): on the
+    driver (``Store.create``'s check, ``prepare_data``'s metadata) as on the ranks
+    (``RemoteStore``). A hung store leaves that thread blocked, and the caller gets a
+    ``StoreTimeoutError`` naming the operation, the store and the setting."""
+    doing = _doing(store, verb, path)
+    base = getattr(store, "timeout", DEFAULT_TIMEOUT_S)
+    limit = base + SECONDS_PER_MIB * size / (1 << 20)
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as error:
+            outcome["error"] = error
+        finally:
+            done.set()
+
+    with stall.activity(doing):
+        threading.Thread(target=call, name="flyte-hvd-store", daemon=True).start()
+        finished = done.wait(limit)
+    if not finished:
+        raise StoreTimeoutError(
+            f"{doing} did not finish within {round(limit, 1):g}s: the store does not answer "
+            f"({store.address()}). Check that it is up and reachable from every executor; "
+            f"if the link is that slow, raise the Store's `timeout` or {TIMEOUT_ENV} "
+            f"(now {base:g}s, plus {SECONDS_PER_MIB:g}s per MiB moved)."
+        )
+    error = outcome.get("error")
+    if error is not None:
+        raise error
+    return outcome["value"]  # type: ignore[no-any-return]  # fn's own result
 
 
 class _RunSync:

@@ -69,13 +69,13 @@ def test_horovod_names_are_ours_not_copies():
 
 
 def _estimators():
-    from flyte_hvd.estimators.keras import KerasEstimator
+    from flyte_hvd.estimators.keras import KERAS_PARAMS, KerasEstimator
     from flyte_hvd.estimators.lightning import LIGHTNING_PARAMS, LightningEstimator
     from flyte_hvd.estimators.params import ESTIMATOR_PARAMS
     from flyte_hvd.estimators.torch import TORCH_PARAMS, TorchEstimator
 
     return [
-        (KerasEstimator, ESTIMATOR_PARAMS),
+        (KerasEstimator, KERAS_PARAMS),
         (TorchEstimator, {**ESTIMATOR_PARAMS, **TORCH_PARAMS}),
         (LightningEstimator, {**ESTIMATOR_PARAMS, **LIGHTNING_PARAMS}),
     ]

@@ -37,7 +37,7 @@ from flyte_hvd.data.dataset import (
     scan_parquet,
 )
 from flyte_hvd.data.parquet import as_arrow_filesystem
-from flyte_hvd.data.store import Store
+from flyte_hvd.data.store import Store, bounded
 from flyte_hvd.launch.environment import local_storage_env
 
 if TYPE_CHECKING:
@@ -165,8 +165,7 @@ def _prepare(
             f"`store` must be a flyte_hvd Store (Store.create(prefix_path)); "
             f"found {type(store).__name__}."
         )
-    if not (hasattr(df, "schema") and hasattr(df, "mapInArrow")):
-        raise ValueError(f"`df` must be a Spark DataFrame; found {type(df).__name__}.")
+    check_spark_dataframe(df, "`df`")
     labels = _names("label_columns", label_columns)
     if not labels:
         raise ValueError("`label_columns` is empty; name at least one label column.")
@@ -249,7 +248,7 @@ def _prepare(
         on_checked()
 
     for path in paths.values():  # a split left half-written by a crash
-        store.delete(path)
+        bounded(store, ("deleting", "from"), path, 0, store.delete, path)
     try:
         written = {}
         for split, path in paths.items():
@@ -263,9 +262,9 @@ def _prepare(
             part = part.repartition(tasks)
             logger.log(level, f"writing the {split} split to {path} ({tasks} tasks)")
             _write_split(part, store, path, infos, rows_per_file=max(1, -(-rows // files)))
-            meta = scan_parquet(
-                as_arrow_filesystem(store.arrow_filesystem), store.fs_path(path), tuple(infos)
-            )
+            meta = bounded(store, ("reading", "from"), path, 0, scan_parquet,
+                           as_arrow_filesystem(store.arrow_filesystem), store.fs_path(path),
+                           tuple(infos))  # fmt: skip
             if meta.rows < num_processes:
                 raise ValueError(
                     f"the {split} split has {meta.rows} rows, fewer than `num_processes`="
@@ -286,7 +285,9 @@ def _prepare(
                 sample_weight_col=sample_weight_col,
             )
         for split, path in paths.items():  # the sidecars mark the splits complete
-            store.write_text(store.join(path, METADATA_FILENAME), written[split].to_json())
+            sidecar = store.join(path, METADATA_FILENAME)
+            bounded(store, ("writing", "to"), sidecar, 0, store.write_text, sidecar,
+                    written[split].to_json())  # fmt: skip
     except BaseException:
         for path in paths.values():
             with contextlib.suppress(Exception):
@@ -423,6 +424,26 @@ def _check_exist(arg: str, names: list[str], available: list[str]) -> None:
         )
 
 
+def check_spark_dataframe(df: object, what: str) -> None:
+    """``df`` is a Spark DataFrame (classic or Connect), or a ValueError saying what it is
+    and how to make one from it."""
+    if hasattr(df, "schema") and hasattr(df, "mapInArrow"):
+        return
+    kind = type(df)
+    module = kind.__module__.split(".")[0]
+    if kind.__module__.startswith("pyspark.pandas"):
+        found, fix = "a pandas-on-Spark DataFrame", "convert it with `psdf.to_spark()`"
+    elif module == "pandas":
+        found, fix = "a pandas DataFrame", "convert it with `spark.createDataFrame(pdf)`"
+    elif module in ("polars", "pyarrow"):
+        found = f"a {module} {kind.__name__}"
+        fix = "convert it with `spark.createDataFrame(table.to_pandas())`"
+    else:
+        found = f"{kind.__module__}.{kind.__name__}"
+        fix = "read or create one with the SparkSession (`spark.read...`, `spark.createDataFrame`)"
+    raise ValueError(f"{what} must be a Spark DataFrame; found {found}: {fix}.")
+
+
 def _check_validation(validation: object) -> None:
     if validation is None or isinstance(validation, str):
         return
@@ -457,6 +478,12 @@ def _spark_kind(name: str, dtype: DataType) -> tuple[str, str]:
         return "array", scalars[type(dtype.elementType)]
     if isinstance(dtype, T.UserDefinedType) and type(dtype).__name__ == "VectorUDT":
         return "vector", "float64"
+    if isinstance(dtype, T.DecimalType):
+        raise ValueError(
+            f"column `{name}` has type {dtype.simpleString()}, which cannot be fed to a model "
+            f"as it is: cast it to double first, e.g. "
+            f"df.withColumn({name!r}, df[{name!r}].cast('double'))."
+        )
     raise ValueError(
         f"column `{name}` has type {dtype.simpleString()}, which cannot be fed to a model; "
         f"supported: boolean and numeric scalars, arrays of them, and pyspark.ml.linalg "
@@ -492,7 +519,8 @@ def _complete(store: Store, paths: dict[str, str], key: str) -> bool:
     for path in paths.values():
         sidecar = store.join(path, METADATA_FILENAME)
         try:
-            if DatasetMetadata.from_json(store.read_text(sidecar)).key != key:
+            text = bounded(store, ("reading", "from"), sidecar, 0, store.read_text, sidecar)
+            if DatasetMetadata.from_json(text).key != key:
                 return False
         except (FileNotFoundError, ValueError, KeyError):
             return False

@@ -317,8 +317,9 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
     # -- fit ---------------------------------------------------------------------------------
 
     def _fit(self, df: DataFrame) -> Model:
-        from flyte_hvd.data.prepare import prepare_data
+        from flyte_hvd.data.prepare import check_spark_dataframe, prepare_data
 
+        check_spark_dataframe(df, f"the DataFrame given to {type(self).__name__}.fit")
         self._check_params(df.columns)
         self._check_model(self._feature_cols(df.columns), self.getLabelCols())
         backend = self._backend()

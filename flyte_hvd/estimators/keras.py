@@ -34,7 +34,7 @@ from flyte_hvd.estimators.base import (
     check_learning_rate,
     passed_params,
 )
-from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, with_params
+from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, NAN_PARAM, with_params
 from flyte_hvd.estimators.tracking import MlflowConfig
 from flyte_hvd.estimators.training import TrainingSpec
 
@@ -57,6 +57,8 @@ KerasMetric: TypeAlias = "str | Callable[..., Any] | keras.metrics.Metric"
 LAST_MODEL_FILENAME = "last.keras"  # the latest epoch, for resuming
 BEST_MODEL_FILENAME = "best.keras"  # where a checkpoint callback writes, on rank 0
 _EXTENSION = ".keras"
+# Keras' params: everyone's, and the loss check after each epoch.
+KERAS_PARAMS = {**ESTIMATOR_PARAMS, **NAN_PARAM}
 
 __all__ = ["KerasEstimator", "KerasModel", "KerasTrainingSpec", "TransformedLoader"]
 
@@ -74,7 +76,7 @@ class KerasTrainingSpec(TrainingSpec):
     feature_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
-@with_params(ESTIMATOR_PARAMS)
+@with_params(KERAS_PARAMS)
 class KerasEstimator(HorovodEstimator):
     """Train a Keras 3 model on a Spark DataFrame with Horovod's estimator API.
 
@@ -140,6 +142,7 @@ class KerasEstimator(HorovodEstimator):
         val_reader_num_workers: int = 2,
         transformation_edit_fields: list[Any] | None = None,
         transformation_removed_fields: list[str] | None = None,
+        terminate_on_nan: bool = True,
     ) -> None:
         super().__init__(**passed_params(locals()))
 
@@ -340,6 +343,7 @@ def train_on_rank(spec: KerasTrainingSpec) -> dict:
         callbacks = [
             hvd.callbacks.BroadcastGlobalVariablesCallback(0),
             hvd.callbacks.MetricAverageCallback(progress=False),  # the run's record reports
+            LossCheck(spec, run.rank),  # before anything records the epoch
             *spec.callbacks,
         ]
         best_path = os.path.join(run.work, BEST_MODEL_FILENAME)
@@ -352,7 +356,8 @@ def train_on_rank(spec: KerasTrainingSpec) -> dict:
                     os.replace(run.best_file, best_path)
                     checkpoint.best = run.best_value
                 callbacks.append(checkpoint)
-            record = training.RunRecord(spec.store, run.state, spec.epochs, _EXTENSION)
+            record = training.RunRecord(spec.store, run.state, spec.epochs, _EXTENSION,
+                                        spec.verbose)  # fmt: skip
             callbacks += [
                 EpochTensorBoard(os.path.join(run.work, "logs")),
                 RunRecorder(record, run.work, checkpoint),
@@ -495,6 +500,18 @@ class EpochTensorBoard(keras.callbacks.TensorBoard):
 
     def on_train_batch_end(self, batch, logs=None):
         pass
+
+
+class LossCheck(keras.callbacks.Callback):
+    """Every rank, after each epoch: a NaN or infinite loss ends the fit
+    (``training.check_loss``; ``terminate_on_nan``)."""
+
+    def __init__(self, spec: KerasTrainingSpec, rank: int):
+        super().__init__()
+        self.spec, self.rank = spec, rank
+
+    def on_epoch_end(self, epoch, logs=None):
+        training.check_loss(self.spec, logs or {}, epoch, self.rank)
 
 
 class RunRecorder(keras.callbacks.Callback):

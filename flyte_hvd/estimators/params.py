@@ -6,6 +6,7 @@ and docs live in one place for the Keras, Torch and Lightning estimators.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pyspark.ml.param import Param, Params
@@ -68,6 +69,16 @@ ESTIMATOR_PARAMS: dict[str, tuple[Any, str]] = {
     "val_reader_num_workers": (2, "Horovod's petastorm readers (no effect here)"),
     "transformation_edit_fields": (None, "Horovod's petastorm schema edit (no effect here)"),
     "transformation_removed_fields": (None, "Horovod's petastorm schema edit (no effect here)"),
+}
+
+# The Keras and Torch estimators' check of the loss after each epoch (Horovod's Lightning flag
+# of this name is Lightning 1's, accepted by LightningEstimator with no effect).
+NAN_PARAM: dict[str, tuple[Any, str]] = {
+    "terminate_on_nan": (
+        True,
+        "end the fit with an error naming the epoch and rank when an epoch's loss is NaN or "
+        "infinite; False keeps training",
+    ),
 }
 
 # Params ``save`` leaves out of a saved estimator: they hold a live session or a store with its
@@ -140,6 +151,43 @@ MODEL_PARAMS: dict[str, tuple[Any, str]] = {
 }
 
 
+def column_names(value: Any) -> Any:
+    """A column list param's value as ``_set`` stores it: one name (a str) is a list of that
+    one column, not of its letters; a tuple is a list; other values are left for the checks
+    of ``fit`` to name."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def store_param(value: Any) -> Any:
+    """The ``store`` param's value: a Store as given, or a path or URL as
+    ``Store.create(path)`` makes it (checked writable now, as ``Store.create`` does)."""
+    from flyte_hvd.data.store import Store
+
+    if isinstance(value, str | os.PathLike):
+        return Store.create(os.fspath(value))
+    if not isinstance(value, Store):
+        raise ValueError(
+            f"`store` must be a Store, e.g. store=Store.create('/tmp/flyte-hvd'), or a path or "
+            f"URL to create one from (store='/tmp/flyte-hvd'); found {type(value).__name__}."
+        )
+    return value
+
+
+# How ``_set`` converts a param's value (pyspark's ``typeConverter``), where it does.
+_CONVERTERS: dict[str, Any] = {
+    "store": store_param,
+    "feature_cols": column_names,
+    "label_cols": column_names,
+    "feature_columns": column_names,
+    "label_columns": column_names,
+    "output_cols": column_names,
+}
+
+
 def _with_args_section(doc: str, table: dict[str, tuple[Any, str]]) -> str:
     """``doc`` with an ``Args:`` section listing every param (replacing one made before)."""
     doc = doc.split("\n\n    Args:\n", 1)[0].rstrip()
@@ -187,7 +235,9 @@ def with_params(table: dict[str, tuple[Any, str]]):
     def decorate(cls):
         cls.__doc__ = _with_args_section(cls.__doc__ or "", table)
         for name, (_, doc) in table.items():
-            setattr(cls, name, Param(Params._dummy(), name, doc))
+            convert = _CONVERTERS.get(name)
+            param = Param(Params._dummy(), name, doc, typeConverter=convert)
+            setattr(cls, name, param)
             for accessor, make in (
                 (f"set{_camel(name)}", _setter),
                 (f"get{_camel(name)}", _getter),

@@ -38,6 +38,7 @@ from flyte_hvd.estimators.base import (
 from flyte_hvd.estimators.params import (
     DISTRIBUTED_PARAM,
     ESTIMATOR_PARAMS,
+    NAN_PARAM,
     check_distributed,
     with_params,
 )
@@ -49,6 +50,7 @@ from flyte_hvd.estimators.torch_model import (
     TorchModel,
     _import_torch,
     batch_tensors,
+    check_forward_arity,
     ddp_process_group,
     resolve_input_shapes,
     tensorboard_without_tensorflow,
@@ -85,6 +87,7 @@ TORCH_PARAMS: dict[str, tuple[Any, str]] = {
         "-> (outputs, loss)",
     ),
     "backward_passes_per_step": (1, "backward passes accumulated locally per reduction"),
+    **NAN_PARAM,
 }
 
 
@@ -183,6 +186,7 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
         distributed: str = "horovod",
         loss_constructors: list[Callable[[], TorchLoss]] | None = None,
         train_minibatch_fn: MinibatchFn | None = None,
+        terminate_on_nan: bool = True,
     ) -> None:
         super().__init__(**passed_params(locals()))
 
@@ -201,6 +205,7 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
                 f"parameters, e.g. torch.optim.Adam(model.parameters(), lr=0.01); found "
                 f"{type(optimizer).__name__}."
             )
+        check_forward_arity(model, features)
         own = {id(p) for p in model.parameters()}
         if any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
             raise ValueError(
@@ -426,6 +431,7 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
                         _add_metrics(val_sums, "val_", loss, outputs, labels, spec)
                 logs.update(_mean(val_sums, len(val_loader)))
             logs = _average_over_ranks(hvd, logs)
+            training.check_loss(spec, logs, epoch, rank)
             for key, value in logs.items():
                 history.setdefault(key, []).append(value)
             if rank == 0:

@@ -77,6 +77,32 @@ def with_batch_dimension(shapes: list[list[int]]) -> list[list[int]]:
     return [list(s) if list(s)[:1] == [-1] else [-1, *s] for s in shapes]
 
 
+def check_forward_arity(model: torch.nn.Module, features: list[str]) -> None:
+    """Each feature column is one argument of ``model.forward``: a forward taking fewer
+    positional arguments than there are feature columns is refused before any work starts,
+    with the two ways to fix it."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # a forward Python cannot inspect: the probe tells
+        return
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return
+    names = [p.name for p in params if p.kind in kinds]
+    if len(names) >= len(features):
+        return
+    raise ValueError(
+        f"the model's forward() takes {len(names)} input(s) ({', '.join(names) or 'none'}) but "
+        f"`feature_cols` names {len(features)} columns {features}: each feature column is "
+        f"one argument of forward(). Put the columns in one vector column with "
+        f"pyspark.ml.feature.VectorAssembler(inputCols={features}, outputCol='features') and "
+        f"pass feature_cols=['features'], or give forward() one argument per column "
+        f"(forward(self, {', '.join(features)}))."
+    )
+
+
 def probe_outputs(
     model: torch.nn.Module, input_shapes: list[list[int]], labels: list[str]
 ) -> list[list[int]]:

@@ -18,6 +18,7 @@ model is not saved.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import tempfile
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import IO, TYPE_CHECKING, Any
 
+from flyte_hvd.core.errors import ExplainedError
 from flyte_hvd.core.log import get_logger
 from flyte_hvd.estimators import tracking
 from flyte_hvd.launch import progress, spare
@@ -66,7 +68,36 @@ class TrainingSpec:
     data_loader: type[BaseDataLoader] | None = None
     use_gpu: bool = True
     distributed: str = "horovod"  # the PyTorch estimators' `distributed` ("horovod" or "ddp")
+    terminate_on_nan: bool = True  # a NaN or infinite epoch loss ends the fit (Keras, Torch)
     mlflow_run: tracking.MlflowRun | None = None  # opened by the driver; rank 0 logs to it
+
+
+class NonFiniteLossError(ExplainedError):
+    """An epoch's loss was NaN or infinite (``terminate_on_nan``, on by default)."""
+
+
+def check_loss(spec: TrainingSpec, logs: dict[str, Any], epoch: int, rank: int) -> None:
+    """With ``terminate_on_nan``: an epoch whose losses (the metrics named ``*loss``, averaged
+    over the ranks) are not all finite ends the fit, naming the epoch (from 1) and the rank,
+    before the epoch is recorded."""
+    if not spec.terminate_on_nan:
+        return
+    bad = {}
+    for key, value in logs.items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            continue
+        if key.endswith("loss") and not math.isfinite(number):
+            bad[key] = number
+    if bad:
+        found = ", ".join(f"{key} {value}" for key, value in bad.items())
+        raise NonFiniteLossError(
+            f"the loss became {next(iter(bad.values()))} at epoch {epoch + 1} on rank {rank} "
+            f"({found}): training diverged, and the model would predict NaN. Lower the "
+            f"learning rate (the ranks scale it by their number), check the data for extreme "
+            f"values, or pass terminate_on_nan=False to keep training."
+        )
 
 
 # -- the run in the store ----------------------------------------------------------------------

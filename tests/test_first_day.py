@@ -143,6 +143,23 @@ def test_store_create_against_an_endpoint_that_never_answers_ends_within_the_tim
     assert "raise the Store's `timeout` or FLYTE_HVD_STORE_TIMEOUT_S (now 1s" in message
 
 
+def test_reading_the_prepared_metadata_on_the_driver_is_bounded_too(monkeypatch, tmp_path):
+    import threading
+
+    from flyte_hvd.data import dataset
+
+    monkeypatch.setenv("FLYTE_HVD_STORE_TIMEOUT_S", "0.5")
+    store = Store.create(str(tmp_path / "store"))
+    never = threading.Event()
+    monkeypatch.setattr(dataset, "read_metadata", lambda *args: never.wait(10))  # a hung store
+    started = time.monotonic()
+    expected = r"^reading intermediate_train_data\.ab12 from .*/store did not finish within 0\.5s"
+    with pytest.raises(StoreTimeoutError, match=expected + ": the store does not answer"):
+        dataset.get_dataset_metadata(store, "ab12")
+    assert time.monotonic() - started < 3
+    never.set()
+
+
 def test_a_non_finite_epoch_loss_names_the_epoch_and_rank_unless_turned_off():
     from flyte_hvd.estimators.training import NonFiniteLossError, TrainingSpec, check_loss
 

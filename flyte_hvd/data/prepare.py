@@ -750,9 +750,10 @@ def _write_split(
     task = _StagedWriteTask(store, path, infos, local_storage_env(_master(spark)), rows_per_file)
     written = part.mapInArrow(task, "file string, rows long").collect()
     expected = {r["file"] for r in written}
-    for stray in set(store.fs.find(store.fs_path(path))) - expected:  # from retried tasks
+    found = bounded(store, ("listing", "in"), path, 0, store.fs.find, store.fs_path(path))
+    for stray in set(found) - expected:  # from retried tasks
         if stray.endswith(".parquet"):
-            store.fs.rm(stray)
+            bounded(store, ("deleting", "from"), stray, 0, store.fs.rm, stray)
 
 
 def _leaf_paths(infos: list[ColumnInfo]) -> dict[str, bool]:
@@ -878,5 +879,7 @@ class _StagedWriteTask:
                 w.write_batch(encode_batch(batch, self.infos))
         remote = self.store.join(self.path, f"part-{pid:05d}-{n:04d}.parquet")
         os.environ.update(self.env)
-        self.store.upload_file(local, remote)
+        size = os.path.getsize(local)  # within the store's timeout, as the ranks' uploads
+        bounded(self.store, ("uploading", "to"), remote, size, self.store.upload_file, local,
+                remote)  # fmt: skip
         return self.store.fs_path(remote)

@@ -394,6 +394,7 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
         finished: bool = False,
     ) -> Model:
         from flyte_hvd.data.prepare import get_dataset_metadata
+        from flyte_hvd.data.store import bounded
         from flyte_hvd.estimators.training import read_run_state
 
         store = self.getStore()
@@ -412,7 +413,8 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
         result = results[0]
         self._add_report(results, remote_store, run_id, mlflow_run)
         if not store.saving_runs:  # the trained model is in `result`; the run folder can go
-            store.delete(store.get_run_path(run_id))
+            bounded(store, ("deleting", "from"), store.get_run_path(run_id), 0, store.delete,
+                    store.get_run_path(run_id))  # fmt: skip
         return self._model_class(
             model_bytes=result["model"],
             history=result["history"],
@@ -695,7 +697,7 @@ class ArchiveWriter:
         """Writes ``path/<archive>`` in one atomic step (local: write, then rename; object
         stores: one PUT), through the Store for ``path``'s scheme (S3 credentials and
         endpoint from the usual AWS environment variables)."""
-        from flyte_hvd.data.store import Store, url_to_fs
+        from flyte_hvd.data.store import Store, bounded, url_to_fs
 
         instance = self.instance
         fs, root = url_to_fs(path)
@@ -708,7 +710,8 @@ class ArchiveWriter:
             for name, data in instance._saved_files().items():
                 archive.writestr(name, data)
         store = Store.create(path)  # fails here, naming the path, if it cannot be written
-        store.write_bytes(store.join(store.prefix_path, instance._archive_name), buffer.getvalue())
+        target, data = store.join(store.prefix_path, instance._archive_name), buffer.getvalue()
+        bounded(store, ("writing", "to"), target, len(data), store.write_bytes, target, data)
 
 
 class ArchiveReader:

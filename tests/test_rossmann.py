@@ -1,5 +1,6 @@
 """The Rossmann pipeline: dataset loading and checks, Spark features, each task, the workflow
-end to end (local and S3 work_dir), serialization and the retraining launch plan."""
+end to end (the main job, run once and asserted by several tests; its S3 work_dir shape is the
+simulated-host cluster's, tests/test_cluster.py), serialization and the retraining launch plan."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import tarfile
 import time
 import zipfile
+from typing import NamedTuple
 
 import pandas as pd
 import pytest
@@ -393,19 +395,14 @@ def _train(prepared, **inputs):
 @pytest.mark.spark
 @pytest.mark.flyte
 def test_tasks_on_their_own(spark_local2, small_dataset, tmp_path):
-    """download_data, prepare, train (1 epoch) and predict, each called as a task."""
+    """download_data and prepare called as tasks; train called as a task refuses what it
+    cannot run before any rank starts. (Training and predicting, and their outputs, are
+    asserted on the main job's run below.)"""
     data = rossmann.download_data(dataset=small_dataset)
     hp = rossmann.Hyperparameters(sample_rate=0.5, epochs=1, batch_size=128)
     prepared = rossmann.prepare(data=data, hp=hp)
     assert 0 < prepared.baseline_rmspe < 1 and set(prepared.vocab) >= {"Store", "Events"}
     work_dir = str(tmp_path / "work")
-    result = _train(prepared, hp=hp, work_dir=work_dir)
-    assert len(result.history["val_loss"]) == 1 and result.val_rmspe > 0
-    assert os.path.exists(result.checkpoint_uri)
-    submission = rossmann.predict(test=prepared.test, result=result, work_dir=work_dir)
-    frame = pd.read_csv(submission.download())
-    assert list(frame.columns) == ["Id", "Sales"]
-    check_closed_and_open_rows(frame, small_dataset)
 
     # num_proc beyond the session's task slots: the launcher's preflight refuses it.
     with pytest.raises(Exception, match="slots"):
@@ -432,59 +429,6 @@ def check_closed_and_open_rows(submission: pd.DataFrame, dataset: str) -> int:
     wrong = raw.Id[~closed & ~(sales > 0)].tolist()
     assert not wrong, f"open or blank-Open test rows without a positive Sales: Ids {wrong[:20]}"
     return int(closed.sum())
-
-
-def _check_report(report, dataset: str) -> pd.DataFrame:
-    submission = pd.read_csv(report.submission.download())
-    closed = check_closed_and_open_rows(submission, dataset)
-    assert (report.test_rows, report.closed_test_rows) == (len(submission), closed)
-    assert report.val_rmspe > 0 and report.baseline_rmspe > 0 and report.validation_rows > 0
-    return submission
-
-
-@pytest.mark.spark
-@pytest.mark.flyte
-@pytest.mark.e2e
-def test_workflow_end_to_end_with_warm_start(spark_local2, small_dataset, tmp_path):
-    hp = rossmann.Hyperparameters(sample_rate=0.5, epochs=2, batch_size=128)
-    work_dir = str(tmp_path / "work")
-    report = rossmann.horovod_spark_wf(dataset=small_dataset, hp=hp, work_dir=work_dir)
-    _check_report(report, small_dataset)
-    assert report.submission_uri.startswith(work_dir)
-    assert os.path.exists(report.submission_uri) and os.path.exists(report.checkpoint_uri)
-    assert os.listdir(os.path.join(work_dir, "runs", report.run_id, "logs"))
-
-    # The scheduled launch plan's warm start: 'latest' resolves to this run's checkpoint.
-    import keras
-
-    from flyte_hvd.data.store import Store
-
-    warm = steps.initial_model(Store.create(work_dir), steps.LATEST)
-    best = keras.models.load_model(report.checkpoint_uri, compile=False)
-    assert all((a == b).all() for a, b in zip(warm.get_weights(), best.get_weights(), strict=True))
-    assert steps.initial_model(Store.create(str(tmp_path / "empty")), steps.LATEST) is None
-
-
-@pytest.mark.spark
-@pytest.mark.flyte
-@pytest.mark.e2e
-def test_workflow_with_work_dir_on_s3(spark_local2, small_dataset, s3_server, monkeypatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    work_dir = f"s3://{s3_server.bucket}/rossmann"
-    hp = rossmann.Hyperparameters(sample_rate=0.3, epochs=1, batch_size=128)
-    report = rossmann.horovod_spark_wf(dataset=small_dataset, hp=hp, work_dir=work_dir)
-    _check_report(report, small_dataset)
-    objects = {
-        o["Key"]
-        for o in s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix="rossmann/")[
-            "Contents"
-        ]
-    }
-    run = f"rossmann/runs/{report.run_id}"
-    assert {f"{run}/checkpoint.keras", f"{run}/state.json", f"{run}/submission.csv"} <= objects
 
 
 def test_train_gets_an_executor_per_rank_from_the_hyperparameters(monkeypatch):
@@ -516,40 +460,101 @@ def test_train_gets_an_executor_per_rank_from_the_hyperparameters(monkeypatch):
     assert not [key for key in conf if "memory" in key]
 
 
-def run_main_job(command: list[str], tmp_path) -> tuple[float, float, float]:
+class MainJob(NamedTuple):
+    """One run of a pipeline's command line and what it left: its output, seconds and
+    ``work_dir``."""
+
+    stdout: str
+    seconds: float
+    work_dir: str
+
+    def line(self, prefix: str) -> str:
+        return next(x for x in self.stdout.splitlines() if x.startswith(prefix))
+
+    def path(self, label: str) -> str:
+        """A path the summary prints (``model:``, ``submission:``)."""
+        return re.search(rf"^{label}: +(\S+)", self.stdout, re.M).group(1)
+
+
+def run_main_job(command: list[str], tmp_path) -> MainJob:
     """Runs a pipeline's command line (the synthetic default, 2 ranks, ``work_dir`` under
-    ``tmp_path``) from the repository; asserts that the trained model beats the naive baseline
-    on the same validation rows, in at most 10 minutes, and that the submission has every
-    closed and blank-Open test row right. Returns (seconds, model RMSPE, baseline RMSPE)."""
+    ``tmp_path``) from the repository, as a user would, and asserts that it succeeded."""
     started = time.monotonic()
+    work_dir = str(tmp_path / "work")
     out = subprocess.run(
-        [*command, "--work_dir", str(tmp_path / "work")], cwd=REPO, capture_output=True,
+        [*command, "--work_dir", work_dir], cwd=REPO, capture_output=True,
         text=True, timeout=660, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
     )  # fmt: skip
-    elapsed = time.monotonic() - started
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("validation RMSPE"))
+    return MainJob(out.stdout, time.monotonic() - started, work_dir)
+
+
+def check_main_job(job: MainJob, tmp_path) -> tuple[float, float]:
+    """The trained model beats the naive baseline on the same validation rows, in at most 10
+    minutes, and the submission has every closed and blank-Open test row right. Returns (model
+    RMSPE, baseline RMSPE)."""
+    line = job.line("validation RMSPE")
     model, baseline = (float(v) for v in re.findall(r"RMSPE (\S+) .* baseline's (\S+) ", line)[0])
     assert model < baseline and " beats " in line, line
-    assert elapsed <= 600, f"the main job took {elapsed:.0f} s"
-    submission = re.search(r"^submission: (\S+)", out.stdout, re.M).group(1)
-    assert submission.startswith(str(tmp_path / "work")) and os.path.exists(submission)
+    assert job.seconds <= 600, f"the main job took {job.seconds:.0f} s"
+    submission = job.path("submission")
+    assert submission.startswith(job.work_dir) and os.path.exists(submission)
     # Every closed and every blank-Open test row of the synthetic default (seeded, so written
     # again here as download_data wrote it), and the count that summarize reports.
     default = write_synthetic(str(tmp_path / "default"))
-    closed = check_closed_and_open_rows(pd.read_csv(submission), default)
-    assert re.search(rf"^test rows: +\d+ predicted, {closed} of them closed", out.stdout, re.M)
-    return elapsed, model, baseline
+    frame = pd.read_csv(submission)
+    closed = check_closed_and_open_rows(frame, default)
+    assert re.search(rf"^test rows: +{len(frame)} predicted, {closed} of them closed", job.stdout,
+                     re.M), job.stdout  # fmt: skip
+    return model, baseline
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory) -> MainJob:
+    """What `make run` runs (pyflyte run, the synthetic default, 2 ranks), once for the
+    tests below, which each assert on its output and its Store."""
+    pyflyte = os.path.join(os.path.dirname(sys.executable), "pyflyte")
+    command = [pyflyte, "run", "workflows/rossmann.py", "horovod_spark_wf"]
+    return run_main_job(command, tmp_path_factory.mktemp("main-job"))
 
 
 @pytest.mark.flyte
 @pytest.mark.e2e
 @pytest.mark.timeout(720)
-def test_the_main_job_beats_the_baseline_within_ten_minutes(tmp_path):
-    """What `make run` runs (pyflyte run, the synthetic default, 2 ranks): the trained model
-    beats the naive baseline on the same validation rows, in at most 10 minutes."""
-    pyflyte = os.path.join(os.path.dirname(sys.executable), "pyflyte")
-    run_main_job([pyflyte, "run", "workflows/rossmann.py", "horovod_spark_wf"], tmp_path)
+def test_the_main_job_beats_the_baseline_within_ten_minutes(main_job, tmp_path):
+    check_main_job(main_job, tmp_path)
+
+
+@pytest.mark.flyte
+@pytest.mark.e2e
+def test_the_main_job_leaves_its_run_in_the_store(main_job):
+    """The run's checkpoint, state, submission and TensorBoard logs under
+    ``<work_dir>/runs/<run_id>/``, every epoch recorded."""
+    from flyte_hvd.data.store import Store
+    from flyte_hvd.estimators.history import read_history
+
+    model = main_job.path("model")
+    run = os.path.dirname(model)
+    assert run.startswith(os.path.join(main_job.work_dir, "runs"))
+    assert os.path.exists(model) and os.path.exists(os.path.join(run, "submission.csv"))
+    assert os.listdir(os.path.join(run, "logs"))
+    history = read_history(Store.create(main_job.work_dir), os.path.basename(run))
+    assert history and {len(v) for v in history.values()} == {rossmann.DEFAULT_HP.epochs}
+
+
+@pytest.mark.flyte
+@pytest.mark.e2e
+def test_the_weekly_warm_start_resolves_latest_to_the_main_jobs_checkpoint(main_job, tmp_path):
+    """The scheduled launch plan's warm start: 'latest' is the newest run's checkpoint; a
+    Store without runs starts from fresh weights."""
+    import keras
+
+    from flyte_hvd.data.store import Store
+
+    warm = steps.initial_model(Store.create(main_job.work_dir), steps.LATEST)
+    best = keras.models.load_model(main_job.path("model"), compile=False)
+    assert all((a == b).all() for a, b in zip(warm.get_weights(), best.get_weights(), strict=True))
+    assert steps.initial_model(Store.create(str(tmp_path / "empty")), steps.LATEST) is None
 
 
 def test_launch_plan_and_serialization():

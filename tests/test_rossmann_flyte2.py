@@ -23,7 +23,7 @@ from google.protobuf.json_format import MessageToDict
 from workflows import rossmann_flyte2 as r2
 from workflows import rossmann_steps as steps
 
-from test_rossmann import run_main_job
+from test_rossmann import check_main_job, run_main_job
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -104,7 +104,8 @@ def test_the_flyte2_pipeline_beats_the_baseline_within_ten_minutes(tmp_path):
     trained model beats the naive baseline on the same validation rows, as the flytekit run
     does, in at most 10 minutes."""
     flyte = os.path.join(os.path.dirname(sys.executable), "flyte")
-    seconds, model, baseline = run_main_job(
+    job = run_main_job(
         [flyte, "run", "--local", "workflows/rossmann_flyte2.py", "rossmann"], tmp_path
     )
-    print(f"flyte 2 pipeline: {seconds:.0f} s, RMSPE {model:.4f} (baseline {baseline:.4f})")
+    model, baseline = check_main_job(job, tmp_path)
+    print(f"flyte 2 pipeline: {job.seconds:.0f} s, RMSPE {model:.4f} (baseline {baseline:.4f})")

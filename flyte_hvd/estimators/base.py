@@ -307,9 +307,11 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
         checked for resuming, before any data is prepared. Yields its id, and whether it has
         trained ``epochs`` already (its model is then returned without training)."""
         from flyte_hvd.estimators.runs import check_resumable, leased_run
+        from flyte_hvd.launch.failures import as_flyte_errors
 
         store = self.getStore()
-        with leased_run(store, self.getRunId(), self._framework) as run_id:
+        # In a Flyte task, a failure a retry can fix leaves as the kind its SDK retries.
+        with as_flyte_errors(), leased_run(store, self.getRunId(), self._framework) as run_id:
             finished = check_resumable(store.to_remote(run_id), self.getEpochs(),
                                        self._extension, self._epoch_in_model)  # fmt: skip
             yield run_id, finished

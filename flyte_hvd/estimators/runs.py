@@ -8,6 +8,13 @@ was given that ``run_id``. While a fit runs, ``runs/<run_id>/lease.json`` names 
 process, when it expires); the driver renews it every ``LEASE_SECONDS / 3`` and removes it at
 the end. A second fit of the run is refused while the lease lives; a lease whose owner died
 (expired, or its process is gone from this host) is taken over.
+
+Inside a Flyte execution the default ``run_id`` is the task's instead
+(``flyte_hvd.launch.task_identity``): its suffix derives from the execution, the node and the
+fit's place in the task (``keras_20261125_120650_<key>``), and a run of the Store that ends with
+that key is the one the fit trains, so a Flyte retry (a new attempt of the node) resumes the
+run of the attempt before it. Its lease, held by that earlier attempt, is taken over at once:
+Flyte starts an attempt only once the one before it has ended.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from flyte_hvd.core.log import get_logger
@@ -31,6 +38,7 @@ from flyte_hvd.estimators.training import (
     read_run_state,
     run_file,
 )
+from flyte_hvd.launch import task_identity
 
 if TYPE_CHECKING:
     from flyte_hvd.data.store import RemoteStore, Store
@@ -42,9 +50,32 @@ LEASE_FILENAME = "lease.json"
 LEASE_SECONDS = 60.0
 
 
-def new_run_id(framework: str) -> str:
-    """``<framework>_<YYYYmmdd_HHMMSS>_<8 hex digits>``."""
-    return f"{framework}_{time.strftime('%Y%m%d_%H%M%S')}_{secrets.token_hex(4)}"
+def new_run_id(framework: str, suffix: str | None = None) -> str:
+    """``<framework>_<YYYYmmdd_HHMMSS>_<suffix or 8 random hex digits>``."""
+    return f"{framework}_{time.strftime('%Y%m%d_%H%M%S')}_{suffix or secrets.token_hex(4)}"
+
+
+def run_ids(store: Store) -> list[str]:
+    """The ids of the runs in ``store`` (its ``runs/`` folder), sorted."""
+    runs = store.get_runs_path()
+    if not store.exists(runs):
+        return []
+    found = store.fs.ls(store.fs_path(runs), detail=False)
+    return sorted(os.path.basename(str(p).rstrip("/")) for p in found)
+
+
+def task_run_id(store: Store, make: Callable[[str], str]) -> str | None:
+    """Inside a Flyte execution, the run of this task's next fit: the run in ``store`` whose
+    id ends with the fit's key (made by an earlier attempt of the task), else ``make(key)``.
+    None outside a Flyte execution."""
+    key = task_identity.next_fit_key()
+    if key is None:
+        return None
+    for run_id in run_ids(store):
+        if run_id.endswith(key):
+            logger.info("run `%s`: this task's run in an earlier attempt; it resumes", run_id)
+            return run_id
+    return make(key)
 
 
 # -- the lease -------------------------------------------------------------------------------
@@ -80,6 +111,8 @@ class RunLease:
         self.token = secrets.token_hex(8)
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         self.started = time.time()
+        identity = task_identity.current()
+        self.flyte = identity.as_record() if identity else None
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
@@ -88,7 +121,7 @@ class RunLease:
         return json.dumps({
             "owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
             "pid_space": _pid_space(), "token": self.token, "started": self.started,
-            "renewed": now, "expires": now + LEASE_SECONDS,
+            "renewed": now, "expires": now + LEASE_SECONDS, "flyte": self.flyte,
         }).encode()  # fmt: skip
 
     def _read(self) -> dict | None:
@@ -111,7 +144,7 @@ class RunLease:
             held = self._read()
             if held is None:
                 continue  # released meanwhile
-            why = _stale(held)
+            why = _stale(held, self.flyte)
             if why is None:
                 return False
             logger.warning(
@@ -184,8 +217,10 @@ class RunLease:
                 self.store.delete(self.path)
 
 
-def _stale(lease: dict) -> str | None:
-    """Why ``lease`` no longer protects a live fit (None: it does)."""
+def _stale(lease: dict, flyte: dict | None = None) -> str | None:
+    """Why ``lease`` no longer protects a live fit (None: it does). ``flyte``: the Flyte task
+    attempt of the fit that asks; an earlier attempt of the same execution and node has ended
+    (Flyte starts the next attempt only then)."""
     expires = lease.get("expires")
     if not isinstance(expires, int | float):
         return "is unreadable"
@@ -195,18 +230,37 @@ def _stale(lease: dict) -> str | None:
     pid = lease.get("pid")
     space = _pid_space()
     same_machine = space is not None and lease.get("pid_space") == space
-    if same_machine and isinstance(pid, int) and not _process_alive(pid):
+    alive = not same_machine or not isinstance(pid, int) or _process_alive(pid)
+    if not alive:
         return f"is no longer running (process {pid} is gone)"
+    held = lease.get("flyte")
+    if (
+        flyte is not None
+        and not same_machine  # a process seen alive here holds it, whatever it claims
+        and isinstance(held, dict)
+        and held.get("execution") == flyte["execution"]
+        and held.get("node") == flyte["node"]
+        and isinstance(held.get("attempt"), int)
+        and held["attempt"] < flyte["attempt"]
+    ):
+        return (
+            f"was attempt {held['attempt']} of this Flyte task (execution "
+            f"{flyte['execution']}), which ended; this is attempt {flyte['attempt']}"
+        )
     return None
 
 
 @contextlib.contextmanager
 def leased_run(store: Store, run_id: str | None, framework: str) -> Iterator[str]:
     """The run a fit trains, leased for the block: ``run_id`` when given (refused while
-    another fit holds it), else a new id whose folder does not exist yet."""
+    another fit holds it), else in a Flyte execution this task's (``task_run_id``), else a
+    new id whose folder does not exist yet."""
     if run_id is not None:
         store.to_remote(run_id)  # checks the name
         lease = RunLease(store, run_id)
+        lease.acquire()
+    elif (own := task_run_id(store, lambda key: new_run_id(framework, key))) is not None:
+        lease = RunLease(store, own)  # this Flyte task's run, in every attempt
         lease.acquire()
     else:
         while True:

@@ -6,11 +6,24 @@ driver), each epoch's averaged metrics (step = epoch), the best checkpoint as an
 the model in its framework's MLflow flavour, optionally registered. A ``HorovodSpark`` task
 makes the run rank 0's active run while its body runs. MLflow is imported only here and only
 when asked for (``pip install 'flyte-hvd[mlflow]'``; ``mlflow-skinny`` is enough).
+
+With nothing set (no ``tracking_uri``, no ``MLFLOW_TRACKING_URI``), MLflow 3's own default is
+``sqlite:///mlflow.db`` in the working directory. Its SQL store needs SQLAlchemy and alembic,
+which ``mlflow-skinny`` (our extra, to keep images small) does not install: there the run goes
+to MLflow's file store ``mlruns/`` in the working directory instead (what MLflow 2 used by
+default; ``mlflow ui --backend-store-uri ./mlruns`` shows it), with one line saying so. Where
+SQLAlchemy is installed the default stays MLflow's, as an absolute path: rank 0 runs in a
+folder of its own, where a relative one would open another database.
+
+Inside a Flyte execution a fit's (or task's) MLflow run carries the Flyte task's run as a tag:
+a retry of the task continues the same MLflow run instead of opening a new one.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import pathlib
 import socket
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -113,20 +126,26 @@ def start_run(config: MlflowConfig, default_name: str, params: dict[str, Any]) -
     from mlflow import MlflowClient
     from mlflow.entities import Param
 
-    uri = config.tracking_uri or mlflow.get_tracking_uri()
+    uri = config.tracking_uri or default_tracking_uri(mlflow)
     _check_reachable(uri)
+    _check_sql_store(uri)
     experiment = config.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+    experiment_id = os.environ.get("MLFLOW_EXPERIMENT_ID", "0")
+    task_run = _task_run(default_name)
     try:
         client = MlflowClient(tracking_uri=uri)
         if experiment is not None:
             found = client.get_experiment_by_name(experiment)
             experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-        else:
-            experiment_id = os.environ.get("MLFLOW_EXPERIMENT_ID", "0")
-        tags = dict(config.tags or {})
-        run = client.create_run(experiment_id, run_name=config.run_name or default_name, tags=tags)
-        run_id = run.info.run_id
-        client.log_batch(run_id, params=[Param(k, _param_text(v)) for k, v in params.items()])
+        run_id = _earlier_attempts_run(client, experiment_id, task_run)
+        if run_id is None:
+            tags = dict(config.tags or {})
+            if task_run is not None:
+                tags[TASK_RUN_TAG] = task_run
+            run = client.create_run(experiment_id, run_name=config.run_name or default_name,
+                                    tags=tags)  # fmt: skip
+            run_id = run.info.run_id
+            client.log_batch(run_id, params=[Param(k, _param_text(v)) for k, v in params.items()])
     except Exception as error:
         where = f"experiment `{experiment}`" if experiment else f"experiment id {experiment_id!r}"
         raise RuntimeError(
@@ -139,6 +158,66 @@ def start_run(config: MlflowConfig, default_name: str, params: dict[str, Any]) -
     env.update(MLFLOW_TRACKING_URI=uri)
     logger.info("MLflow run %s in experiment %s at %s", run_id, experiment_id, uri)
     return MlflowRun(uri, run_id, experiment_id, config.registered_model_name, env)
+
+
+# The tag of an MLflow run opened inside a Flyte execution: the Flyte task's run it tracks
+# (execution, node and the fit's run id or the task's name), the same in every attempt.
+TASK_RUN_TAG = "flyte_hvd.task_run"
+
+
+def default_tracking_uri(mlflow: ModuleType) -> str:
+    """The tracking URI when ``MlflowConfig`` names none: MLflow's (``MLFLOW_TRACKING_URI``,
+    which ``mlflow.set_tracking_uri`` sets too), else its default made to work here (see the
+    module's docstring)."""
+    uri = str(mlflow.get_tracking_uri())
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return uri
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme in ("", "file"):  # MLflow's default where ./mlruns holds runs already
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for the opt-in
+        return pathlib.Path(os.path.abspath(parsed.path)).as_uri()
+    if parsed.scheme != "sqlite":
+        return uri
+    if all(importlib.util.find_spec(name) for name in ("sqlalchemy", "alembic")):
+        path = uri[len("sqlite:///") :]
+        return f"sqlite:///{os.path.abspath(path)}"  # the ranks run in folders of their own
+    fallback = pathlib.Path(os.path.abspath("mlruns")).as_uri()
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    logger.warning(
+        "MLflow's default store %s needs SQLAlchemy and alembic, which mlflow-skinny does not "
+        "install: this run is tracked in MLflow's file store %s instead. Set "
+        "MLFLOW_TRACKING_URI (a tracking server, for runs on a cluster), or `pip install "
+        "mlflow` for MLflow's default.", uri, fallback,
+    )  # fmt: skip
+    return fallback
+
+
+def _task_run(name: str) -> str | None:
+    """Inside a Flyte execution: the tag value that names this fit's (or task's) run in every
+    attempt of the task; None outside one."""
+    from flyte_hvd.launch import task_identity
+
+    identity = task_identity.current()
+    if identity is None:
+        return None
+    return f"{identity.execution}/{identity.node_key}/{name}"[:_PARAM_CHARS]
+
+
+def _earlier_attempts_run(client: Any, experiment_id: str, task_run: str | None) -> str | None:
+    """The MLflow run an earlier attempt of this Flyte task opened, set running again; None
+    when there is none (or outside Flyte)."""
+    if task_run is None:
+        return None
+    quoted = task_run.replace("'", "\\'")
+    found = client.search_runs(
+        [experiment_id], filter_string=f"tags.`{TASK_RUN_TAG}` = '{quoted}'", max_results=1
+    )
+    if not found:
+        return None
+    run_id = str(found[0].info.run_id)
+    client.update_run(run_id, status="RUNNING")
+    logger.info("MLflow run %s of an earlier attempt of this task: continued", run_id)
+    return run_id
 
 
 def end_run(run: MlflowRun | None, failed: bool) -> None:
@@ -169,6 +248,25 @@ def _check_reachable(uri: str) -> None:
             f"the MLflow tracking server at `{uri}` is not reachable ({error}); start it, or "
             f"fix MLFLOW_TRACKING_URI / MlflowConfig(tracking_uri=...). No rank was started."
         ) from None
+
+
+# The schemes of MLflow's SQL stores, which need SQLAlchemy and alembic (not in mlflow-skinny).
+_SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+
+
+def _check_sql_store(uri: str) -> None:
+    scheme = urllib.parse.urlparse(uri).scheme.split("+")[0]
+    if scheme not in _SQL_SCHEMES:
+        return
+    missing = [n for n in ("sqlalchemy", "alembic") if importlib.util.find_spec(n) is None]
+    if missing:
+        raise RuntimeError(
+            f"the MLflow tracking store `{uri}` is a SQL database, which MLflow opens with "
+            f"{' and '.join(missing)}, not installed here (`mlflow-skinny` has no SQL store). "
+            f"Install them with `pip install mlflow`, or set MLFLOW_TRACKING_URI / "
+            f"MlflowConfig(tracking_uri=...) to a tracking server or a file: store. No rank "
+            f"was started."
+        )
 
 
 def _param_text(value: object) -> str:

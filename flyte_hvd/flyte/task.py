@@ -28,6 +28,7 @@ from flyte_hvd.core.types import UserValue
 from flyte_hvd.estimators import report, tracking
 from flyte_hvd.estimators.tracking import MlflowConfig
 from flyte_hvd.flyte.rank import RankSpec, literal_map_from_bytes
+from flyte_hvd.launch import failures
 from flyte_hvd.spark.barrier_task import (
     BarrierTaskConfig,
     BodyResult,
@@ -133,7 +134,9 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
                     mlflow_config, self.name.split(".")[-1], tracking.loggable_params(params)
                 )
             spec = replace(RankSpec.of(self, ctx), mlflow_run=mlflow_run)
-            result = launch_body(self.name, self._task_function, kwargs, spec, config, connect)
+            with failures.as_flyte_errors():  # recoverable ones as FlyteRecoverableException
+                result = launch_body(self.name, self._task_function, kwargs, spec, config,
+                                     connect)  # fmt: skip
             failed = False
         except KeyboardInterrupt as interrupt:
             if not logged_interrupt(interrupt):

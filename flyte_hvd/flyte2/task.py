@@ -31,6 +31,7 @@ except ImportError as error:  # pragma: no cover - depends on the install
 
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.flyte2.rank import RankSpec, outputs_from_bytes
+from flyte_hvd.launch import failures
 from flyte_hvd.spark import barrier_task
 
 
@@ -109,15 +110,17 @@ class HorovodSparkTask(PysparkFunctionTask):
         connect = data["spark_session"] if self.plugin_config.connect_url is not None else None
         spec = RankSpec.of(self)
         # The launch blocks until the ranks end: off the event loop, in the context of the run.
-        result = await asyncio.to_thread(
-            barrier_task.launch_body,
-            self.name,
-            self.func,
-            kwargs,
-            spec,
-            self.plugin_config,
-            connect,
-        )
+        # A failure leaves as the kind Flyte 2 retries (or not): ``flyte_hvd.launch.failures``.
+        with failures.as_flyte_errors():
+            result = await asyncio.to_thread(
+                barrier_task.launch_body,
+                self.name,
+                self.func,
+                kwargs,
+                spec,
+                self.plugin_config,
+                connect,
+            )
         value = await outputs_from_bytes(spec, result.outputs)
         if connect is None:  # the session flyteplugins-spark stops in a debug run
             await self.post(value)

@@ -14,8 +14,9 @@ of a Spark run) decides:
 - ranks that waited longer than ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60) while others are
   elsewhere get one warning line naming the collective, the waiting ranks and the missing
   ones and where they are (or what they are doing, when an ``activity`` says so: the Store
-  names each of its operations); after ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (0: never) the run
-  fails with that line as its error. ``HOROVOD_STALL_CHECK_DISABLE=1`` turns both off.
+  names each of its operations); after ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (0: never;
+  in a Flyte task 5 check times by default) the run fails with that line as its error.
+  ``HOROVOD_STALL_CHECK_DISABLE=1`` turns both off.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ CHECK_TIME_ENV = "HOROVOD_STALL_CHECK_TIME_SECONDS"
 SHUTDOWN_TIME_ENV = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
 CHECK_DISABLE_ENV = "HOROVOD_STALL_CHECK_DISABLE"
 DEFAULT_CHECK_TIME = 60.0
+# In a Flyte task, a stall ends the run after this many check times (5 minutes by default)
+# unless HOROVOD_STALL_SHUTDOWN_TIME_SECONDS says otherwise (0: never).
+TASK_SHUTDOWN_CHECKS = 5
 
 # A rank reports a wait once it has lasted this long (shorter waits are ordinary).
 REPORT_AFTER_S = 1.0
@@ -69,10 +73,15 @@ class StallConfig:
     enabled: bool = True
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> StallConfig:
+    def from_env(cls, env: Mapping[str, str] | None = None,
+                 in_task: bool = False) -> StallConfig:  # fmt: skip
+        """``in_task``: the run is a Flyte task's, whose stuck collective must end (its pods
+        are held, and a retry can resume it): the shutdown defaults to
+        ``TASK_SHUTDOWN_CHECKS`` check times instead of never."""
         env = os.environ if env is None else env
         check = _seconds(env, CHECK_TIME_ENV, DEFAULT_CHECK_TIME, allow_zero=False)
-        shutdown = _seconds(env, SHUTDOWN_TIME_ENV, 0.0, allow_zero=True)
+        default_shutdown = TASK_SHUTDOWN_CHECKS * check if in_task else 0.0
+        shutdown = _seconds(env, SHUTDOWN_TIME_ENV, default_shutdown, allow_zero=True)
         if shutdown and shutdown < check:
             raise ValueError(
                 f"{SHUTDOWN_TIME_ENV}={shutdown:g} is less than {CHECK_TIME_ENV}={check:g}: a "

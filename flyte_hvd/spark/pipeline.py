@@ -28,7 +28,7 @@ import flyte_hvd
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.log import get_logger, verbosity_level
 from flyte_hvd.core.types import UserValue
-from flyte_hvd.launch import stall
+from flyte_hvd.launch import stall, task_identity
 from flyte_hvd.launch.environment import DRIVER_VERSION_ENV
 from flyte_hvd.launch.job import DEFAULT_MAX_RESULT_BYTES, MAX_RESULT_ENV, result_limit
 from flyte_hvd.launch.supervisor import check_start_timeout, new_secret, start_timeout_from_env
@@ -140,7 +140,9 @@ def launch(spec: LaunchSpec, backend: StageBackend) -> runner.RunReport:
     rank_env = runner.ranks_env(backend.master, num_proc, spec.env)
     rank_env[MAX_RESULT_ENV] = str(spec.max_result_bytes)  # each rank checks its own result
     rank_env[DRIVER_VERSION_ENV] = flyte_hvd.__version__  # executors and ranks compare theirs
-    stall_config = stall.StallConfig.from_env({**os.environ, **rank_env})
+    # In a Flyte task a stuck collective ends by default (a retry resumes the run).
+    in_task = task_identity.current() is not None
+    stall_config = stall.StallConfig.from_env({**os.environ, **rank_env}, in_task=in_task)
     submitted_at = time.time()
     deadline = time.monotonic() + spec.start_timeout
     backend.wait_for_slots(num_proc, deadline, spec.start_timeout)

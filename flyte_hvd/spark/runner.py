@@ -26,6 +26,7 @@ import cloudpickle
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.log import get_logger
 from flyte_hvd.core.types import UserValue
+from flyte_hvd.launch import failures as failure_kinds
 from flyte_hvd.launch.environment import (
     DRIVER_VERSION_ENV,
     driver_env,
@@ -189,8 +190,10 @@ def on_rank_failure(
     max_attempts: int, cancel: Callable[[], None], grace: float = PEER_REPORT_GRACE_S
 ) -> Callable[[int, int, str], bool]:
     """What the driver does when a rank fails in attempt ``attempts_started``: after the last
-    attempt it cancels the stage (a barrier stage is otherwise retried) and returns True (the
-    run ends here); before that it says once per attempt that Spark retries the stage.
+    attempt, or at once for a failure no retry can fix (an exception of the user's code,
+    ``flyte_hvd.launch.failures``), it cancels the stage (a barrier stage is otherwise
+    retried) and returns True (the run ends here); before that it says once per attempt that
+    Spark retries the stage.
 
     The cancel is immediate when a signal killed the rank (that is the cause), else ``grace``
     seconds later, so that the error names the rank that died rather than the peer that
@@ -205,7 +208,10 @@ def on_rank_failure(
             logger.debug("cancelling the stage: %s", error)
 
     def handle(attempts_started: int, rank: int, traceback: str) -> bool:
-        if attempts_started >= max_attempts:
+        # An exception of the user's code (``failures``) fails the same way on every attempt:
+        # the run ends at its first, and a signal's death or a lost store gets Spark's retry.
+        user_error = not failure_kinds.classify_text(traceback).recoverable
+        if attempts_started >= max_attempts or user_error:
             if killed_by_signal(traceback) or grace <= 0:
                 cancel()
             elif not timers:

@@ -83,7 +83,7 @@ class Prepared(NamedTuple):
     baseline_rmspe: float
 
 
-@task(cache=True, cache_version="1")
+@task(cache=True, cache_version="1", retries=steps.RETRIES, timeout=steps.TASK_TIMEOUT)
 def download_data(dataset: str = SYNTHETIC) -> FlyteDirectory:
     """The seven CSV files: ``synthetic`` generates them; otherwise an archive URL
     (``http(s)://``, ``s3://``, ``file://``; ``.tgz``/``.tar.gz``/``.zip``) or a directory."""
@@ -91,14 +91,14 @@ def download_data(dataset: str = SYNTHETIC) -> FlyteDirectory:
     return FlyteDirectory(steps.download(dataset, dest))
 
 
-@task
+@task(retries=steps.RETRIES, timeout=steps.TASK_TIMEOUT)
 def check_work_dir(work_dir: str) -> str:
     """Fail before any Spark work when the Store prefix cannot be written, or when a remote
     execution was given a local path."""
     return steps.check_work_dir(work_dir, on_cluster=_remote_execution())
 
 
-@task(task_config=Spark(spark_conf=SPARK_CONF))
+@task(task_config=Spark(spark_conf=SPARK_CONF), retries=steps.RETRIES, timeout=steps.TASK_TIMEOUT)
 def prepare(data: FlyteDirectory, hp: Hyperparameters) -> Prepared:
     """Feature preparation in Spark, and the naive baseline's validation RMSPE."""
     spark = current_context().spark_session
@@ -114,7 +114,14 @@ def prepare(data: FlyteDirectory, hp: Hyperparameters) -> Prepared:
     )
 
 
-@task(task_config=Spark(spark_conf=SPARK_CONF), enable_deck=True)
+@task(
+    task_config=Spark(spark_conf=SPARK_CONF),
+    enable_deck=True,
+    # A retry resumes the run from its last completed epoch: preemptible nodes cost little.
+    retries=steps.TRAIN_RETRIES,
+    interruptible=True,
+    timeout=steps.TRAIN_TIMEOUT,
+)
 def train(
     train: StructuredDataset,
     vocab: dict[str, list[str]],
@@ -137,7 +144,7 @@ def train(
     df = train.open(pyspark.sql.DataFrame).all()
     store = Store.create(work_dir)
     model = steps.start_model(store, warm_start, vocab, max_sales, mean_sales, hp.seed)
-    run_id = steps.new_run_id()
+    run_id = steps.new_run_id(store)  # the same in every attempt of this task: it resumes
     estimator = KerasEstimator(
         num_proc=hp.num_proc,
         store=store,
@@ -196,7 +203,7 @@ def train_on_ranks(
     ).with_overrides(task_config=Spark(spark_conf=train_spark_conf(hp.num_proc)))
 
 
-@task(task_config=Spark(spark_conf=SPARK_CONF))
+@task(task_config=Spark(spark_conf=SPARK_CONF), retries=steps.RETRIES, timeout=steps.TASK_TIMEOUT)
 def predict(test: StructuredDataset, result: TrainResult, work_dir: str) -> FlyteFile:
     """Sales for the test rows (0 where the store is closed), as ``submission.csv``
     (``Id,Sales`` sorted by ``Id``), also written to the run's folder in the Store."""
@@ -213,7 +220,7 @@ def predict(test: StructuredDataset, result: TrainResult, work_dir: str) -> Flyt
     return FlyteFile(path)
 
 
-@task
+@task(retries=steps.RETRIES, timeout=steps.TASK_TIMEOUT)
 def summarize(
     result: TrainResult, baseline_rmspe: float, submission: FlyteFile, work_dir: str
 ) -> Report:

@@ -119,7 +119,7 @@ def _on_cluster() -> bool:
     return bool(ctx and ctx.is_in_cluster())
 
 
-@env.task(cache="auto")
+@env.task(cache="auto", retries=steps.RETRIES, timeout=steps.TASK_TIMEOUT)
 def download_data(dataset: str = SYNTHETIC) -> Dir:
     """The seven CSV files: ``synthetic`` generates them; otherwise an archive URL
     (``http(s)://``, ``s3://``, ``file://``; ``.tgz``/``.tar.gz``/``.zip``) or a directory."""
@@ -128,14 +128,14 @@ def download_data(dataset: str = SYNTHETIC) -> Dir:
         return Dir.from_local_sync(local, remote_destination=_raw_path("rossmann"))
 
 
-@env.task
+@env.task(retries=steps.RETRIES, timeout=steps.TASK_TIMEOUT)
 def check_work_dir(work_dir: str) -> str:
     """Fail before any Spark work when the Store prefix cannot be written, or when an
     execution on a cluster was given a local path."""
     return steps.check_work_dir(work_dir, on_cluster=_on_cluster())
 
 
-@spark_env.task
+@spark_env.task(retries=steps.RETRIES, timeout=steps.TASK_TIMEOUT)
 def prepare(data: Dir, hp: Hyperparameters, work_dir: str) -> Prepared:
     """Feature preparation in Spark and the naive baseline's validation RMSPE; the training
     rows go to the Store as Parquet (``prepare_data``), split by ``Validation``."""
@@ -170,7 +170,8 @@ def _parquet(df) -> DataFrame:
     return DataFrame.from_existing_remote(path, format="parquet")
 
 
-@ranks_env.task
+# A retry resumes the run from its last completed epoch: preemptible nodes cost little.
+@ranks_env.task(retries=steps.TRAIN_RETRIES, interruptible=True, timeout=steps.TRAIN_TIMEOUT)
 def train(prepared: Prepared, hp: Hyperparameters, work_dir: str, run_id: str,
           warm_start: str = "") -> Trained:  # fmt: skip
     """Runs on every rank: ``KerasEstimator``'s rank function (``train_on_rank``) on this
@@ -220,7 +221,7 @@ def train(prepared: Prepared, hp: Hyperparameters, work_dir: str, run_id: str,
     return Trained(run_id, checkpoint, File.from_local_sync(path), result["history"])
 
 
-@spark_env.task(report=True)
+@spark_env.task(report=True, retries=steps.RETRIES, timeout=steps.TASK_TIMEOUT)
 def predict(prepared: Prepared, result: Trained, work_dir: str) -> Predicted:
     """The best model's RMSPE on every validation row, and sales for the test rows (0 where
     the store is closed) as ``submission.csv``, also written to the run's folder in the
@@ -245,7 +246,7 @@ def predict(prepared: Prepared, result: Trained, work_dir: str) -> Predicted:
     return Predicted(submission, val_rmspe, rows)
 
 
-@env.task
+@env.task(retries=steps.RETRIES, timeout=steps.TASK_TIMEOUT)
 def summarize(prepared: Prepared, result: Trained, predicted: Predicted,
               work_dir: str) -> Report:  # fmt: skip
     """The validation RMSPE against the baseline's, the test rows predicted closed, and where
@@ -261,17 +262,21 @@ def summarize(prepared: Prepared, result: Trained, predicted: Predicted,
     return Report(result, predicted, prepared.baseline_rmspe, summary)
 
 
-@env.task(triggers=weekly_retrain)
+@env.task(triggers=weekly_retrain, timeout=steps.PIPELINE_TIMEOUT)
 def rossmann(dataset: str = SYNTHETIC, hp: Hyperparameters = DEFAULT_HP,
              work_dir: str = DEFAULT_WORK_DIR, warm_start: str = "") -> Report:  # fmt: skip
     """Rossmann end to end; see the module's docstring. ``train`` gets ``hp.num_proc`` ranks
     (and on a cluster an executor per rank)."""
+    from flyte_hvd.data import Store
+
     store_prefix = check_work_dir(work_dir=work_dir)
+    # The same in every attempt of this run: a retried `train` resumes it.
+    run_id = steps.new_run_id(Store.create(store_prefix))
     data = download_data(dataset=dataset)
     with _local_session(hp.num_proc):
         prepared = prepare(data=data, hp=hp, work_dir=store_prefix)
         result = train.override(plugin_config=ranks_config(hp.num_proc))(
-            prepared=prepared, hp=hp, work_dir=store_prefix, run_id=steps.new_run_id(),
+            prepared=prepared, hp=hp, work_dir=store_prefix, run_id=run_id,
             warm_start=warm_start,
         )  # fmt: skip
         predicted = predict(prepared=prepared, result=result, work_dir=store_prefix)

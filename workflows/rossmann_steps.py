@@ -159,9 +159,26 @@ def prepare_features(spark: Any, directory: str, hp: Hyperparameters) -> Feature
     return Features(train_df, test_df, vocab, max_sales, mean_sales, baseline)
 
 
-def new_run_id() -> str:
-    """A run id that sorts by its UTC start time (``latest`` picks the largest)."""
-    return f"rossmann-{datetime.datetime.now(datetime.UTC):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+def new_run_id(store: Any = None) -> str:
+    """A run id that sorts by its UTC start time (``latest`` picks the largest). Inside a Flyte
+    execution, given the ``store``, the task's own: its suffix derives from the execution and
+    the node, and the run an earlier attempt of the task started is resumed
+    (``flyte_hvd.estimators.runs.task_run_id``)."""
+    from flyte_hvd.estimators.runs import task_run_id
+
+    started = f"rossmann-{datetime.datetime.now(datetime.UTC):%Y%m%d-%H%M%S}"
+    own = task_run_id(store, lambda key: f"{started}-{key}") if store is not None else None
+    return own or f"{started}-{uuid.uuid4().hex[:6]}"
+
+
+# What Flyte may do with the pipeline's tasks (both SDKs). A retry of ``train`` resumes its
+# run from the last completed epoch (at most one epoch of work lost), so it may run on
+# preemptible nodes; every task is bounded, so a stuck one frees its pods.
+RETRIES = 2
+TRAIN_RETRIES = 3
+TASK_TIMEOUT = datetime.timedelta(hours=1)
+TRAIN_TIMEOUT = datetime.timedelta(hours=12)
+PIPELINE_TIMEOUT = datetime.timedelta(hours=18)  # Flyte 2's parent task waits for all of them
 
 
 def start_model(store: Any, warm_start: str, vocab: dict[str, list[str]], max_sales: float,

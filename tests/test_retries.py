@@ -82,6 +82,12 @@ def test_a_run_is_what_its_cause_is_not_what_its_peers_then_raised():
         "executor was lost, or the stage was cancelled): ExecutorLostFailure"
     )
     assert classify(lost) is FailureKind.SYSTEM
+    broken = RuntimeError(lost.args[0].replace("ExecutorLostFailure", "collectAndServe."))
+    broken.__cause__ = RuntimeError(
+        "Job aborted: org.apache.spark.api.python.PythonException: An exception was thrown "
+        "from the Python worker: ModuleNotFoundError: No module named 'flyte_hvd'"
+    )
+    assert classify(broken) is FailureKind.USER  # the workers' environment: every attempt
     assert classify(ValueError("`epochs` must be a positive int")) is FailureKind.USER
     assert classify(ConnectionResetError("reset")) is FailureKind.SYSTEM
     wrapped = RuntimeError("fit failed")
@@ -114,6 +120,32 @@ def test_flyte2_gets_the_kind_its_runtime_retries():
     assert "rank 1 died" in str(system)
     assert convert_from_native_to_error(system).recoverable is True
     assert convert_from_native_to_error(oom).recoverable is True
+
+
+@pytest.mark.parametrize(
+    ("failure", "kind", "code"),
+    [
+        ({0: VALUE_ERROR}, "NON_RECOVERABLE", "RanksFailedError"),
+        ({1: "rank 1 died: Killed (signal 9)"}, "RECOVERABLE", "RanksFailedError"),
+        ({1: "Traceback:\nMemoryError"}, "RECOVERABLE", "OOMError"),
+    ],
+)
+def test_flyte2s_error_document_has_the_kind(tmp_path, failure, kind, code):
+    """The error document Flyte 2's runtime entrypoint (``a0``) writes for what a task
+    raised: its own conversion and writer, as on a pod."""
+    import asyncio
+
+    from flyte._internal.runtime.convert import convert_from_native_to_error
+    from flyte._internal.runtime.io import upload_error
+    from flyteidl2.core import execution_pb2
+
+    error = convert_from_native_to_error(failures.for_flyte2(RanksFailedError(failure)))
+    asyncio.run(upload_error(error.err, str(tmp_path), recoverable=error.recoverable))
+    document = execution_pb2.ErrorDocument.FromString((tmp_path / "error.pb").read_bytes())
+    assert execution_pb2.ContainerError.Kind.Name(document.error.kind) == kind
+    assert code in document.error.code and next(iter(failure.values()))[-10:] in str(
+        document.error.message
+    )
 
 
 def test_a_user_error_gets_no_second_spark_attempt_and_a_death_gets_one():

@@ -130,6 +130,12 @@ def classify(error: BaseException) -> FailureKind:
     cause = error.__cause__
     if isinstance(cause, BaseException) and cause is not error and classify(cause).recoverable:
         return classify(cause)
+    # A stage that failed before any rank reported: Spark's own error says whether a Python
+    # worker raised (its code or its environment: the same in every attempt) or an executor
+    # was lost.
+    told = str(cause) if cause is not None else ""
+    if "PythonException" in told and "ExecutorLostFailure" not in told:
+        return FailureKind.USER
     return classify_text(f"{type(error).__name__}: {error}")
 
 

@@ -56,7 +56,8 @@ def test_stage_failing_once_is_retried_with_fresh_ranks(spark_cluster, tmp_path)
         hvd.init()
         if hvd.rank() == 1 and not os.path.exists(marker):
             open(marker, "w").close()
-            raise RuntimeError("transient failure")
+            # What a retry can fix (flyte_hvd.launch.failures); a user error is not retried.
+            raise ConnectionResetError("transient failure: the store reset the connection")
         return hvd.allgather_object(hvd.rank())
 
     assert run(fn, num_proc=2, verbose=0, stderr=io.StringIO()) == [[0, 1], [0, 1]]

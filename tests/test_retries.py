@@ -537,3 +537,62 @@ def test_mlflow_defaults_log_one_run_with_every_epoch_once_across_attempts(retri
 def teardown_module(module):
     if TIMES:
         print("\nseconds per end-to-end case:", json.dumps(TIMES, indent=1))
+
+
+# -- Flyte 2: the run of a task's fit in every attempt --------------------------------------------
+
+
+@pytest.fixture
+def flyte2_action():
+    """The task context Flyte 2's runtime sets in a pod (``mode="remote"``) for an action."""
+    import contextlib
+
+    from flyte._context import internal_ctx
+    from flyte.models import ActionID, RawDataPath, TaskContext
+    from flyte.report import Report
+
+    @contextlib.contextmanager
+    def action(name: str, mode: str = "remote"):
+        tctx = TaskContext(
+            action=ActionID(name=name, run_name="run1", project="p", domain="d"),
+            version="1", raw_data_path=RawDataPath(path="/tmp"), output_path="/tmp",
+            run_base_dir="/tmp", report=Report(name="r"), mode=mode,
+        )  # fmt: skip
+        with internal_ctx().replace_task_context(tctx):
+            yield
+
+    return action
+
+
+def test_a_flyte2_retry_resumes_its_run_and_takes_over_the_lease(
+    flyte2_action, tmp_path, monkeypatch, caplog
+):
+    import flyte.errors
+
+    from flyte_hvd.data.store import Store
+    from flyte_hvd.estimators.runs import RunLease, leased_run
+    from flyte_hvd.launch import task_identity
+
+    caplog.set_level(logging.WARNING, logger="flyte_hvd")
+    store = Store.create(str(tmp_path / "store"))
+    monkeypatch.setenv("FLYTE_ATTEMPT_NUMBER", "0")
+    with flyte2_action("a1"):
+        identity = task_identity.current()
+        assert identity is not None and identity.sdk == "flyte2"
+        with leased_run(store, None, "keras") as first, leased_run(store, None, "keras") as second:
+            assert first != second  # two fits of a task: two runs
+            # The attempt dies here: its lease stays, as a dead pod's would.
+            lease = RunLease(store, first)
+            record = json.loads(lease._record())
+            record.update(pid_space="another pod", token="dead")
+            store.write_bytes(lease.path, json.dumps(record).encode())
+        with pytest.raises(flyte.errors.RuntimeSystemError), failures.as_flyte_errors():
+            raise RanksFailedError({1: "rank 1 died: Killed (signal 9)"})
+    monkeypatch.setenv("FLYTE_ATTEMPT_NUMBER", "1")
+    with flyte2_action("a1"), leased_run(store, None, "keras") as again:
+        assert again == first  # attempt 1 resumes attempt 0's first fit's run
+    assert "was attempt 0 of this Flyte task" in caplog.text
+    with flyte2_action("a2"), leased_run(store, None, "keras") as other:
+        assert other not in (first, second)  # another action: a run of its own
+    with flyte2_action("a1", mode="local"):
+        assert task_identity.current() is None  # a local run is not retried by Flyte

@@ -596,3 +596,51 @@ def test_a_flyte2_retry_resumes_its_run_and_takes_over_the_lease(
         assert other not in (first, second)  # another action: a run of its own
     with flyte2_action("a1", mode="local"):
         assert task_identity.current() is None  # a local run is not retried by Flyte
+
+
+def test_a_flytekit_task_is_named_by_its_execution_and_its_node_never_its_attempt(
+    monkeypatch, tmp_path
+):
+    """No variable names the node in a Flyte pod: the output prefix flytekit is given does,
+    ``<metadata>/<execution>/<node>/data/<attempt>``."""
+    import contextlib
+    import datetime
+
+    from flytekit import FlyteContextManager
+    from flytekit.core.context_manager import ExecutionParameters, ExecutionState
+    from flytekit.core.mock_stats import MockStats
+
+    from flyte_hvd.launch import task_identity
+
+    @contextlib.contextmanager
+    def pod(prefix: str):
+        params = ExecutionParameters(
+            execution_date=datetime.datetime.now(datetime.UTC), tmp_dir=str(tmp_path),
+            stats=MockStats(), logging=logging.getLogger("t"), raw_output_prefix=str(tmp_path),
+            output_metadata_prefix=prefix, execution_id=None,
+        )  # fmt: skip
+        state = ExecutionState(working_dir=str(tmp_path), user_space_params=params,
+                               mode=ExecutionState.Mode.TASK_EXECUTION)  # fmt: skip
+        ctx = FlyteContextManager.current_context().with_execution_state(state)
+        with FlyteContextManager.with_context(ctx):
+            yield task_identity.current()
+
+    base = "s3://bucket/metadata/propeller/flytesnacks-development-exec1"
+    with pod(f"{base}/n3/data/0") as outside:
+        assert outside is None  # no FLYTE_INTERNAL_EXECUTION_ID: not a Flyte pod
+    monkeypatch.setenv("FLYTE_INTERNAL_EXECUTION_ID", "exec1")
+    monkeypatch.setenv("FLYTE_INTERNAL_EXECUTION_PROJECT", "flytesnacks")
+    monkeypatch.setenv("FLYTE_INTERNAL_EXECUTION_DOMAIN", "development")
+    monkeypatch.delenv("FLYTE_ATTEMPT_NUMBER", raising=False)
+    with pod(f"{base}/n3/data/0") as first, pod(f"{base}/n3/data/2/") as third:
+        pass
+    assert first is not None and third is not None
+    assert (first.attempt, third.attempt) == (0, 2)  # from the prefix when no variable says
+    assert first.execution == "flytesnacks/development/exec1" and first.sdk == "flytekit"
+    assert first.node_key == third.node_key and first.fit_key(1) == third.fit_key(1)
+    assert first.fit_key(1) != first.fit_key(2)
+    with pod(f"{base}/n4/data/0") as other:
+        assert other is not None and other.node_key != first.node_key
+    monkeypatch.setenv("FLYTE_ATTEMPT_NUMBER", "1")
+    with pod(f"{base}/n3/data/1") as named:
+        assert named is not None and named.attempt == 1 and named.node_key == first.node_key

@@ -6,6 +6,7 @@ variables, inputs and output prefixes Flyte gives a pod: one shared run per case
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -644,3 +645,73 @@ def test_a_flytekit_task_is_named_by_its_execution_and_its_node_never_its_attemp
     monkeypatch.setenv("FLYTE_ATTEMPT_NUMBER", "1")
     with pod(f"{base}/n3/data/1") as named:
         assert named is not None and named.attempt == 1 and named.node_key == first.node_key
+
+
+# -- a rank the kernel's OOM killer ended ----------------------------------------------------------
+
+
+def test_the_oom_kill_count_is_read_from_the_process_memory_cgroup(tmp_path):
+    own = tmp_path / "cgroup"
+    own.write_text("12:memory:/kubepods/pod1/c1\n0::/kubepods/pod1/c1\n")
+    v1 = tmp_path / "memory" / "c1"  # seen from inside the container: the host's path's tail
+    v1.mkdir(parents=True)
+    (v1 / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    assert failures.oom_kills(str(tmp_path), str(own)) == 3
+    (v1 / "memory.oom_control").unlink()
+    (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 4\noom 2\noom_kill 2\n")
+    assert failures.oom_kills(str(tmp_path), str(own)) == 2  # v2, at the container's root
+    assert failures.oom_kills(str(tmp_path / "none"), str(tmp_path / "nothing")) is None
+    died = f"rank 1 died: Killed (signal 9); {failures.OOM_KILLED_NOTE}"
+    assert classify_text(died) is FailureKind.OOM
+    assert classify(RanksFailedError({1: died, 0: TF_WRAPPED_PEER})) is FailureKind.OOM
+
+
+def _memory_cgroup(limit: int) -> Path | None:
+    """A new memory cgroup (v1) limited to ``limit`` bytes, or None where none can be made."""
+    from needs import root
+
+    base = Path("/sys/fs/cgroup/memory")
+    if root() is not None or not (base / "memory.oom_control").exists():
+        return None
+    group = base / f"flyte-hvd-oom-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+    except OSError:
+        return None
+    return group
+
+
+@pytest.mark.mpi
+def test_a_rank_the_oom_killer_ended_is_named_so_and_flyte2_gets_an_oom_error():
+    """``flyte-hvd-run`` in a memory cgroup of 600 MiB whose rank 1 asks for 2 GiB: the kernel
+    kills it, and the run's error says it was the OOM killer."""
+    from needs import require
+
+    group = _memory_cgroup(600 << 20)
+    require(None if group is not None else "root and a writable cgroup v1 memory controller")
+    assert group is not None
+    program = (
+        "import flyte_hvd.core as hvd, numpy as np\n"
+        "hvd.init()\n"
+        "if hvd.rank() == 1:\n"
+        "    block = np.ones(2 << 30, dtype=np.uint8)\n"
+        "hvd.allreduce(np.ones(1))\n"
+    )
+    cli = Path(sys.executable).parent / "flyte-hvd-run"
+    try:
+        result = subprocess.run(
+            ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh",
+             str(cli), "-np", "2", sys.executable, "-c", program],
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+        )  # fmt: skip
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        time.sleep(0.5)
+        group.rmdir()
+    assert result.returncode != 0
+    assert "rank 1 died: Killed (signal 9); the kernel's OOM killer" in result.stderr, (
+        result.stderr[-3000:]
+    )

@@ -4,8 +4,9 @@ Spark's stage retry inside a task attempt, flytekit's and Flyte 2's retries of t
 - ``SYSTEM`` (a retry can fix it): a rank killed by a signal (other than SIGABRT, which NCCL's
   watchdog sends itself), an executor or pod lost, a Store that timed out or cannot be reached,
   a collective stopped by the stall shutdown, a rank that lost its peers or the driver.
-- ``OOM``: a rank that ran out of memory (``MemoryError``, or a death the text says was the
-  OOM killer's). Retried like ``SYSTEM``; Flyte 2 gets ``flyte.errors.OOMError``.
+- ``OOM``: a rank that ran out of memory (``MemoryError``, or a SIGKILL while the OOM killer's
+  count of its cgroup grew: the supervisor says so in the rank's failure). Retried like
+  ``SYSTEM``; Flyte 2 gets ``flyte.errors.OOMError``.
 - ``USER`` (no retry can fix it): bad parameters, any other exception raised by the user's code
   on a rank, a model that does not fit the data. Fails fast: no second Spark stage attempt,
   non-recoverable for Flyte.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import os
 import re
 from collections.abc import Iterator
 
@@ -53,7 +55,52 @@ _RECOVERABLE_TEXT = (
     "Connection reset by peer",
     "Broken pipe",
 )
-_OOM_TEXT = ("OOMKilled", "Out of memory: Killed process", "oom-kill")
+_OOM_TEXT = ("OOMKilled", "Out of memory: Killed process", "oom-kill:")
+
+
+# What the supervisor adds to a rank's death when the kernel's OOM killer ended it.
+OOM_KILLED_NOTE = "the kernel's OOM killer ended it (oom-kill: the memory limit was reached)"
+
+
+def oom_kills(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> int | None:
+    """How many processes the kernel's OOM killer has ended in this process's memory cgroup (a
+    pod's container): ``oom_kill`` of cgroup v2's ``memory.events`` or v1's
+    ``memory.oom_control``; None where neither can be read."""
+    for path in _memory_cgroup_files(root, own):
+        try:
+            with open(path) as f:
+                for line in f:
+                    name, _, value = line.partition(" ")
+                    if name == "oom_kill" and value.strip().isdigit():
+                        return int(value)
+        except OSError:
+            continue
+    return None
+
+
+def _memory_cgroup_files(root: str, own: str) -> list[str]:
+    """The files that may hold this process's OOM kill count, nearest first. ``own`` names
+    the cgroup from the host's root; inside a container ``root`` shows it from the container's,
+    so the path is tried with its leading parts removed in turn."""
+    candidates: list[str] = []
+    try:
+        with open(own) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if controllers == "":  # v2
+            base, name = root, "memory.events"
+        elif "memory" in controllers.split(","):
+            base, name = os.path.join(root, "memory"), "memory.oom_control"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        candidates += [os.path.join(base, *parts[i:], name) for i in range(len(parts))]
+    candidates += [os.path.join(root, "memory.events"),
+                   os.path.join(root, "memory", "memory.oom_control")]  # fmt: skip
+    return candidates
 
 
 class FailureKind(enum.Enum):

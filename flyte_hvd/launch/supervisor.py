@@ -30,6 +30,7 @@ import cloudpickle
 
 from flyte_hvd.core.errors import RanksFailedError, RendezvousTimeoutError
 from flyte_hvd.core.types import UserValue
+from flyte_hvd.launch import failures as failure_kinds
 from flyte_hvd.launch import messages, rendezvous, spare, stall
 from flyte_hvd.launch.job import MAX_RESULT_ENV, Job
 from flyte_hvd.launch.messages import RankOp
@@ -244,6 +245,7 @@ class RankSupervisor:
         self._cancelled: str | None = None
         self.started_at = 0.0
         self._stopping_for_failure = False
+        self._oom_kills = failure_kinds.oom_kills()  # a SIGKILL with more of them later: OOM
 
     def run(self) -> dict[int, UserValue]:
         workdir = _private_dir()
@@ -540,6 +542,9 @@ class RankSupervisor:
 
     def _death_text(self, state: _Rank, code: int) -> str:
         how = f"died: {state.exit_string}" if state.exit_string else f"exited with status {code}"
+        killed = f"(signal {int(signal.SIGKILL)})" in (state.exit_string or "")
+        if killed and _more(failure_kinds.oom_kills(), self._oom_kills):
+            how += f"; {failure_kinds.OOM_KILLED_NOTE}"
         tail = "\n".join(state.stderr_tail)
         return f"rank {state.rank} {how}" + (f"\nlast stderr lines:\n{tail}" if tail else "")
 
@@ -596,6 +601,10 @@ class RankSupervisor:
 
 
 # How ``_death_text`` says a signal killed a rank.
+def _more(now: int | None, before: int | None) -> bool:
+    return now is not None and before is not None and now > before
+
+
 _SIGNALLED_TEXT = re.compile(r"^rank \d+ died: .*\(signal (\d+)\)")
 
 

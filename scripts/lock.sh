@@ -4,10 +4,18 @@
 #   lock/dev.txt        .[tf-cpu,torch,dev]   what `make setup` installs (CI, laptops)
 #   lock/image.txt      .[tf,torch]           the Docker image
 #   lock/image-gpu.txt  .[tf,torch] + tensorflow[and-cuda]   the image's GPU variant
+#   lock/test-py3.12.txt  .[tf-cpu] + pytest    `make test-pythons` on Python 3.12
 #
 # tensorflow and tensorflow-cpu cannot share an environment, hence one file per install.
-# Every file is resolved for CPython 3.11 on x86_64 manylinux (the image and CI), whatever
-# machine runs this. torch is the CPU build (+cpu) in dev.txt and image.txt: from
+# The first three are resolved for CPython 3.11 on x86_64 manylinux (the image and CI), whatever
+# machine runs this; the test-py* files for the other Pythons the package supports, whose
+# resolutions differ (numpy 2.5 needs Python 3.12). They hold no torch: its CPU build for those
+# Pythons comes only from PyTorch's CPU index, which these machines do not reach. No Python 3.13
+# file: flytekit (1.16.31, the latest) requires Python <3.13, and uv, which ignores upper bounds
+# of Requires-Python, would write a lock that pip refuses to install.
+#
+# The package takes any torch>=2.13; the locks pin TORCH_VERSION (2.13.0, the CPU wheel these
+# machines carry). torch is the CPU build (+cpu) in dev.txt and image.txt: from
 # TORCH_FIND_LINKS (a folder holding it) when set or when /opt/wheels exists, else from the
 # PyTorch CPU index. image-gpu.txt takes the same torch version from PyPI, whose Linux x86_64
 # wheel is the CUDA build (its CUDA 13 libraries as nvidia-* wheels, beside the CUDA 12 ones
@@ -16,6 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 UV="${UV:-uv}"
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 if [ -n "${TORCH_FIND_LINKS:-}" ] || [ -d /opt/wheels ]; then
   torch_source=(--find-links "${TORCH_FIND_LINKS:-/opt/wheels}")
 else
@@ -27,11 +36,13 @@ common=(--quiet --python-version 3.11 --python-platform x86_64-manylinux_2_28
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+echo "torch==$TORCH_VERSION" >"$work/torch.txt"
 
-"$UV" pip compile pyproject.toml "${common[@]}" \
+"$UV" pip compile pyproject.toml "${common[@]}" -c "$work/torch.txt" \
   --extra tf-cpu --extra torch --extra dev -o lock/dev.txt
-"$UV" pip compile pyproject.toml "${common[@]}" \
+"$UV" pip compile pyproject.toml "${common[@]}" -c "$work/torch.txt" \
   --extra tf --extra torch -o lock/image.txt
+sed -i "s|#   -c $work/torch.txt|#   -c torch==$TORCH_VERSION (TORCH_VERSION)|" lock/dev.txt lock/image.txt
 # The GPU image: the CPU locks' torch version, as PyPI's CUDA build (no torch_source).
 torch_version=$(sed -n 's/^torch==\([^+]*\)+cpu$/\1/p' lock/image.txt)
 printf 'tensorflow[and-cuda]\ntorch==%s\n' "$torch_version" >"$work/gpu.in"
@@ -41,6 +52,15 @@ printf 'tensorflow[and-cuda]\ntorch==%s\n' "$torch_version" >"$work/gpu.in"
 # The header names the temporary input; name what it held instead.
 sed -i "s|#   -r $work/gpu.in|#   tensorflow[and-cuda], torch==$torch_version (CUDA)|" lock/image-gpu.txt
 
+# The per-Python suite (`make test-pythons`): TensorFlow's CPU build, Spark, and pytest.
+printf 'pytest>=8\npytest-timeout>=2.3\n' >"$work/test.in"
+for version in 3.12; do
+  "$UV" pip compile pyproject.toml "$work/test.in" --quiet --python-version "$version" \
+    --python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock" \
+    --extra tf-cpu -o "lock/test-py$version.txt"
+  sed -i "s|#   -r $work/test.in|#   pytest, pytest-timeout|" "lock/test-py$version.txt"
+done
+
 # The CPU installs must not carry CUDA, and the GPU image must: fail here rather than in a
 # multi-GB install.
 for lock in lock/dev.txt lock/image.txt; do
@@ -49,7 +69,7 @@ for lock in lock/dev.txt lock/image.txt; do
     exit 1
   fi
 done
-for lock in lock/dev.txt lock/image.txt; do
+for lock in lock/dev.txt lock/image.txt lock/test-py3.12.txt; do
   if grep -Eq '^nvidia-' "$lock"; then
     echo "$lock: CPU install pulls nvidia-* packages: $(grep -E '^nvidia-' "$lock" | tr '\n' ' ')" >&2
     exit 1
@@ -59,4 +79,4 @@ if ! grep -Eq '^torch==[0-9.]+$' lock/image-gpu.txt || ! grep -Eq '^nvidia-cudnn
   echo "lock/image-gpu.txt: torch is not PyPI's CUDA build (no local version, nvidia-cudnn-cu13)." >&2
   exit 1
 fi
-echo "wrote lock/dev.txt lock/image.txt lock/image-gpu.txt"
+echo "wrote lock/dev.txt lock/image.txt lock/image-gpu.txt lock/test-py3.12.txt"

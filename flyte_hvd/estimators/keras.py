@@ -18,8 +18,15 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
-import keras
 import numpy as np
+
+try:
+    import keras
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "KerasEstimator needs TensorFlow and Keras 3: install the extra "
+        "`pip install flyte-hvd[tf]` (or `[tf-cpu]`)."
+    ) from error
 
 from flyte_hvd.data.loader import TransformedLoader
 from flyte_hvd.data.store import Store

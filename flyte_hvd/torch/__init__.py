@@ -14,7 +14,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "flyte_hvd.torch needs PyTorch: install the extra `pip install flyte-hvd[torch]` "
-        "(on CPU-only machines pin the CPU wheel, torch==2.13.0)."
+        "(on CPU-only machines, PyTorch's CPU build from its CPU index)."
     ) from error
 
 from flyte_hvd.core import *  # noqa: F403 - Horovod's API is one namespace

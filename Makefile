@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup lock test test-fast check docs run run-flyte2 demo lint format bench cluster image
+.PHONY: setup lock test test-fast test-pythons check docs run run-flyte2 demo lint format bench cluster image
 
 # lock/dev.txt pins every package of this install (`make lock` regenerates it from
 # pyproject.toml). Its torch is the CPU build (2.13.0+cpu), which PyPI does not carry:
@@ -32,6 +32,14 @@ test: setup check docs
 # such a thing anyway fails, naming the marker it lacks).
 test-fast: setup
 	FLYTE_HVD_TEST_FAST=1 $(PY) -m pytest -m "not spark and not mpi and not flyte and not e2e and not cluster and not container"
+
+# The Pythons the package supports beside this venv's (3.12; 3.13 waits for flytekit, which
+# requires Python <3.13): for each, a venv (.cache/py3.X) from its lock (lock/test-py3.X.txt:
+# TensorFlow's CPU build, Spark, pytest; reinstalled only when the lock changes) and a few
+# minutes of tests: the fast ones that need no framework, tests/test_pythons.py, a
+# KerasEstimator fit/transform (scripts/test_pythons.sh). PYTHONS="3.12 ..." names them.
+test-pythons:
+	scripts/test_pythons.sh
 
 # Static checks: lint, format, the layers (import-linter contracts in pyproject.toml: each
 # layer imports only those below it, no import cycles) and the types the package promises

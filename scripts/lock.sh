@@ -58,7 +58,7 @@ for version in 3.12; do
   "$UV" pip compile pyproject.toml "$work/test.in" --quiet --python-version "$version" \
     --python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock" \
     --extra tf-cpu -o "lock/test-py$version.txt"
-  sed -i "s|#   -r $work/test.in|#   pytest, pytest-timeout|" "lock/test-py$version.txt"
+  sed -i "s|-r $work/test.in|pytest, pytest-timeout (scripts/lock.sh)|" "lock/test-py$version.txt"
 done
 
 # The CPU installs must not carry CUDA, and the GPU image must: fail here rather than in a

@@ -24,7 +24,8 @@ lock:
 	@test -x $(VENV)/bin/uv || { test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV); $(PY) -m pip install -q -c lock/dev.txt uv; }
 	UV=$(VENV)/bin/uv scripts/lock.sh
 
-test: setup check docs
+# test-pythons first: the small suite on the other supported Pythons (scripts/test_pythons.sh).
+test: setup check docs test-pythons
 	$(PY) -m pytest
 
 # The edit-test loop: every test that starts no Spark, no rank process and no Flyte execution

@@ -184,8 +184,8 @@ def test_keras_fit_in_a_flyte_task_is_an_mlflow_run_with_progress_and_a_deck(
 ):
     df = _df(spark_local2)
     store = Store.create(str(tmp_path / "store"))
-    estimator = _estimator(
-        store, validation=0.25, run_id="tracked",
+    estimator = _estimator(  # verbose=1: the per-epoch progress line (verbose=0 has none)
+        store, validation=0.25, run_id="tracked", verbose=1,
         checkpoint_callback=BestModelCheckpoint(monitor="val_loss"),
         mlflow=MlflowConfig(experiment="flyte-hvd-tests", tracking_uri=file_store_uri,
                             registered_model_name="tiny-regressor", tags={"team": "ml"}),

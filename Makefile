@@ -10,10 +10,10 @@ STAMP  := $(VENV)/.installed-stamp
 # pyproject.toml). Its torch is the CPU build (2.13.0+cpu), which PyPI does not carry:
 # scripts/install.sh takes it from a `find-links` folder pip is configured with when one holds
 # it, else from the PyTorch CPU index (that one package); everything else comes from PyPI.
+# The installer is uv (pinned in the lock; INSTALLER=pip for pip).
 $(STAMP): pyproject.toml lock/dev.txt scripts/install.sh
 	@scripts/check_java.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	scripts/install.sh $(PY)
 	@touch $(STAMP)
 

@@ -143,16 +143,17 @@ def _fake_wheel(folder: Path, name: str, version: str) -> Path:
     return path
 
 
-def install_commands(find_links: Path) -> subprocess.CompletedProcess:
-    """The pip commands `make setup` runs (scripts/install.sh --print), with pip configured
-    only by this test: one find-links folder and an index where nothing listens, so any
-    attempt to download fails instead of reaching the internet."""
+def install_commands(find_links: Path, **settings: str) -> subprocess.CompletedProcess:
+    """The commands `make setup` runs (scripts/install.sh --print), with pip configured only
+    by this test: one find-links folder and an index where nothing listens, so any attempt to
+    download fails instead of reaching the internet."""
     env = {
         **os.environ,
         "PIP_CONFIG_FILE": os.devnull,
         "PIP_FIND_LINKS": str(find_links),
         "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
         "PIP_RETRIES": "0",
+        **settings,
     }
     return subprocess.run(
         [str(REPO / "scripts" / "install.sh"), sys.executable, "--print"],
@@ -163,13 +164,29 @@ def install_commands(find_links: Path) -> subprocess.CompletedProcess:
     )
 
 
+UV = str(Path(sys.executable).parent / "uv")
+
+
+def uv_commands(result: subprocess.CompletedProcess) -> list[str]:
+    """The install commands with uv: first uv itself, the lock's version, with pip; then uv
+    with the package sources pip is configured with."""
+    assert result.returncode == 0, result.stderr
+    commands = result.stdout.splitlines()
+    uv = read_lock("lock/dev.txt")["uv"]
+    assert commands[0] == f"{sys.executable} -m pip install -q uv=={uv}"
+    return commands
+
+
 def test_make_setup_takes_torch_from_a_local_wheel_when_pip_finds_one(tmp_path):
     version = read_lock("lock/dev.txt")["torch"]
     _fake_wheel(tmp_path, "torch", version)
     result = install_commands(tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [
-        f"{sys.executable} -m pip install -q -c lock/dev.txt -e .[tf-cpu,torch,dev]"
+    uv = uv_commands(result)
+    assert uv[1:] == [
+        f"{UV} pip install -q --python {sys.executable} --index-strategy unsafe-best-match "
+        f"--find-links {tmp_path} --index-url http://127.0.0.1:9/simple "
+        "-c lock/dev.txt -e .[tf-cpu,torch,dev]"
     ]
     assert "from a local find-links folder" in result.stderr
 
@@ -179,7 +196,15 @@ def test_make_setup_takes_torch_alone_from_the_pytorch_cpu_index_without_a_local
     version = read_lock("lock/dev.txt")["torch"]
     result = install_commands(tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [
+    uv = uv_commands(result)
+    assert uv[1] == (
+        f"{UV} pip install -q --python {sys.executable} --no-deps --index-url "
+        f"https://download.pytorch.org/whl/cpu torch=={version}"
+    )
+    assert uv[2].endswith("-c lock/dev.txt -e .[tf-cpu,torch,dev]"), uv
+    # INSTALLER=pip: the same two steps with pip, and no uv.
+    pip = install_commands(tmp_path, INSTALLER="pip")
+    assert pip.stdout.splitlines() == [
         f"{sys.executable} -m pip install -q --no-deps --index-url "
         f"https://download.pytorch.org/whl/cpu torch=={version}",
         f"{sys.executable} -m pip install -q -c lock/dev.txt -e .[tf-cpu,torch,dev]",

@@ -57,21 +57,20 @@ def typed(df: DataFrame, name: str) -> DataFrame:
     """The columns of file ``name`` by their ``FORMATS``, whatever their spelling: whole numbers
     as int, numbers as double, 0/1 flags as boolean, ``StateHoliday`` as boolean (a, b, c are
     holidays; 0 is none), dates as date; a blank is null. Other columns stay text."""
+    columns: dict[str, Column] = {}
     for col, fmt in FORMATS[name].items():
         if fmt.kind is WHOLE:
-            value = number(col).cast(T.IntegerType())
+            columns[col] = number(col).cast(T.IntegerType())
         elif fmt.kind is REAL:
-            value = number(col)
+            columns[col] = number(col)
         elif fmt.kind is FLAG:
-            value = number(col) != 0
+            columns[col] = number(col) != 0
         elif fmt.kind is HOLIDAY:
-            value = F.trim(col).isin("a", "b", "c")
+            columns[col] = F.trim(col).isin("a", "b", "c")
         elif fmt.kind is DATE:
-            value = F.to_date(F.trim(col), "yyyy-MM-dd")
-        else:
-            continue
-        df = df.withColumn(col, value)
-    return df
+            columns[col] = F.to_date(F.trim(col), "yyyy-MM-dd")
+    # One projection: Spark analyses the whole plan again for each withColumn.
+    return df.withColumns(columns)
 
 
 def prepare_frames(
@@ -87,8 +86,8 @@ def prepare_frames(
     test_csv = read_csv(spark, directory, "test.csv")
     if sample_rate < 1.0:
         train_csv = train_csv.sample(withReplacement=False, fraction=sample_rate, seed=seed)
-    train_df = _joined(spark, directory, train_csv, "train.csv").cache()
-    test_df = _joined(spark, directory, test_csv, "test.csv").cache()
+    train_df = _joined(spark, directory, train_csv, "train.csv")
+    test_df = _joined(spark, directory, test_csv, "test.csv")
 
     # Elapsed days around promotions and holidays, over training and test dates together.
     keys = ["Date", "Store", *ELAPSED_COLS]
@@ -123,8 +122,7 @@ def prepare_frames(
 
 
 def _joined(spark: SparkSession, directory: str, df: DataFrame, name: str) -> DataFrame:
-    """Daily rows with store, state, trend and weather columns; no row may be lost."""
-    expected = df.count()
+    """Daily rows with store, state, trend and weather columns, cached; no row may be lost."""
     df = _expand_date(df)
     # A blank Open (11 rows of the real test.csv, all of one store) means open, the competition's
     # convention: only a store known to be closed that day gets 0 sales.
@@ -132,30 +130,53 @@ def _joined(spark: SparkSession, directory: str, df: DataFrame, name: str) -> Da
     store = read_csv(spark, directory, "store.csv").join(
         read_csv(spark, directory, "store_states.csv"), "Store"
     )
-    df = _check_rows(df.join(store, "Store"), expected, name, "store.csv / store_states.csv")
-
     trend = _google_trend(spark, directory)
-    df = df.join(trend.select("State", "Year", "Week", "trend"), ["State", "Year", "Week"])
-    df = _check_rows(df, expected, name, "googletrend.csv (per state)")
     trend_de = trend.filter(F.col("file") == "Rossmann_DE").select(
         "Year", "Week", F.col("trend").alias("trend_de")
     )
-    df = _check_rows(df.join(trend_de, ["Year", "Week"]), expected, name, "googletrend.csv (DE)")
-
     weather = read_csv(spark, directory, "weather.csv").withColumn("Date", F.to_date("Date"))
     states = read_csv(spark, directory, "state_names.csv")
     weather = weather.join(states, weather.file == states.StateName).drop("file", "StateName")
-    df = _check_rows(df.join(weather, ["State", "Date"]), expected, name, "weather.csv")
+    joins = [
+        ("store.csv / store_states.csv", store, ["Store"]),
+        ("googletrend.csv (per state)", trend.select("State", "Year", "Week", "trend"),
+         ["State", "Year", "Week"]),
+        ("googletrend.csv (DE)", trend_de, ["Year", "Week"]),
+        ("weather.csv", weather, ["State", "Date"]),
+    ]  # fmt: skip
+    return _with_competition(_checked_joins(df, joins, name))
 
-    df = (
-        df.withColumn(
-            "CompetitionOpenSinceYear", F.coalesce("CompetitionOpenSinceYear", F.lit(1900))
-        )
-        .withColumn("CompetitionOpenSinceMonth", F.coalesce("CompetitionOpenSinceMonth", F.lit(1)))
-        .withColumn("Promo2SinceYear", F.coalesce("Promo2SinceYear", F.lit(1900)))
-        .withColumn("Promo2SinceWeek", F.coalesce("Promo2SinceWeek", F.lit(1)))
-    )
-    # Months a competitor has been open and weeks of promo2, capped at 24 and 25.
+
+def _checked_joins(df: DataFrame, joins: list, name: str) -> DataFrame:
+    """``df`` joined with each ``(label, right, keys)`` in turn, cached, checked in one Spark
+    job that every row found exactly one match in each; otherwise ``LostRowsError`` naming the
+    first join that lost (or multiplied) rows, found by counting after each join."""
+    checked = df.withColumn("_row", F.monotonically_increasing_id())
+    for i, (_, right, keys) in enumerate(joins):
+        checked = checked.join(right.withColumn(f"_in{i}", F.lit(True)), keys, "left")
+    checked = checked.cache()
+    unmatched = F.lit(False)
+    for i in range(len(joins)):
+        unmatched = unmatched | F.col(f"_in{i}").isNull()
+    rows, distinct, lost = checked.agg(
+        F.count(F.lit(1)), F.count_distinct("_row"), F.sum(unmatched.cast("int"))
+    ).first()
+    if rows != distinct or lost:
+        checked.unpersist()
+        expected = df.count()
+        for label, right, keys in joins:
+            df = _check_rows(df.join(right, keys), expected, name, label)
+    return checked.drop("_row", *(f"_in{i}" for i in range(len(joins))))
+
+
+def _with_competition(df: DataFrame) -> DataFrame:
+    """Months a competitor has been open and weeks of promo2, capped at 24 and 25."""
+    df = df.withColumns({
+        "CompetitionOpenSinceYear": F.coalesce("CompetitionOpenSinceYear", F.lit(1900)),
+        "CompetitionOpenSinceMonth": F.coalesce("CompetitionOpenSinceMonth", F.lit(1)),
+        "Promo2SinceYear": F.coalesce("Promo2SinceYear", F.lit(1900)),
+        "Promo2SinceWeek": F.coalesce("Promo2SinceWeek", F.lit(1)),
+    })  # fmt: skip
     competition_since = F.make_date(
         F.col("CompetitionOpenSinceYear").cast("int"),
         F.col("CompetitionOpenSinceMonth").cast("int"),
@@ -165,7 +186,6 @@ def _joined(spark: SparkSession, directory: str, df: DataFrame, name: str) -> Da
         F.col("CompetitionOpenSinceYear").cast("int") > 1900,
         F.greatest(F.lit(0), F.least(F.lit(360 * 2), F.datediff("Date", competition_since))),
     ).otherwise(0)
-    df = df.withColumn("CompetitionMonthsOpen", (competition_days / 30).cast(T.IntegerType()))
     promo2_since = F.date_add(
         F.make_date(F.col("Promo2SinceYear").cast("int"), F.lit(1), F.lit(1)),
         (F.col("Promo2SinceWeek").cast("int") - 1) * 7,
@@ -174,7 +194,10 @@ def _joined(spark: SparkSession, directory: str, df: DataFrame, name: str) -> Da
         F.col("Promo2SinceYear").cast("int") > 1900,
         F.greatest(F.lit(0), F.least(F.lit(25 * 7), F.datediff("Date", promo2_since))),
     ).otherwise(0)
-    return df.withColumn("Promo2Weeks", (promo2_days / 7).cast(T.IntegerType()))
+    return df.withColumns({
+        "CompetitionMonthsOpen": (competition_days / 30).cast(T.IntegerType()),
+        "Promo2Weeks": (promo2_days / 7).cast(T.IntegerType()),
+    })  # fmt: skip
 
 
 def _check_rows(df: DataFrame, expected: int, name: str, joined: str) -> DataFrame:
@@ -189,12 +212,10 @@ def _check_rows(df: DataFrame, expected: int, name: str, joined: str) -> DataFra
 
 
 def _expand_date(df: DataFrame) -> DataFrame:
-    return (
-        df.withColumn("Year", F.year("Date"))
-        .withColumn("Month", F.month("Date"))
-        .withColumn("Week", F.weekofyear("Date"))
-        .withColumn("Day", F.dayofmonth("Date"))
-    )
+    return df.withColumns({
+        "Year": F.year("Date"), "Month": F.month("Date"), "Week": F.weekofyear("Date"),
+        "Day": F.dayofmonth("Date"),
+    })  # fmt: skip
 
 
 def _google_trend(spark: SparkSession, directory: str) -> DataFrame:
@@ -215,6 +236,7 @@ def _add_elapsed(df: DataFrame) -> DataFrame:
     past = Window.partitionBy("Store").orderBy("Date").rowsBetween(Window.unboundedPreceding, 0)
     future = Window.partitionBy("Store").orderBy("Date").rowsBetween(0, Window.unboundedFollowing)
     store = Window.partitionBy("Store")
+    columns: dict[str, Column] = {}
     for col in ELAPSED_COLS:
         event_date = F.when(F.col(col), F.col("Date"))
         last = F.coalesce(
@@ -223,9 +245,9 @@ def _add_elapsed(df: DataFrame) -> DataFrame:
         upcoming = F.coalesce(
             F.first(event_date, ignorenulls=True).over(future), F.max("Date").over(store)
         )
-        df = df.withColumn(f"After{col}", F.datediff("Date", last))
-        df = df.withColumn(f"Before{col}", F.datediff("Date", upcoming))
-    return df
+        columns[f"After{col}"] = F.datediff("Date", last)
+        columns[f"Before{col}"] = F.datediff("Date", upcoming)
+    return df.withColumns(columns)
 
 
 def build_vocabulary(df: DataFrame) -> dict[str, list[str]]:
@@ -247,17 +269,18 @@ def _natural(value: str) -> tuple:
 
 def _lookup(df: DataFrame, vocab: dict[str, list[str]]) -> DataFrame:
     """Categorical values replaced by their index in the vocabulary."""
+    columns = {}
     for col, values in vocab.items():
         mapping = F.create_map(*[F.lit(x) for pair in enumerate(values) for x in pair[::-1]])
         text = F.coalesce(F.col(col).cast("string"), F.lit(MISSING))
-        df = df.withColumn(col, mapping[text].cast(T.IntegerType()))
-    return df
+        columns[col] = mapping[text].cast(T.IntegerType())
+    return df.withColumns(columns)
 
 
 def _cast(df: DataFrame, cols: list[str]) -> DataFrame:
-    for col in cols:
-        df = df.withColumn(col, F.coalesce(F.col(col).cast(T.FloatType()), F.lit(0.0)))
-    return df
+    return df.withColumns(
+        {col: F.coalesce(F.col(col).cast(T.FloatType()), F.lit(0.0)) for col in cols}
+    )
 
 
 def submission_sales(open_col: str = "Open", predicted: str = "Predicted") -> Column:

@@ -50,7 +50,7 @@ fi
 # Everything the Dockerfile copies, and the Dockerfile: the image is current when its label
 # holds this hash.
 context=$(
-  find Dockerfile Dockerfile.dockerignore pyproject.toml README.md lock docker flyte_hvd \
+  find Dockerfile Dockerfile.dockerignore pyproject.toml README.md lock/image*.txt docker flyte_hvd \
     -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 \
     | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16
 )

@@ -269,10 +269,14 @@ def test_the_image_installs_python_packages_only_from_a_lock_file():
     for run in installs:
         from_lock = re.search(r' -r "/src/\$\{LOCK_FILE\}"', run)
         project_only = re.search(r" --no-deps --no-build-isolation /src( +&& rm -rf /src)?$", run)
-        assert from_lock or project_only, f"installs from outside the lock file: {run}"
+        # The installer, outside the venv: the uv of lock/dev.txt.
+        installer = re.search(r' --target /opt/uv "uv==\$\{UV_VERSION\}"$', run)
+        assert from_lock or project_only or installer, f"installs from outside the lock file: {run}"
+    assert args["UV_VERSION"] == read_lock("lock/dev.txt")["uv"]
     assert args["LOCK_FILE"] == "lock/image.txt"
     assert "--build-arg LOCK_FILE=lock/image-gpu.txt" in DOCKERFILE
-    assert "COPY lock/ /src/lock/" in DOCKERFILE
+    # Only that lock is copied: a change to another one keeps the installed layer.
+    assert "COPY ${LOCK_FILE} /src/${LOCK_FILE}" in DOCKERFILE
     # The project itself is the version pyproject.toml declares; its dependencies are locked.
     for path in LOCKS:
         assert "flyte-hvd" not in read_lock(path)
@@ -350,7 +354,11 @@ def test_image_context_rules_keep_what_the_dockerfile_copies():
     for copy_line in dockerfile_instructions("COPY"):
         if "--from=" in copy_line:
             continue
-        sources += copy_line.split()[1:-1]
+        # A build argument names its default (`COPY ${LOCK_FILE} ...`: lock/image.txt).
+        sources += [
+            re.sub(r"\$\{(\w+)\}", lambda m: dockerfile_args()[m[1]], source)
+            for source in copy_line.split()[1:-1]
+        ]
     assert sources
     for source in sources:
         top = source.rstrip("/").split("/")[0]

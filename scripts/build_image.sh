@@ -16,7 +16,7 @@
 # flyte-hvd.context, a hash of everything the Dockerfile copies): what the tests call.
 #
 # Cached between runs on one machine: the base's root file system (~/.cache/flyte-hvd-image,
-# or FLYTE_HVD_IMAGE_CACHE), buildah's layers and pip's cache (a cache mount). Needs root;
+# or FLYTE_HVD_IMAGE_CACHE), buildah's layers and uv's cache (a cache mount). Needs root;
 # buildah, podman, runc and debootstrap are installed with apt-get when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -19,10 +19,13 @@ $(STAMP): pyproject.toml lock/dev.txt scripts/install.sh
 
 setup: $(STAMP)
 
-# Resolves without installing (uv, for CPython 3.11 on x86_64 Linux); see scripts/lock.sh.
+# Resolves without installing (uv): the locks of `make setup` and the image for CPython 3.11 on
+# x86_64 Linux, and one per other Python of `make test-pythons`; see scripts/lock.sh. The pins
+# stay where they still satisfy pyproject.toml: LOCK_ARGS="--upgrade-package NAME" (or
+# "--upgrade") moves them.
 lock:
 	@test -x $(VENV)/bin/uv || { test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV); $(PY) -m pip install -q -c lock/dev.txt uv; }
-	UV=$(VENV)/bin/uv scripts/lock.sh
+	UV=$(VENV)/bin/uv scripts/lock.sh $(LOCK_ARGS)
 
 # test-pythons first: the small suite on the other supported Pythons (scripts/test_pythons.sh).
 test: setup check docs test-pythons
@@ -34,12 +37,13 @@ test: setup check docs test-pythons
 test-fast: setup
 	FLYTE_HVD_TEST_FAST=1 $(PY) -m pytest -m "not spark and not mpi and not flyte and not e2e and not cluster and not container"
 
-# The Pythons the package supports beside this venv's (3.12; 3.13 waits for flytekit, which
-# requires Python <3.13): for each, a venv (.cache/py3.X) from its lock (lock/test-py3.X.txt:
-# TensorFlow's CPU build, Spark, pytest; reinstalled only when the lock changes) and a few
-# minutes of tests: the fast ones that need no framework, tests/test_pythons.py, a
-# KerasEstimator fit/transform (scripts/test_pythons.sh). PYTHONS="3.12 ..." names them.
-test-pythons:
+# The Pythons the package supports beside this venv's 3.11 (3.12 and 3.13; on 3.13 without
+# flytekit, which requires Python <3.13): for each, a venv (.cache/py3.X) from its lock
+# (lock/test-py3.X.txt: TensorFlow's CPU build, Spark, the Flyte 2 SDK, pytest), made with uv
+# and remade only when the lock changes, and a few minutes of tests: the fast ones that need no
+# framework, tests/test_pythons.py, a KerasEstimator fit/transform, a Flyte 2 task
+# (scripts/test_pythons.sh). PYTHONS="3.12 ..." names them; INSTALLER=pip installs with pip.
+test-pythons: setup
 	scripts/test_pythons.sh
 
 # Static checks: lint, format, the layers (import-linter contracts in pyproject.toml: each

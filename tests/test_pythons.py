@@ -20,21 +20,45 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Installed by no extra: an environment without them is one without TensorFlow and PyTorch.
 FRAMEWORKS = ("tensorflow", "keras", "tensorboard", "torch", "lightning", "pytorch_lightning")
-_BLOCK = f"import sys\nfor name in {FRAMEWORKS!r}: sys.modules[name] = None\n"
+# Not installed on Python 3.13 (every flytekit release requires Python <3.13).
+FLYTEKIT = ("flytekit", "flytekitplugins")
+
+
+# A finder ahead of the others: importing a blocked module (or one inside it) fails as it does
+# where it is not installed, and `name in sys.modules` stays False, as there.
+_BLOCK = """
+import sys
+class _Absent:
+    def find_spec(self, name, path=None, target=None):
+        if any(name == m or name.startswith(m + ".") for m in BLOCKED):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, _Absent())
+"""
+
+
+def _without(modules: tuple[str, ...], code: str) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a Python where importing ``modules`` fails as it does where they are
+    not installed."""
+    block = f"BLOCKED = {modules!r}\n{_BLOCK}"
+    return subprocess.run(
+        [sys.executable, "-c", block + code], capture_output=True, text=True, timeout=120
+    )
 
 
 def _without_frameworks(code: str) -> subprocess.CompletedProcess:
-    """Runs ``code`` in a Python where importing TensorFlow, Keras or PyTorch fails as it does
-    where they are not installed."""
-    return subprocess.run(
-        [sys.executable, "-c", _BLOCK + code], capture_output=True, text=True, timeout=120
-    )
+    return _without(FRAMEWORKS, code)
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
 def test_the_package_and_its_flyte_plugins_import_without_tensorflow_and_torch():
     modules = ["flyte_hvd", "flyte_hvd.core", "flyte_hvd.launch", "flyte_hvd.spark"]
-    modules += ["flyte_hvd.data", "flyte_hvd.estimators", "flyte_hvd.flyte"]
-    if importlib.util.find_spec("flyte") is not None:  # the [flyte2] extra
+    modules += ["flyte_hvd.data", "flyte_hvd.estimators"]
+    if _installed("flytekit"):  # Python < 3.13
+        modules.append("flyte_hvd.flyte")
+    if _installed("flyte"):  # the [flyte2] extra
         modules.append("flyte_hvd.flyte2")
     result = _without_frameworks(
         "import importlib\n"
@@ -45,6 +69,56 @@ def test_the_package_and_its_flyte_plugins_import_without_tensorflow_and_torch()
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_the_package_and_the_flyte2_plugin_import_without_flytekit():
+    # What Python 3.13 installs: no flytekit. The estimators load lazily, and run() and the
+    # Flyte 2 plugin reach flytekit only in a process that already loaded it.
+    modules = ["flyte_hvd", "flyte_hvd.core", "flyte_hvd.launch", "flyte_hvd.spark"]
+    modules += ["flyte_hvd.data", "flyte_hvd.estimators", "flyte_hvd.launch.failures"]
+    if _installed("flyte"):
+        modules.append("flyte_hvd.flyte2")
+    result = _without(
+        FLYTEKIT,
+        "import importlib, sys\n"
+        f"for module in {modules!r}: importlib.import_module(module)\n"
+        "from flyte_hvd.spark import KerasEstimator, run\n"
+        "from flyte_hvd.estimators import report\n"
+        "from flyte_hvd.launch import task_identity\n"
+        "assert not report.in_flyte_task() and task_identity.current() is None\n"
+        # (`flytekitplugins` alone may be a namespace package that a .pth file loads at start.)
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'flytekit'\n"
+        "            or m.startswith('flytekitplugins.')]\n"
+        "print('ok')",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(
+    ("blocked", "missing"),
+    [("flytekit", "flytekit"), ("flytekitplugins", "flytekitplugins.spark"), (None, "flytekit")],
+    ids=["no-flytekit", "no-flytekitplugins-spark", "this-install"],
+)
+def test_the_flytekit_plugin_without_flytekit_says_why_and_what_to_use(blocked, missing):
+    if blocked is None:  # this Python's own install (3.13: no flytekit)
+        if _installed("flytekit"):
+            pytest.skip("flytekit is installed here")
+        result = _without((), "import flyte_hvd.flyte")
+    else:
+        if blocked != "flytekit" and not _installed("flytekit"):
+            pytest.skip("flytekit is not installed here: it is the one named missing")
+        result = _without((blocked,), "import flyte_hvd.flyte")
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: `flyte_hvd.flyte` is the flytekit plugin"), last
+    assert f"`{missing}` is not installed" in last, last
+    if sys.version_info >= (3, 13):
+        assert "flytekit's releases (to 1.16.31) require Python <3.13" in last, last
+        assert "`flyte_hvd.flyte2` (`pip install flyte-hvd[flyte2]`)" in last, last
+        assert "Python 3.11 or 3.12" in last, last
+    else:
+        assert "`pip install 'flytekit>=1.16' 'flytekitplugins-spark>=1.16'`" in last, last
 
 
 @pytest.mark.parametrize(
@@ -65,10 +139,6 @@ def test_a_framework_entry_point_without_its_framework_names_the_extra(code, ext
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError:") and f"`pip install {extra}`" in last, last
-
-
-def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 @pytest.mark.spark
@@ -125,8 +195,9 @@ def test_each_pythons_lock_pins_the_package_requirements_within_their_ranges(loc
     environment = {"python_version": version, "python_full_version": f"{version}.0"}
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     pins = _pins(REPO / "lock" / lock)
-    required = project["dependencies"] + project["optional-dependencies"]["tf-cpu"]
-    for requirement in map(Requirement, [*required, "pytest", "pytest-timeout"]):
+    extras = project["optional-dependencies"]
+    required = project["dependencies"] + extras["tf-cpu"] + extras["flyte2"]
+    for requirement in map(Requirement, [*required, "pytest", "pytest-timeout", "pip"]):
         if requirement.marker and not requirement.marker.evaluate(environment):
             continue
         name = canonicalize_name(requirement.name)
@@ -135,6 +206,8 @@ def test_each_pythons_lock_pins_the_package_requirements_within_their_ranges(loc
             f"lock/{lock} pins {name}=={pins[name]}, outside `{requirement}`: run `make lock`"
         )
     assert "torch" not in pins and not [n for n in pins if n.startswith("nvidia-")]
+    # flytekit installs on no Python from 3.13 (its releases require <3.13).
+    assert ("flytekit" in pins) == (Version(version) < Version("3.13")), lock
 
 
 def test_a_build_prints_no_setuptools_warning_of_ours(tmp_path):

@@ -927,6 +927,112 @@ def test_ranks_in_executor_pods_talk_over_libfabric_tcp(defaults):
         assert conf["spark.executorEnv.FI_PROVIDER"] == "tcp"
 
 
+def spark_application(custom: dict, defaults: Path) -> dict:
+    """The SparkApplication (sparkoperator.k8s.io/v1beta2) that Flyte 1.16's Spark plugin
+    creates for a task (spark.go): a Python application in cluster mode from the task's image
+    and command, its sparkConf and hadoopConf, and the driver and executors sized by that
+    conf."""
+    import pyspark
+
+    conf = spark_application_conf(custom, defaults)
+    return {
+        "apiVersion": "sparkoperator.k8s.io/v1beta2",
+        "kind": "SparkApplication",
+        "metadata": {"name": "f1a2b3c4-n0-0", "namespace": "flytesnacks-development"},
+        "spec": {
+            "type": "Python",
+            "mode": "cluster",
+            "image": "flyte-hvd:1",
+            "mainApplicationFile": custom.get("mainApplicationFile") or "local:///entrypoint.py",
+            "arguments": ["pyflyte-execute", "--resolver", "default"],
+            "sparkVersion": pyspark.__version__,
+            "restartPolicy": {"type": "Never"},
+            "sparkConf": conf,
+            "hadoopConf": custom.get("hadoopConf") or {},
+            "driver": {
+                "cores": int(conf.get("spark.driver.cores", "1")),
+                "memory": conf["spark.driver.memory"],
+                "serviceAccount": "default",
+            },
+            "executor": {
+                "instances": int(conf["spark.executor.instances"]),
+                "cores": int(conf["spark.executor.cores"]),
+                "memory": conf["spark.executor.memory"],
+                "memoryOverhead": conf["spark.executor.memoryOverhead"],
+            },
+        },
+    }
+
+
+def check_spark_application(doc: dict) -> None:
+    """The Spark operator's own models (kubeflow-spark-api) read ``doc``: each value of the
+    right type, and no field they do not know (the models drop those, so the keys lost on
+    the way through them are the unknown ones)."""
+    from kubeflow_spark_api.models.spark_v1beta2_spark_application import (
+        SparkV1beta2SparkApplication,
+    )
+
+    model = SparkV1beta2SparkApplication.from_dict(doc)
+
+    def lost(given, kept, path: str) -> list[str]:
+        if not isinstance(given, dict):
+            return []
+        return [
+            found
+            for key, value in given.items()
+            for found in (
+                lost(value, kept[key], f"{path}.{key}") if key in kept else [f"{path}.{key}"]
+            )
+        ]
+
+    unknown = lost(doc, model.to_dict(), "")
+    assert not unknown, f"fields the SparkApplication API does not have: {unknown}"
+
+
+@pytest.mark.parametrize("defaults", PROPELLER_DEFAULTS, ids=lambda p: str(p.relative_to(K8S)))
+def test_every_spark_task_is_a_valid_spark_application(defaults):
+    from flyte_hvd.flyte import HorovodSpark
+    from flyte_hvd.flyte.task import HorovodSparkFunctionTask
+    from workflows import rossmann
+
+    def body() -> None:
+        return None
+
+    tasks = {
+        "HorovodSpark": HorovodSparkFunctionTask(task_config=HorovodSpark(num_proc=3),
+                                                 task_function=body),
+        "HorovodSpark (GPU)": HorovodSparkFunctionTask(
+            task_config=HorovodSpark(num_proc=2, gpus_per_rank=1), task_function=body),
+        "rossmann.prepare": rossmann.prepare,
+        "rossmann.predict": rossmann.predict,
+    }  # fmt: skip
+    for name, task in tasks.items():
+        doc = spark_application(serialized(task), defaults)
+        check_spark_application(doc)
+        if name.startswith("HorovodSpark"):
+            assert doc["spec"]["executor"]["instances"] == task.task_config.num_proc, name
+    train = {"sparkConf": rossmann.train_spark_conf(4), "executorPath": "/opt/venv/bin/python3"}
+    doc = spark_application(train, defaults)
+    check_spark_application(doc)
+    assert doc["spec"]["executor"]["instances"] == 4
+
+
+def test_the_spark_application_check_refuses_a_wrong_type_and_an_unknown_field():
+    from pydantic import ValidationError
+
+    from workflows import rossmann
+
+    doc = spark_application(serialized(rossmann.prepare), PROPELLER_DEFAULTS[0])
+    wrong = copy.deepcopy(doc)
+    wrong["spec"]["executor"]["instances"] = "two"
+    with pytest.raises(ValidationError, match="instances"):
+        check_spark_application(wrong)
+    misspelt = copy.deepcopy(doc)
+    misspelt["spec"]["executor"]["instance"] = 2
+    with pytest.raises(AssertionError, match=r"\.spec\.executor\.instance\b"):
+        check_spark_application(misspelt)
+
+
 def mebibytes(size: str) -> int:
     """A JVM memory size of Spark (`512m`, `2g`) in MiB."""
     match = re.fullmatch(r"(\d+)([mg])", size.strip().lower())

@@ -8,7 +8,7 @@
 # warm cache it installs the ~250 locked packages in about 40 s where pip takes about 3 minutes.
 # uv reads no pip configuration, so the package sources pip is configured with (its config
 # files and PIP_* variables: index-url, extra-index-url, find-links, constraint) are passed to
-# it, and like pip it picks the best match across them. INSTALLER=pip installs with pip instead.
+# it (scripts/pip_sources.sh), and like pip it picks the best match across them. INSTALLER=pip installs with pip instead.
 #
 # lock/dev.txt pins torch's CPU build (2.13.0+cpu), which PyPI does not carry. When pip finds
 # that wheel without any index (a `find-links` folder in pip's configuration or PIP_FIND_LINKS),
@@ -25,23 +25,6 @@ TORCH_INDEX_URL="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
 INSTALLER="${INSTALLER:-uv}"
 extras="tf-cpu,torch,dev"
 
-# pip's package sources as uv arguments: the last value of each setting wins (pip's own order:
-# its config files, then PIP_* variables), a setting may hold several values.
-pip_sources() {
-  "$py" -m pip config list 2>/dev/null | "$py" -c '
-import shlex, sys
-flags = {"index-url": "--index-url", "extra-index-url": "--extra-index-url",
-         "find-links": "--find-links", "constraint": "--constraint"}
-last = {}
-for line in sys.stdin:
-    key, _, value = line.strip().partition("=")
-    name = key.rsplit(".", 1)[-1]
-    if name in flags:
-        last[name] = shlex.split(value)[0].split() if value else []
-print(" ".join(f"{flags[name]} {value}" for name, values in last.items() for value in values))
-'
-}
-
 torch_pin=$(grep -E '^torch==' lock/dev.txt)
 uv_pin=$(grep -E '^uv==' lock/dev.txt)
 venv_bin=$(dirname "$py")
@@ -49,7 +32,7 @@ if [ "$INSTALLER" = uv ]; then
   # pip's CA bundle (a proxy's certificate authority), which uv takes from SSL_CERT_FILE.
   cert=$("$py" -m pip config list 2>/dev/null | sed -n "s/^.*\.cert='\(.*\)'$/\1/p" | tail -1)
   [ -n "$cert" ] && export SSL_CERT_FILE="${SSL_CERT_FILE:-$cert}"
-  sources="--index-strategy unsafe-best-match $(pip_sources)"
+  sources=$(scripts/pip_sources.sh "$py")
   install=("$py -m pip install -q $uv_pin" "$venv_bin/uv pip install -q --python $py")
 else
   sources=""

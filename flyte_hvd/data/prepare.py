@@ -16,8 +16,11 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
+import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import pyarrow as pa
 
@@ -52,6 +55,7 @@ AnySparkSession: TypeAlias = "SparkSession | ConnectSparkSession"
 Stats: TypeAlias = dict[str, Any]
 
 logger = get_logger(__name__)
+T = TypeVar("T")  # what a Spark action returns
 
 __all__ = [
     "ColumnInfo",
@@ -70,6 +74,9 @@ _SPLIT_COL = "__flyte_hvd_is_val"
 # committed file costs tens of milliseconds whatever its size (measured: 200k rows in 20 files
 # by 2 tasks take three quarters of the time 20 tasks take).
 WRITE_TASK_BYTES = 128 << 20
+# How long an interrupted write may take to end its Spark jobs (and Spark its cleanup) before
+# the interrupt goes on regardless.
+CANCEL_WAIT_S = 60.0
 
 # -- prepare_data ----------------------------------------------------------------------------
 
@@ -241,8 +248,8 @@ def _prepare(
         cols.append(validation_flag(validation).alias(_SPLIT_COL))
     sel = df.select(*cols)
     checked = set(labels) | set(weight) | (set() if allow_non_finite_features else set(features))
-    stats, infos = _inspect(sel, kinds, checked, validation is not None, set(features),
-                            compress_sparse)  # fmt: skip
+    stats, infos = _cancellable(sel.sparkSession, lambda: _inspect(
+        sel, kinds, checked, validation is not None, set(features), compress_sparse))  # fmt: skip
     _check_split_rows(stats, validation, num_processes)
     if on_checked is not None:
         on_checked()
@@ -745,15 +752,58 @@ def _write_split(
         for leaf, floating in _leaf_paths(infos).items():
             if floating:
                 writer = writer.option(f"parquet.enable.dictionary#{leaf}", "false")
-        writer.option("maxRecordsPerFile", rows_per_file).parquet(url)
+        writer = writer.option("maxRecordsPerFile", rows_per_file)
+        _cancellable(spark, lambda: writer.parquet(url))
         return
     task = _StagedWriteTask(store, path, infos, local_storage_env(_master(spark)), rows_per_file)
-    written = part.mapInArrow(task, "file string, rows long").collect()
+    written = _cancellable(spark, part.mapInArrow(task, "file string, rows long").collect)
     expected = {r["file"] for r in written}
     found = bounded(store, ("listing", "in"), path, 0, store.fs.find, store.fs_path(path))
     for stray in set(found) - expected:  # from retried tasks
         if stray.endswith(".parquet"):
             bounded(store, ("deleting", "from"), stray, 0, store.fs.rm, stray)
+
+
+def _cancellable(spark: AnySparkSession, action: Callable[[], T]) -> T:
+    """``action()``, Spark jobs (the checks, a write), in a thread of its own whose jobs carry
+    a tag of their own. When the waiting thread is interrupted (Ctrl-C), the jobs with that
+    tag are cancelled, those the action starts meanwhile too, until the action has ended (up
+    to ``CANCEL_WAIT_S``); then the interrupt goes on. An interrupted call would otherwise go
+    on in the JVM (a job it had not started yet is not cancelled, and Spark's cleanup of a
+    cancelled write comes after): the next prepare would write beside it, and the two remove
+    each other's ``_temporary`` folder."""
+    tag = f"flyte-hvd-prepare-{uuid.uuid4().hex[:12]}"
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def call() -> None:
+        spark.addTag(tag)
+        try:
+            outcome["value"] = action()
+        except BaseException as error:
+            outcome["error"] = error
+        finally:
+            spark.removeTag(tag)
+            done.set()
+
+    threading.Thread(target=call, name="flyte-hvd-prepare", daemon=True).start()
+    try:
+        done.wait()
+    except BaseException:
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while not done.is_set() and time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                spark.interruptTag(tag)
+            done.wait(0.2)
+        if not done.is_set():
+            logger.warning(
+                "the interrupted Spark jobs of prepare_data did not end within %gs; they (tag "
+                "%s) may still be running", CANCEL_WAIT_S, tag,
+            )  # fmt: skip
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]  # type: ignore[no-any-return]  # the action's own result
 
 
 def _leaf_paths(infos: list[ColumnInfo]) -> dict[str, bool]:

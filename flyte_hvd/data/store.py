@@ -32,6 +32,7 @@ import os
 import pickle
 import posixpath
 import shutil
+import socket
 import tempfile
 import threading
 import uuid
@@ -697,6 +698,8 @@ class Store:
             ValueError: only this process sees the store's files (``memory://``).
             RuntimeError: the prefix cannot be created or written.
             StoreTimeoutError: the store did not answer within its ``timeout``.
+            StoreUnreachableError: its server cannot be reached (for ``gs://``, checked with
+                one connection first, rather than through the client's retries).
         """
         self._check_shared()
         probe = self.join(self.prefix_path, f".flyte-hvd-write-check-{uuid.uuid4().hex}")
@@ -705,6 +708,11 @@ class Store:
         bounded(self, ("writing", "to"), probe, 0, self._write_probe, probe)
 
     def _write_probe(self, probe: str) -> None:
+        endpoint = self._endpoint()
+        if endpoint is not None:
+            # A client may retry an endpoint it cannot reach for most of the timeout (gcsfs:
+            # about 50 s without a network); one connection says at once.
+            _check_reachable(self, endpoint, probe)
         try:
             self._connect()
         except Exception as error:
@@ -744,6 +752,11 @@ class Store:
     def address(self) -> str:
         """Where the store's server is, for messages about reaching it."""
         return f"`{self.prefix_path}` as the ranks' hosts see it"
+
+    def _endpoint(self) -> str | None:
+        """The URL of the store's server, which ``check_writable`` connects to first (None:
+        no check)."""
+        return None
 
     def _makedirs(self, path: str) -> None:
         if path:
@@ -1287,6 +1300,24 @@ class FilesystemStore(Store):
             f"and that the `{self.protocol}://` filesystem is reachable."
         )
 
+    def _endpoint(self) -> str | None:
+        if self.protocol not in ("gs", "gcs") or "session_kwargs" in self.storage_options:
+            return None  # (a session of the user's own may go through a proxy)
+        given = self.storage_options.get("endpoint_url")
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+        if not given and emulator not in ("", "default"):  # as gcsfs reads it
+            given = emulator if "://" in emulator else f"http://{emulator}"
+        return str(given or "https://storage.googleapis.com")
+
+    def address(self) -> str:
+        endpoint = self._endpoint()
+        if endpoint is None:
+            return super().address()
+        return (
+            f"endpoint {endpoint}; it is `endpoint_url` in `storage_options`, or "
+            f"STORAGE_EMULATOR_HOST where the ranks run"
+        )
+
     def _check_shared(self) -> None:
         from fsspec.implementations.memory import MemoryFileSystem
 
@@ -1459,7 +1490,6 @@ class RemoteStore:
         """``fn(*args)`` within the Store's timeout (``bounded``); an error that says the
         store cannot be reached becomes a ``StoreUnreachableError`` naming the operation."""
         store = self.store
-        prefix = store.prefix_path
         try:
             return bounded(store, verb, path, size, fn, *args)
         except StoreTimeoutError:
@@ -1467,11 +1497,7 @@ class RemoteStore:
         except Exception as error:
             if not _unreachable(error):
                 raise
-            doing = _doing(store, verb, path)
-            raise StoreUnreachableError(
-                f"cannot reach the store at `{prefix}` while {doing}: {_brief(error)}. Check "
-                f"that the store is up and reachable from every executor ({store.address()})."
-            ) from None
+            raise _unreachable_error(store, verb, path, error) from None
 
     def _run(self) -> str:
         if self.run_id is None:
@@ -1484,6 +1510,27 @@ def _doing(store: Store, verb: tuple[str, str], path: str) -> str:
     prefix = store.prefix_path
     rel = path[len(prefix) :].lstrip("/") if path.startswith(prefix) else path
     return f"{verb[0]} {rel} {verb[1]} {prefix}"
+
+
+def _unreachable_error(store: Store, verb: tuple[str, str], path: str,
+                       error: BaseException) -> StoreUnreachableError:  # fmt: skip
+    return StoreUnreachableError(
+        f"cannot reach the store at `{store.prefix_path}` while {_doing(store, verb, path)}: "
+        f"{_brief(error)}. Check that the store is up and reachable from every executor "
+        f"({store.address()})."
+    )
+
+
+def _check_reachable(store: Store, endpoint: str, path: str) -> None:
+    """One connection to ``endpoint`` (a URL), or a ``StoreUnreachableError`` naming it."""
+    url = urlparse(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection(
+            (url.hostname or "", port), timeout=min(5.0, store.timeout)
+        ).close()
+    except OSError as error:
+        raise _unreachable_error(store, ("writing", "to"), path, error) from None
 
 
 def bounded(store: Store, verb: tuple[str, str], path: str, size: int,

@@ -7,7 +7,9 @@ processes and hosts sharing a Store, so a fit never resumes a run it did not sta
 was given that ``run_id``. While a fit runs, ``runs/<run_id>/lease.json`` names it (host,
 process, when it expires); the driver renews it every ``LEASE_SECONDS / 3`` and removes it at
 the end. A second fit of the run is refused while the lease lives; a lease whose owner died
-(expired, or its process is gone from this host) is taken over.
+(expired, or its process is gone from this host) is taken over. Every Store call here is
+``bounded`` by the Store's timeout, as the ranks' are: a store that stops answering fails the
+fit, naming the call, instead of hanging it.
 
 Inside a Flyte execution the default ``run_id`` is the task's instead
 (``flyte_hvd.launch.task_identity``): its suffix derives from the execution, the node and the
@@ -28,10 +30,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from flyte_hvd.core.log import get_logger
-from flyte_hvd.data.store import DEFAULT_TIMEOUT_S
+from flyte_hvd.data.store import DEFAULT_TIMEOUT_S, bounded
 from flyte_hvd.estimators.training import (
     archive_problem,
     checkpoint_path,
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
     from flyte_hvd.data.store import RemoteStore, Store
 
 logger = get_logger(__name__)
+
+T = TypeVar("T")  # what a bounded Store call returns
 
 LEASE_FILENAME = "lease.json"
 # A lease not renewed for this long is stale: its fit's driver is gone (or cut off).
@@ -58,9 +62,10 @@ def new_run_id(framework: str, suffix: str | None = None) -> str:
 def run_ids(store: Store) -> list[str]:
     """The ids of the runs in ``store`` (its ``runs/`` folder), sorted."""
     runs = store.get_runs_path()
-    if not store.exists(runs):
+    if not bounded(store, ("looking for", "in"), runs, 0, store.exists, runs):
         return []
-    found = store.fs.ls(store.fs_path(runs), detail=False)
+    found = bounded(store, ("listing", "in"), runs, 0,
+                    lambda: store.fs.ls(store.fs_path(runs), detail=False))  # fmt: skip
     return sorted(os.path.basename(str(p).rstrip("/")) for p in found)
 
 
@@ -124,10 +129,14 @@ class RunLease:
             "renewed": now, "expires": now + LEASE_SECONDS, "flyte": self.flyte,
         }).encode()  # fmt: skip
 
+    def _call(self, verb: tuple[str, str], fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)``, one Store call on the lease, within the Store's timeout."""
+        return bounded(self.store, verb, self.path, 0, fn, *args)
+
     def _read(self) -> dict | None:
         """The lease in the store (None: none; ``{}``: unreadable)."""
         try:
-            record = json.loads(self.store.read(self.path))
+            record = json.loads(self._call(("reading", "from"), self.store.read, self.path))
         except FileNotFoundError:
             return None
         except ValueError:
@@ -138,7 +147,8 @@ class RunLease:
         """Take the lease if no live fit holds it (taking over a stale one, with a warning);
         False when another fit holds it."""
         for _ in range(3):  # a stale lease removed, then another fit may win the create
-            if self.store.create_exclusive(self.path, self._record()):
+            if self._call(("writing", "to"), self.store.create_exclusive, self.path,
+                          self._record()):  # fmt: skip
                 self._start_renewing()
                 return True
             held = self._read()
@@ -151,7 +161,7 @@ class RunLease:
                 "run `%s`: taking over the lease of %s, which %s",
                 self.run_id, held.get("owner", "an unknown owner"), why,
             )  # fmt: skip
-            self.store.delete(self.path)
+            self._call(("deleting", "from"), self.store.delete, self.path)
         return False
 
     def acquire(self) -> None:
@@ -185,7 +195,7 @@ class RunLease:
                         (held or {}).get("owner", "unknown"), self.path,
                     )  # fmt: skip
                     return
-                self.store.write_bytes(self.path, self._record())
+                self._call(("writing", "to"), self.store.write_bytes, self.path, self._record())
             except Exception as error:  # a store hiccup: the next renewal tries again
                 logger.warning("run `%s`: cannot renew its lease `%s`: %s",
                                self.run_id, self.path, error)  # fmt: skip
@@ -214,7 +224,7 @@ class RunLease:
         with contextlib.suppress(Exception):  # the fit's own error matters more
             held = self._read()
             if held and held.get("token") == self.token:
-                self.store.delete(self.path)
+                self._call(("deleting", "from"), self.store.delete, self.path)
 
 
 def _stale(lease: dict, flyte: dict | None = None) -> str | None:
@@ -265,7 +275,8 @@ def leased_run(store: Store, run_id: str | None, framework: str) -> Iterator[str
     else:
         while True:
             candidate = new_run_id(framework)
-            if store.exists(store.get_run_path(candidate)):
+            folder = store.get_run_path(candidate)
+            if bounded(store, ("looking for", "in"), folder, 0, store.exists, folder):
                 continue
             lease = RunLease(store, candidate)
             if lease.try_acquire():
@@ -280,15 +291,22 @@ def leased_run(store: Store, run_id: str | None, framework: str) -> Iterator[str
 
 
 def _file_problem(store: RemoteStore, path: str) -> str | None:
-    """What is wrong with a model file of the run, as a phrase (None: nothing)."""
+    """What is wrong with a model file of the run, as a phrase (None: nothing); read within
+    the Store's timeout (plus its share per MiB)."""
+    st, target = store.store, store.fs_path(path)
     try:
-        with store.fs.open(store.fs_path(path), "rb") as f:
-            problem = archive_problem(f)
+        size = bounded(st, ("looking for", "in"), path, 0, lambda: st.fs.size(target))
+        problem = bounded(st, ("reading", "from"), path, size or 0, _archive_problem, st, target)
     except FileNotFoundError:
         return "is missing"
     except OSError as error:
         return f"cannot be read ({type(error).__name__}: {error})"
     return None if problem is None else f"is damaged: {problem}"
+
+
+def _archive_problem(store: Store, target: str) -> str | None:
+    with store.fs.open(target, "rb") as f:
+        return archive_problem(f)
 
 
 def check_resumable(store: RemoteStore, epochs: int, extension: str,

@@ -85,16 +85,41 @@ def local_storage_env(master: str) -> dict[str, str]:
 
 def driver_import_path() -> str:
     """The driver's import path beyond the interpreter's own (the project root that pyflyte
-    or pytest added, a script's folder): on a local master the ranks need it to import what
-    cloudpickle sends by reference. On a cluster code reaches executors only as the Spark
-    job ships it (``addPyFile``), which the rank takes from its Python worker instead."""
+    or pytest added, a script's folder), then the folders its loaded modules were imported
+    from where the path no longer names them: on a local master the ranks need them to import
+    what cloudpickle sends by reference. (``pyflyte run /path/wf.py`` puts the workflow's
+    folder on ``sys.path`` only while it loads the file; the task, run later, and the modules
+    beside it come from there.) On a cluster code reaches executors only as the Spark job
+    ships it (``addPyFile``), which the rank takes from its Python worker instead."""
     own = tuple(os.path.abspath(p) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})
     paths: list[str] = []
-    for entry in sys.path:
-        path = os.path.abspath(entry or os.getcwd())
+    for path in [os.path.abspath(e or os.getcwd()) for e in sys.path] + _module_roots(own):
         if not path.startswith(own) and path not in paths and os.path.exists(path):
             paths.append(path)
     return os.pathsep.join(paths)
+
+
+def _module_roots(skip: tuple[str, ...]) -> list[str]:
+    """The folders the loaded modules were imported from, but those under ``skip``: ``/x``
+    for a module ``a.b`` loaded from ``/x/a/b.py`` or ``/x/a/b/__init__.py``."""
+    roots = []
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if (
+            name == "__main__"
+            or not isinstance(file, str)
+            or not file.endswith(".py")
+            or file.startswith(skip)
+        ):
+            continue
+        parts = name.split(".")
+        if os.path.basename(file) == "__init__.py":
+            parts.append("__init__")
+        tail = os.sep + os.path.join(*parts) + ".py"
+        file = os.path.abspath(file)
+        if file.endswith(tail) and (root := file[: -len(tail)]) not in roots:
+            roots.append(root)
+    return roots
 
 
 # What ranks never take from the driver's environment: it describes the driver's own host,

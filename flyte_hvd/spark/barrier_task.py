@@ -12,6 +12,7 @@ bytes the driver decodes.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import inspect
 import os
 import reprlib
@@ -32,6 +33,7 @@ from flyte_hvd.launch import progress
 from flyte_hvd.launch.supervisor import check_start_timeout
 
 if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
     from pyspark.sql.connect.session import SparkSession as ConnectSparkSession
 
 Number = TypeVar("Number", int, float)  # a Spark setting read as a number
@@ -395,7 +397,10 @@ def deactivate(session: ConnectSparkSession) -> None:
 def start_local_session(app_name: str, config: BarrierTaskConfig) -> None:
     """Locally, the SparkSession the SDK would start, with a task slot per rank and this
     interpreter for Spark's Python workers; an active session is kept as it is (the
-    launcher's preflight says if it has too few slots)."""
+    launcher's preflight says if it has too few slots). A session started here serves the
+    process's later tasks too and is stopped when the process exits: Spark's Python worker
+    daemons then remove their Unix domain sockets, which a JVM ending with its process
+    leaves in the temporary folder."""
     from pyspark.sql import SparkSession
 
     if SparkSession.getActiveSession() is not None:
@@ -411,7 +416,16 @@ def start_local_session(app_name: str, config: BarrierTaskConfig) -> None:
     for key, value in conf.items():
         builder = builder.config(key, value)
     with _local_jvm_environment(sys.executable):
-        builder.getOrCreate()
+        session = builder.getOrCreate()
+    atexit.register(_stop_at_exit, session)
+
+
+def _stop_at_exit(session: SparkSession) -> None:
+    """Stop ``session`` unless it was stopped already (and another perhaps started)."""
+    from pyspark import SparkContext
+
+    if SparkContext._active_spark_context is session.sparkContext:
+        session.stop()
 
 
 @contextmanager

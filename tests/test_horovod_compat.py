@@ -125,11 +125,11 @@ def test_horovod_only_params_are_accepted_and_warn_once():
         KerasEstimator(reader_pool_type="process", train_reader_num_workers=4,
                        backward_passes_per_step=2, label_shapes=[[1]])  # fmt: skip
         KerasEstimator(reader_pool_type="process")  # a second time: no second warning
-        LightningEstimator(terminate_on_nan=True, num_gpus=1, data_module=object)
+        LightningEstimator(num_gpus=1, data_module=object)
     messages = [str(w.message) for w in caught]
     assert sum("`reader_pool_type`='process'" in m for m in messages) == 1
     assert any("`backward_passes_per_step`=2" in m and "Keras step" in m for m in messages)
-    assert any("`terminate_on_nan`=True" in m and "detect_anomaly" in m for m in messages)
+    assert any("`num_gpus`=1" in m and "one device" in m for m in messages)
     # Set to their defaults, nothing is said.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -430,8 +430,9 @@ def test_unwritable_store_fails_before_ranks_start(spark_local2, store):
 
 
 def test_save_and_load_through_s3(s3_server, monkeypatch):
-    """save/load to an S3 URL (the endpoint and keys from AWS_* as on a cluster): one object,
-    the same predictions and params after the round trip, and no silent overwrite."""
+    """save/load to an S3 URL (the endpoint and keys from AWS_* as on a cluster): the archive
+    and pyspark's metadata, the same predictions and params after the round trip, and no
+    silent overwrite."""
     from flyte_hvd.estimators.keras import model_to_bytes
 
     for name, value in (("AWS_ACCESS_KEY_ID", s3_server.key), ("AWS_DEFAULT_REGION", "us-east-1"),
@@ -446,7 +447,10 @@ def test_save_and_load_through_s3(s3_server, monkeypatch):
     url = f"s3://{s3_server.bucket}/models/keras-1"
     model.save(url)
     listed = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix="models/")
-    assert [o["Key"] for o in listed["Contents"]] == ["models/keras-1/keras_model.zip"]
+    assert [o["Key"] for o in listed["Contents"]] == [
+        "models/keras-1/keras_model.zip",
+        "models/keras-1/metadata/part-00000",
+    ]
     loaded = KerasModel.load(url)
     assert loaded.getOutputCols() == ["p"] and loaded.getRunId() == "s3-run"
     x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
+import cloudpickle
 import numpy as np
 
 try:
@@ -64,6 +66,7 @@ KerasMetric: TypeAlias = "str | Callable[..., Any] | keras.metrics.Metric"
 LAST_MODEL_FILENAME = "last.keras"  # the latest epoch, for resuming
 BEST_MODEL_FILENAME = "best.keras"  # where a checkpoint callback writes, on rank 0
 _EXTENSION = ".keras"
+_CUSTOM_OBJECTS_FILE = "custom_objects.pkl"  # in a saved KerasEstimator
 # Keras' params: everyone's, and the loss check after each epoch.
 KERAS_PARAMS = {**ESTIMATOR_PARAMS, **NAN_PARAM}
 
@@ -188,16 +191,30 @@ class KerasEstimator(HorovodEstimator):
                 check_learning_rate(rate, f"`optimizer` ({type(optimizer).__name__})")
         _check_identifiers(self.getLoss(), self.getMetrics(), self._custom_objects())
 
+    def _saved_files(self) -> dict[str, bytes]:
+        # The model's own classes, saved apart: the model (pickled by Keras, as a .keras file)
+        # loads only with them in scope.
+        objects = self._custom_objects() if self.getModel() is not None else {}
+        return {**super()._saved_files(), _CUSTOM_OBJECTS_FILE: cloudpickle.dumps(objects)}
+
+    @classmethod
+    def _from_saved(cls, files: dict[str, bytes]) -> HorovodEstimator:
+        objects = cloudpickle.loads(files.get(_CUSTOM_OBJECTS_FILE, cloudpickle.dumps({})))
+        with keras.saving.custom_object_scope(objects):
+            return super()._from_saved(files)
+
     def _custom_objects(self) -> dict[str, Any]:
-        """``custom_objects`` plus the plain functions used as loss or metric: Keras saves a
-        function by its name only, so the ranks (and ``KerasModel``) load the model with
-        these by name, as Keras users expect a compiled function loss to just work."""
+        """``custom_objects`` plus what Keras would find only in this process: the plain
+        functions used as loss or metric (Keras saves a function by its name only), and the
+        model's own classes (``_model_classes``: registered ones, and layers defined in
+        ``__main__``). The ranks (and ``KerasModel``) load the model with these by name, as
+        Keras users expect a compiled function loss or a registered layer to just work."""
         model = self.getModel()
         compile_config = getattr(getattr(model, "_compile_config", None), "config", None)
         found = _plain_functions(
             self.getLoss(), self.getMetrics(), getattr(model, "loss", None), compile_config
         )
-        return {**found, **(self.getCustomObjects() or {})}
+        return {**_model_classes(model), **found, **(self.getCustomObjects() or {})}
 
     def _compiled_model(self) -> keras.Model:
         model = self.getModel()
@@ -260,7 +277,7 @@ class KerasEstimator(HorovodEstimator):
         return KerasTrainingSpec(
             **self._spec_fields(remote_store, features, metadata),
             model_bytes=model_to_bytes(model),
-            custom_objects=self._custom_objects(),
+            custom_objects=ByValue(self._custom_objects()),
             learning_rate=_learning_rate(model.optimizer),
             callbacks=list(self.getCallbacks() or []),
             checkpoint_callback=self.getCheckpointCallback(),
@@ -304,7 +321,7 @@ class KerasModel(HorovodModel):
 
     def _batch_predictor(self, sc: Broadcaster) -> BatchPredictor:
         model_bytes = sc.broadcast(self._trained_bytes())
-        custom_objects = self.getCustomObjects()
+        custom_objects = ByValue(self.getCustomObjects())
 
         def predict(columns: list[pa.Array]) -> list[pa.Array]:
             model = _worker_model(model_bytes.value, custom_objects)
@@ -450,6 +467,76 @@ def _plain_functions(*values: object) -> dict[str, Callable[..., Any]]:
     for value in values:
         walk(value)
     return found
+
+
+def _model_classes(model: keras.Model) -> dict[str, type]:
+    """The classes the model's saved config names that Keras finds in this process only, by
+    the name Keras saves them under: registered ones (``register_keras_serializable``: found
+    once their module is imported, which the ranks never did) and the model's unregistered
+    layers (e.g. defined in ``__main__``)."""
+    names: set[str] = set()
+
+    def walk(value: object) -> None:
+        if isinstance(value, dict):
+            name, module = value.get("registered_name"), value.get("module") or ""
+            if isinstance(name, str) and "class_name" in value and not _is_keras(module):
+                names.add(name)
+            value = list(value.values())
+        if isinstance(value, list | tuple):
+            for item in value:
+                walk(item)
+
+    walk(keras.saving.serialize_keras_object(model))
+    layers = {keras.saving.get_registered_name(type(layer)): type(layer)
+              for layer in model._flatten_layers()}  # fmt: skip
+    found = {name: keras.saving.get_registered_object(name) or layers.get(name) for name in names}
+    return {name: cls for name, cls in found.items() if cls is not None}
+
+
+def _is_keras(module: str) -> bool:
+    return module.partition(".")[0] in ("keras", "keras_hub", "keras_cv", "keras_nlp")
+
+
+class ByValue(dict):
+    """Custom objects on their way to other processes (the ranks, Spark's Python workers):
+    pickled with the definitions of the classes and functions of the user's own modules (not
+    installed, e.g. beside the script), which those processes cannot import; unpickled as a
+    plain dict, with the registered ones registered again (``_registered``)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        modules = {getattr(value, "__module__", None) for value in self.values()}
+        own = [sys.modules[m] for m in modules if m and m in sys.modules and _own_module(m)]
+        registered = set(cloudpickle.list_registry_pickle_by_value())
+        added = [m for m in own if m.__name__ not in registered]
+        for module in added:
+            cloudpickle.register_pickle_by_value(module)
+        try:
+            return _registered, (cloudpickle.dumps(dict(self)),)
+        finally:
+            for module in added:
+                cloudpickle.unregister_pickle_by_value(module)
+
+
+def _registered(data: bytes) -> dict[str, Any]:
+    """``ByValue``'s objects, those named ``package>name`` registered under that name again (a
+    class rebuilt from its definition is not the one its module registered), so that a model
+    saved on the ranks names them as the driver does."""
+    objects = cloudpickle.loads(data)
+    for name, value in objects.items():
+        package, _, short = name.rpartition(">")
+        if package and keras.saving.get_registered_name(value) != name:
+            keras.saving.register_keras_serializable(package, short)(value)
+    return objects
+
+
+def _own_module(name: str) -> bool:
+    """Whether module ``name`` is the user's own: a file outside the interpreter's folders
+    (not installed, not the standard library), and not flyte_hvd's or Keras'."""
+    if name == "__main__" or _is_keras(name) or name.partition(".")[0] == "flyte_hvd":
+        return False  # __main__ is pickled by value anyway
+    path = getattr(sys.modules[name], "__file__", None)
+    prefixes = (sys.prefix, sys.base_prefix, sys.exec_prefix)
+    return isinstance(path, str) and not os.path.abspath(path).startswith(prefixes)
 
 
 def _output_loss(losses: KerasLosses | None, index: int, name: str,

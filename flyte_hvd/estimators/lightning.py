@@ -6,7 +6,10 @@ Each rank runs a ``lightning.pytorch.Trainer`` with ``flyte_hvd.torch.HorovodStr
 Lightning's own ``DDPStrategy`` (``flyte_hvd.torch.strategy.ddp_strategy``), on this rank's
 shard of the prepared data. ``training_step`` and ``validation_step`` receive a dict of
 tensors keyed by column name: features reshaped by ``input_shapes``, labels as float32
-(int64 for integer columns), the sample weight column as float32. Callbacks (``EarlyStopping``,
+(int64 for integer columns) shaped as the model's output for them where the sizes agree (a
+scalar label is ``(B, 1)`` for a ``(B, 1)`` output), the sample weight column as float32. A
+``training_step`` that unpacks its batch as a tuple (``x, y = batch``) is refused before any
+rank starts. Callbacks (``EarlyStopping``,
 ``ModelCheckpoint``, ...) and the logger work on every rank. Rank 0 records the run in the
 store after each epoch (``last.ckpt``, ``checkpoint.ckpt`` -- the best with a
 ``ModelCheckpoint`` that monitors a metric, else the last -- ``state.json`` and ``logs/``); a
@@ -16,10 +19,14 @@ Lightning's own restore (loops, optimizers, callbacks).
 
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
 import io
+import math
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -34,6 +41,7 @@ from flyte_hvd.estimators.base import Backend, HorovodEstimator, Metadata, passe
 from flyte_hvd.estimators.params import (
     DISTRIBUTED_PARAM,
     ESTIMATOR_PARAMS,
+    NAN_PARAM,
     check_distributed,
     with_params,
 )
@@ -44,6 +52,7 @@ from flyte_hvd.estimators.torch_model import (
     TorchModel,
     batch_tensors,
     ddp_process_group,
+    probe_outputs,
     resolve_input_shapes,
     tensorboard_without_tensorflow,
 )
@@ -74,7 +83,7 @@ LIGHTNING_PARAMS: dict[str, tuple[Any, str]] = {
         "Lightning's Trainer `log_every_n_steps` (default: 50, or the "
         "batches of an epoch when fewer)",
     ),
-    "terminate_on_nan": (False, "Horovod's Lightning 1 Trainer flag (no effect here)"),
+    **NAN_PARAM,
     "num_gpus": (None, "Horovod's GPU count (no effect here: each rank uses one device)"),
     "loss_constructors": (None, "Horovod's legacy-mode losses (no effect here)"),
     "train_minibatch_fn": (None, "Horovod's legacy-mode step (no effect here)"),
@@ -95,6 +104,8 @@ _RESERVED_TRAINER_ARGS = {
 }
 _EXTENSION = ".ckpt"
 LAST_MODEL_FILENAME = "last.ckpt"
+# The mean of the losses training_step returned in an epoch, checked by ``terminate_on_nan``.
+_STEP_LOSS = "training_step loss"
 
 
 def _import_lightning() -> ModuleType:
@@ -121,6 +132,48 @@ def lightning_package(model: object) -> str | None:
     return None
 
 
+def _check_batch_use(model: object, features: list[str], labels: list[str],
+                     weight: str | None) -> None:  # fmt: skip
+    """A batch is a dict keyed by column name: a ``training_step`` that unpacks it as
+    Lightning's tutorials unpack a tuple (``x, y = batch``) or indexes it by position
+    (``batch[0]``) is refused before any rank starts (on the ranks it would fail with torch's
+    "must be Tensor, not str")."""
+    step = getattr(type(model), "training_step", None)
+    if step is None:
+        return
+    try:
+        source, first = inspect.getsourcelines(step)
+        tree = ast.parse(textwrap.dedent("".join(source)))
+    except (OSError, TypeError, SyntaxError):  # no source to read: nothing to say
+        return
+    function = tree.body[0]
+    if not isinstance(function, ast.FunctionDef) or len(function.args.args) < 2:
+        return
+    name = function.args.args[1].arg  # training_step(self, batch, batch_idx)
+    columns = [*features, *labels, *([weight] if weight else [])]
+    for node in ast.walk(function):
+        unpacked = (
+            isinstance(node, ast.Assign)
+            and isinstance(node.targets[0], ast.Tuple | ast.List)
+            and isinstance(node.value, ast.Name) and node.value.id == name
+        )  # fmt: skip
+        indexed = (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Name) and node.value.id == name
+            and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int)
+        )  # fmt: skip
+        if (unpacked or indexed) and isinstance(node, ast.Assign | ast.Subscript):
+            by_name = ", ".join(f"{name}[{c!r}]" for c in columns)
+            if len(features) == 1 and len(labels) == 1:
+                by_name = f"x, y = {name}[{features[0]!r}], {name}[{labels[0]!r}]"
+            raise ValueError(
+                f"{type(model).__name__}.training_step reads its batch by position "
+                f"(`{ast.unparse(node)}`, line {first + node.lineno - 1}), but a "
+                f"LightningEstimator batch is a dict of tensors keyed by column name: "
+                f"{columns}. Read the columns by name: `{by_name}`."
+            )
+
+
 @dataclass(kw_only=True)
 class LightningTrainingSpec(TrainingSpec):
     """The common spec plus what a Lightning rank needs."""
@@ -134,6 +187,8 @@ class LightningTrainingSpec(TrainingSpec):
     lightning_package: str = LIGHTNING_PACKAGES[0]
     checkpoint_callback: ModelCheckpoint | None = None
     compression: type[Compressor] | None = None
+    # each label's model output shape per row: a label is reshaped to it where the sizes agree
+    output_shapes: list[list[int]] = field(default_factory=list)
 
 
 @with_params({**ESTIMATOR_PARAMS, **LIGHTNING_PARAMS})
@@ -150,7 +205,6 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
     _inert_params: ClassVar[dict[str, str]] = {
         "backward_passes_per_step": "Lightning's `accumulate_grad_batches` (in `trainer_args`) "
         "accumulates gradients",
-        "terminate_on_nan": "Lightning 2 removed it; `trainer_args={'detect_anomaly': True}`",
         "num_gpus": "each rank uses one device (`use_gpu`)",
         "loss_constructors": "the LightningModule computes its own loss",
         "train_minibatch_fn": "the LightningModule's `training_step` is the step",
@@ -209,7 +263,7 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
         logger: Logger | None = None,
         profiler: Profiler | str | None = None,
         log_every_n_steps: int | None = None,
-        terminate_on_nan: bool = False,
+        terminate_on_nan: bool = True,
         num_gpus: int | None = None,
         loss_constructors: list[Callable[[], Any]] | None = None,
         train_minibatch_fn: Callable[..., Any] | None = None,
@@ -248,6 +302,8 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
                 "configure_optimizers() and the loss from its training_step(); leave "
                 "`optimizer` and `loss` unset."
             )
+        if lightning_package(model) is not None:
+            _check_batch_use(model, features, labels, self.getSampleWeightCol())
         args = self.getTrainerArgs() or {}
         if not isinstance(args, dict):
             raise ValueError(f"`trainer_args` must be a dict; found {type(args).__name__}.")
@@ -261,11 +317,13 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
     def _training_spec(
         self, remote_store: RemoteStore, features: list[str], metadata: Metadata, num_proc: int
     ) -> LightningTrainingSpec:
+        input_shapes = resolve_input_shapes(self.getInputShapes(), features, metadata[0])
         return LightningTrainingSpec(
             **self._spec_fields(remote_store, features, metadata),
             model_bytes=cloudpickle.dumps(self._lightning_module(features)),
             lightning_package=lightning_package(self.getModel()) or LIGHTNING_PACKAGES[0],
-            input_shapes=resolve_input_shapes(self.getInputShapes(), features, metadata[0]),
+            input_shapes=input_shapes,
+            output_shapes=probe_outputs(self.getModel(), input_shapes, list(self.getLabelCols())),
             trainer_args=dict(self.getTrainerArgs() or {}),
             profiler=self.getProfiler(),
             log_every_n_steps=self.getLogEveryNSteps(),
@@ -316,10 +374,17 @@ class _TensorBatches:
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         spec = self.spec
+        shapes = spec.output_shapes or [[]] * len(spec.labels)
         for batch in self.loader:
             inputs, labels, weights = batch_tensors(batch, spec, spec.input_shapes, "cpu")
             out = dict(zip(spec.features, inputs, strict=True))
-            out.update(zip(spec.labels, labels, strict=True))
+            for name, label, shape in zip(spec.labels, labels, shapes, strict=True):
+                # As the model's output for it (``F.mse_loss(self(x), y)`` broadcasts a (B,)
+                # label against a (B, 1) output); class indices for wider outputs stay (B,).
+                rows = len(label)
+                if shape and label.numel() == rows * math.prod(shape):
+                    label = label.reshape(rows, *shape)
+                out[name] = label
             if spec.sample_weight_col is not None and weights is not None:
                 out[spec.sample_weight_col] = weights
             yield out
@@ -337,9 +402,10 @@ def _recorder_class(package: str) -> type:
         (rank 0 writes); rank 0 then hands both to the run's ``training.RunRecord``."""
 
         def __init__(self, record: training.RunRecord | None, run: training.RankRun,
-                     logs_dir: str | None):  # fmt: skip
-            self.record, self.run, self.logs_dir = record, run, logs_dir
+                     logs_dir: str | None, spec: LightningTrainingSpec):  # fmt: skip
+            self.record, self.run, self.logs_dir, self.spec = record, run, logs_dir, spec
             self.history: dict[str, list[float]] = {}
+            self.step_losses: list[float] = []  # this epoch's, as training_step returned them
 
         def on_train_start(self, trainer, pl_module):
             # Lightning restored the checkpoint callback's state from last.ckpt, but not its
@@ -364,12 +430,23 @@ def _recorder_class(package: str) -> type:
             if self.record is not None:
                 self.record.step_begin()
 
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                self.step_losses.append(float(loss.detach()))
+
         def on_train_epoch_end(self, trainer, pl_module):
             import flyte_hvd.torch as hvd
 
             mine = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+            if self.step_losses:  # what training_step returned, checked if not logged
+                mine[_STEP_LOSS] = float(np.mean(self.step_losses))
+                self.step_losses = []
             everyone = hvd.allgather_object(mine)
             logs = {k: float(np.mean([m[k] for m in everyone if k in m])) for k in mine}
+            # Every rank, on the same averaged values: a NaN loss ends the fit on all of them.
+            training.check_loss(self.spec, logs, trainer.current_epoch, self.run.rank)
+            logs.pop(_STEP_LOSS, None)
             for key, value in logs.items():
                 self.history.setdefault(key, []).append(value)
             last = os.path.join(self.run.work, LAST_MODEL_FILENAME)
@@ -430,7 +507,7 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
             if run.rank == 0
             else None
         )
-        recorder = _recorder_class(spec.lightning_package)(record, run, logs_dir)
+        recorder = _recorder_class(spec.lightning_package)(record, run, logs_dir, spec)
         callbacks.append(recorder)
         use_gpu = spec.use_gpu and torch.cuda.is_available()
         if spec.distributed == "ddp":

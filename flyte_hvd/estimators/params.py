@@ -71,8 +71,8 @@ ESTIMATOR_PARAMS: dict[str, tuple[Any, str]] = {
     "transformation_removed_fields": (None, "Horovod's petastorm schema edit (no effect here)"),
 }
 
-# The Keras and Torch estimators' check of the loss after each epoch (Horovod's Lightning flag
-# of this name is Lightning 1's, accepted by LightningEstimator with no effect).
+# Every estimator's check of the loss after each epoch (Horovod's Lightning flag of this name was
+# Lightning 1's Trainer flag; LightningEstimator checks the losses as Keras and Torch do).
 NAN_PARAM: dict[str, tuple[Any, str]] = {
     "terminate_on_nan": (
         True,

@@ -68,7 +68,7 @@ class TrainingSpec:
     data_loader: type[BaseDataLoader] | None = None
     use_gpu: bool = True
     distributed: str = "horovod"  # the PyTorch estimators' `distributed` ("horovod" or "ddp")
-    terminate_on_nan: bool = True  # a NaN or infinite epoch loss ends the fit (Keras, Torch)
+    terminate_on_nan: bool = True  # a NaN or infinite epoch loss ends the fit
     mlflow_run: tracking.MlflowRun | None = None  # opened by the driver; rank 0 logs to it
 
 

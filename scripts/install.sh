@@ -15,7 +15,7 @@
 # it is installed from there. Otherwise torch alone comes from the PyTorch CPU index
 # (TORCH_INDEX_URL), and everything else from the indexes pip is configured with (PyPI).
 # Then Azurite, the Azure Storage emulator of the abfs:// Store tests, comes from npm into
-# .cache/azurite (scripts/install_azurite.sh; nothing to do when it is there).
+# the user's cache (scripts/install_azurite.sh; nothing to do when it is there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,7 +30,7 @@ uv_pin=$(grep -E '^uv==' lock/dev.txt)
 venv_bin=$(dirname "$py")
 if [ "$INSTALLER" = uv ]; then
   # pip's CA bundle (a proxy's certificate authority), which uv takes from SSL_CERT_FILE.
-  cert=$("$py" -m pip config list 2>/dev/null | sed -n "s/^.*\.cert='\(.*\)'$/\1/p" | tail -1)
+  cert=$(scripts/pip_sources.sh "$py" --cert)
   [ -n "$cert" ] && export SSL_CERT_FILE="${SSL_CERT_FILE:-$cert}"
   sources=$(scripts/pip_sources.sh "$py")
   install=("$py -m pip install -q $uv_pin" "$venv_bin/uv pip install -q --python $py")

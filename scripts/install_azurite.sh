@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs Azurite (Microsoft's Azure Storage emulator, an npm package) into .cache/azurite
-# (or AZURITE_PREFIX) for the abfs:// Store tests; quick and silent when that version is there.
+# Installs Azurite (Microsoft's Azure Storage emulator, an npm package) for the abfs:// Store
+# tests into the user's cache, one folder per version (~/.cache/flyte-hvd/azurite-VERSION, or
+# AZURITE_PREFIX), so every checkout on the machine shares it (an npm install takes ~45 s);
+# quick and silent when that version is there.
 #
 #   scripts/install_azurite.sh     install if missing, then print the azurite-blob path
 #
@@ -9,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 AZURITE_VERSION="${AZURITE_VERSION:-3.37.0}"
-prefix="${AZURITE_PREFIX:-$PWD/.cache/azurite}"
+prefix="${AZURITE_PREFIX:-${XDG_CACHE_HOME:-$HOME/.cache}/flyte-hvd/azurite-$AZURITE_VERSION}"
 bin="$prefix/node_modules/.bin/azurite-blob"
 installed="$prefix/node_modules/azurite/package.json"
 

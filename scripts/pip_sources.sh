@@ -6,9 +6,15 @@
 # its indexes; uv would stop at the first that has the package). With pip configured with
 # nothing, only that flag: uv then uses PyPI, as pip does.
 #
-#   scripts/pip_sources.sh [PYTHON]    PYTHON's pip is asked (default: python3)
+#   scripts/pip_sources.sh [PYTHON]          PYTHON's pip is asked (default: python3)
+#   scripts/pip_sources.sh PYTHON --cert     pip's CA bundle (`cert`: a proxy's certificate
+#                                            authority), which uv takes from SSL_CERT_FILE
 set -euo pipefail
 py="${1:-python3}"
+if [ "${2:-}" = --cert ]; then
+  "$py" -m pip config list 2>/dev/null | sed -n "s/^.*\.cert='\(.*\)'$/\1/p" | tail -1
+  exit 0
+fi
 "$py" -m pip config list 2>/dev/null | "$py" -c '
 import shlex, sys
 flags = {"index-url": "--index-url", "extra-index-url": "--extra-index-url",

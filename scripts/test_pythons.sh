@@ -60,7 +60,7 @@ install() {
   if [ "$INSTALLER" = uv ]; then
     # pip's CA bundle (a proxy's certificate authority), which uv takes from SSL_CERT_FILE.
     local cert
-    cert=$("$pip_python" -m pip config list 2>/dev/null | sed -n "s/^.*\.cert='\(.*\)'$/\1/p" | tail -1)
+    cert=$(scripts/pip_sources.sh "$pip_python" --cert)
     [ -n "$cert" ] && export SSL_CERT_FILE="${SSL_CERT_FILE:-$cert}"
     "$UV" venv -q --python "$python" "$venv"
     # Word splitting of the sources is intended: they hold no spaces inside an argument.

@@ -626,7 +626,7 @@ def find_azurite(env: dict[str, str] | None = None) -> str:
 @pytest.fixture(scope="session")
 def azurite_server():
     """Azurite's blob service on 127.0.0.1 (a free port), in memory, with one container.
-    Azurite comes from npm, installed into .cache/azurite by scripts/install_azurite.sh (at
+    Azurite comes from npm, installed into the user's cache by scripts/install_azurite.sh (at
     once when it is there)."""
     port = _free_port()
     command = [find_azurite(), "--blobHost", "127.0.0.1", "--blobPort",

@@ -544,3 +544,54 @@ def test_a_lightning_loss_that_becomes_nan_ends_the_fit(spark_local2, tmp_path):
     assert "the loss became nan at epoch 2 on rank " in message, message
     assert "(training_step loss nan)" in message
     assert "terminate_on_nan=False to keep training" in message
+
+
+_MAIN_SCRIPT = """
+import sys
+
+import keras
+from pyspark.sql import SparkSession
+
+from flyte_hvd.estimators.keras import KerasEstimator
+
+
+class Doubler(keras.layers.Layer):  # the script's own layer: in __main__, never registered
+    def call(self, x):
+        return x * 2.0
+
+
+spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+         .config("spark.sql.shuffle.partitions", "2").getOrCreate())
+df = spark.createDataFrame([(float(i % 8), float(i % 8) * 3.0) for i in range(64)], ["x", "y"])
+model = keras.Sequential([keras.Input((1,)), Doubler(), keras.layers.Dense(1)])
+estimator = KerasEstimator(
+    num_proc=2, model=model, optimizer=keras.optimizers.SGD(0.01), loss="mse",
+    feature_cols=["x"], label_cols=["y"], batch_size=8, epochs=1, verbose=0,
+    store=sys.argv[1],
+)
+fitted = estimator.fit(df)
+print("LAYERS", [type(layer).__name__ for layer in fitted.getModel().layers])
+print("ROWS", fitted.transform(df).where("y__output IS NOT NULL").count())
+"""
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_a_layer_defined_in_a_scripts_main_reaches_the_ranks(tmp_path):
+    """`python script.py` with an unregistered layer class in ``__main__``: the ranks and
+    Spark's Python workers get the class (pickled by value), the fit and transform work."""
+    import os
+    import subprocess
+
+    script = tmp_path / "script.py"
+    script.write_text(_MAIN_SCRIPT)
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store")], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    assert "LAYERS ['Doubler', 'Dense']" in done.stdout, output[-6000:]
+    assert "ROWS 64" in done.stdout, output[-6000:]

@@ -207,6 +207,28 @@ def test_progress_redraws_show_their_state_at_most_once_per_interval():
     assert 1 <= len(shown) - 1 <= 4  # interim states, about one per 0.2 s of 0.6 s
 
 
+def test_tensorflows_import_notices_stay_in_the_log_and_off_the_console():
+    notices = [
+        b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+        b"I0000 00:00:1795869725.453596   32408 port.cc:153] oneDNN custom operations are on. "
+        b"You may see slightly different numerical results due to floating-point round-off.",
+    ]
+    # A user's line that mentions them, or a notice that is only part of a line, is shown.
+    kept = [
+        b"my WARNING: All log messages before absl::InitializeLog() is called are written",
+        b"oneDNN custom operations are on. (quoted by the user)",
+        b"Epoch 1/5",
+    ]
+    shown: list[str] = []
+    output = RankOutput(display=lambda rank, stream, line: shown.append(line))
+    for line in notices + kept:
+        output.write(1, "stderr", line + b"\n")
+    path = output.close(keep=True)
+    assert shown == [line.decode() for line in kept]
+    assert logged_lines(path, 1, "stderr") == notices + kept
+    os.remove(path)
+
+
 # -- every launch path -------------------------------------------------------------------------
 
 

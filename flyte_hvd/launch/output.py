@@ -5,7 +5,8 @@ threads never wait on anything else). Every byte goes to the run's full-output f
 (the file a failed run's error names); the user's console gets lines decoded for display:
 invalid UTF-8 shows as ``\\x..`` escapes, a line redrawn with ``\\r`` (a progress bar) shows its
 latest state when it ends and at most once every ``FLYTE_HVD_PROGRESS_INTERVAL_S`` seconds
-(default 5) while it is redrawn, and a line longer than ``PIECE_BYTES`` shows in pieces. The
+(default 5) while it is redrawn, a line longer than ``PIECE_BYTES`` shows in pieces, and
+TensorFlow's import-time notices (``IMPORT_NOTICES``) stay in the file only. The
 console is written by a thread of its own behind a ``Spool``: if the console (or the link to
 the driver) is slower than the ranks, output waits in memory and then in a temporary file,
 in order, instead of blocking the ranks.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -27,6 +29,13 @@ from typing import IO, BinaryIO
 PIECE_BYTES = 1 << 20  # a line longer than this is shown (and logged) in pieces
 PROGRESS_INTERVAL_ENV = "FLYTE_HVD_PROGRESS_INTERVAL_S"
 DEFAULT_PROGRESS_INTERVAL_S = 5.0
+# What TensorFlow's C++ libraries print when a process imports them, through absl logging that
+# TF_CPP_MIN_LOG_LEVEL does not reach: two lines per library with its own copy of absl, so two
+# ranks show eight lines before their first step. Kept in the output log, not on the console.
+IMPORT_NOTICES = re.compile(
+    rb"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR$"
+    rb"|I\d{4} [\d:.]+ +\d+ port\.cc:\d+\] oneDNN custom operations are on\. "
+)
 STREAMS = ("stdout", "stderr")
 
 OutputSink = Callable[[int, str, str], None]
@@ -326,8 +335,9 @@ class RankOutput:
             lines = splitter.feed(data) if data else splitter.flush()
             self.log.write_lines(rank, stream, lines)
             tag = encode_tag(rank, stream)
-            for line, _ in lines:
-                self._spool.put(tag, line)
+            for line, continued in lines:
+                if continued or not IMPORT_NOTICES.match(line):
+                    self._spool.put(tag, line)
             if lines:
                 self._shown_at[key] = time.monotonic()
             pending = splitter.pending

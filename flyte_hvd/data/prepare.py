@@ -248,8 +248,12 @@ def _prepare(
         cols.append(validation_flag(validation).alias(_SPLIT_COL))
     sel = df.select(*cols)
     checked = set(labels) | set(weight) | (set() if allow_non_finite_features else set(features))
-    stats, infos = _cancellable(sel.sparkSession, lambda: _inspect(
-        sel, kinds, checked, validation is not None, set(features), compress_sparse))  # fmt: skip
+    stats, infos = _cancellable(
+        sel.sparkSession,
+        lambda: _inspect(
+            sel, kinds, checked, validation is not None, set(features), compress_sparse
+        ),
+    )
     _check_split_rows(stats, validation, num_processes)
     if on_checked is not None:
         on_checked()
@@ -269,9 +273,16 @@ def _prepare(
             part = part.repartition(tasks)
             logger.log(level, f"writing the {split} split to {path} ({tasks} tasks)")
             _write_split(part, store, path, infos, rows_per_file=max(1, -(-rows // files)))
-            meta = bounded(store, ("reading", "from"), path, 0, scan_parquet,
-                           as_arrow_filesystem(store.arrow_filesystem), store.fs_path(path),
-                           tuple(infos))  # fmt: skip
+            meta = bounded(
+                store,
+                ("reading", "from"),
+                path,
+                0,
+                scan_parquet,
+                as_arrow_filesystem(store.arrow_filesystem),
+                store.fs_path(path),
+                tuple(infos),
+            )
             if meta.rows < num_processes:
                 raise ValueError(
                     f"the {split} split has {meta.rows} rows, fewer than `num_processes`="
@@ -293,8 +304,15 @@ def _prepare(
             )
         for split, path in paths.items():  # the sidecars mark the splits complete
             sidecar = store.join(path, METADATA_FILENAME)
-            bounded(store, ("writing", "to"), sidecar, 0, store.write_text, sidecar,
-                    written[split].to_json())  # fmt: skip
+            bounded(
+                store,
+                ("writing", "to"),
+                sidecar,
+                0,
+                store.write_text,
+                sidecar,
+                written[split].to_json(),
+            )
     except BaseException:
         for path in paths.values():
             with contextlib.suppress(Exception):
@@ -326,8 +344,7 @@ def dataframe_metadata(
     kinds = {c: _spark_kind(c, types[c]) for c in names}
     sel = df.select(*[F.col(_q(c)) for c in names])
     stats, infos = _inspect(sel, kinds, set(names), False, set(), compress_sparse)
-    return DatasetMetadata(columns=tuple(infos), rows=stats["rows"], bytes=0, files=0,
-                           row_groups=0)  # fmt: skip
+    return DatasetMetadata(columns=tuple(infos), rows=stats["rows"], bytes=0, files=0, row_groups=0)
 
 
 def _inspect(
@@ -798,8 +815,10 @@ def _cancellable(spark: AnySparkSession, action: Callable[[], T]) -> T:
         if not done.is_set():
             logger.warning(
                 "the interrupted Spark jobs of prepare_data did not end within %gs; they (tag "
-                "%s) may still be running", CANCEL_WAIT_S, tag,
-            )  # fmt: skip
+                "%s) may still be running",
+                CANCEL_WAIT_S,
+                tag,
+            )
         raise
     if "error" in outcome:
         raise outcome["error"]
@@ -884,8 +903,14 @@ class _StagedWriteTask:
     uploads each (one atomic PUT) as ``part-<partition>-<n>.parquet``: a retried task
     overwrites its own files (the repartition gives it the same rows again)."""
 
-    def __init__(self, store: Store, path: str, infos: list[ColumnInfo], env: dict[str, str],
-                 rows_per_file: int):  # fmt: skip
+    def __init__(
+        self,
+        store: Store,
+        path: str,
+        infos: list[ColumnInfo],
+        env: dict[str, str],
+        rows_per_file: int,
+    ):
         self.store = store
         self.path = path
         self.infos = infos
@@ -923,13 +948,15 @@ class _StagedWriteTask:
 
         local = os.path.join(tmp, "part.parquet")
         dictionary = [leaf for leaf, floating in _leaf_paths(self.infos).items() if not floating]
-        with pq.ParquetWriter(local, arrow_storage_schema(self.infos), compression="snappy",
-                              use_dictionary=dictionary) as w:  # fmt: skip
+        with pq.ParquetWriter(
+            local, arrow_storage_schema(self.infos), compression="snappy", use_dictionary=dictionary
+        ) as w:
             for batch in batches:
                 w.write_batch(encode_batch(batch, self.infos))
         remote = self.store.join(self.path, f"part-{pid:05d}-{n:04d}.parquet")
         os.environ.update(self.env)
         size = os.path.getsize(local)  # within the store's timeout, as the ranks' uploads
-        bounded(self.store, ("uploading", "to"), remote, size, self.store.upload_file, local,
-                remote)  # fmt: skip
+        bounded(
+            self.store, ("uploading", "to"), remote, size, self.store.upload_file, local, remote
+        )
         return self.store.fs_path(remote)

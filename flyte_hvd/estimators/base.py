@@ -84,10 +84,20 @@ class Broadcaster(Protocol):
 
 
 # Horovod's `run` arguments a SparkBackend passes on (`horovod.spark.common.backend`).
-_RUN_ARGS = frozenset({
-    "start_timeout", "use_mpi", "use_gloo", "extra_mpi_args", "stdout", "stderr", "verbose",
-    "nics", "prefix_output_with_timestamp", "executable",
-})  # fmt: skip
+_RUN_ARGS = frozenset(
+    {
+        "start_timeout",
+        "use_mpi",
+        "use_gloo",
+        "extra_mpi_args",
+        "stdout",
+        "stderr",
+        "verbose",
+        "nics",
+        "prefix_output_with_timestamp",
+        "executable",
+    }
+)
 
 
 class Backend(Protocol):
@@ -96,8 +106,13 @@ class Backend(Protocol):
 
     def num_processes(self) -> int: ...
 
-    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
-            env: dict[str, str] | None = None) -> list[Any]: ...  # fmt: skip
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple = (),
+        kwargs: dict | None = None,
+        env: dict[str, str] | None = None,
+    ) -> list[Any]: ...
 
 
 class SparkBackend:
@@ -147,19 +162,32 @@ class SparkBackend:
         sessions; see ``flyte_hvd.spark.runner.start_spares``)."""
         start_spares(self.num_processes(), self._env, self._preload)
 
-    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
-            env: dict[str, str] | None = None) -> list[Any]:  # fmt: skip
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple = (),
+        kwargs: dict | None = None,
+        env: dict[str, str] | None = None,
+    ) -> list[Any]:
         """Runs ``fn`` on the ranks; ``env`` adds to the backend's environment."""
         full_env = {**self._env, **(env or {})} if self._env is not None else (env or None)
         options = dict(self._kwargs)
         full_env = horovod_run_args(
-            full_env, *(options.pop(k, None) for k in
-                        ("use_mpi", "use_gloo", "extra_mpi_args", "nics", "executable"))
-        )  # fmt: skip
+            full_env,
+            *(
+                options.pop(k, None)
+                for k in ("use_mpi", "use_gloo", "extra_mpi_args", "nics", "executable")
+            ),
+        )
         return launch(
-            fn, args, kwargs, num_proc=self.num_processes(), env=full_env, preload=self._preload,
+            fn,
+            args,
+            kwargs,
+            num_proc=self.num_processes(),
+            env=full_env,
+            preload=self._preload,
             **options,
-        ).results  # fmt: skip
+        ).results
 
 
 class Archived(MLWritable, MLReadable):
@@ -281,8 +309,11 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
                 )
         features = self._feature_cols(columns) if columns is not None else self.getFeatureCols()
         weight = self.getSampleWeightCol()
-        roles = {"feature_cols": list(features or []), "label_cols": list(labels),
-                 "sample_weight_col": [weight] if weight else []}  # fmt: skip
+        roles = {
+            "feature_cols": list(features or []),
+            "label_cols": list(labels),
+            "sample_weight_col": [weight] if weight else [],
+        }
         _check_roles(roles)
         self.getStore().check_writable()
 
@@ -320,8 +351,9 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
         store = self.getStore()
         # In a Flyte task, a failure a retry can fix leaves as the kind its SDK retries.
         with as_flyte_errors(), leased_run(store, self.getRunId(), self._framework) as run_id:
-            finished = check_resumable(store.to_remote(run_id), self.getEpochs(),
-                                       self._extension, self._epoch_in_model)  # fmt: skip
+            finished = check_resumable(
+                store.to_remote(run_id), self.getEpochs(), self._extension, self._epoch_in_model
+            )
             yield run_id, finished
 
     # -- fit ---------------------------------------------------------------------------------
@@ -354,8 +386,9 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
                 else None,
             ) as dataset_idx,
         ):
-            return self._fit_on_prepared(backend, dataset_idx, self._feature_cols(df.columns),
-                                         run_id, mlflow_run, finished)  # fmt: skip
+            return self._fit_on_prepared(
+                backend, dataset_idx, self._feature_cols(df.columns), run_id, mlflow_run, finished
+            )
 
     def fit_on_parquet(self, params: dict | None = None, dataset_idx: str | None = None) -> Model:
         """Train on data already in the store's train/val paths (written by ``prepare_data``
@@ -371,8 +404,9 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
         backend = self._backend()
         self._check_slots(backend)
         with self._run() as (run_id, finished), self._mlflow_run(backend, run_id) as mlflow_run:
-            return self._fit_on_prepared(backend, dataset_idx, list(features), run_id,
-                                         mlflow_run, finished)  # fmt: skip
+            return self._fit_on_prepared(
+                backend, dataset_idx, list(features), run_id, mlflow_run, finished
+            )
 
     @contextlib.contextmanager
     def _mlflow_run(self, backend: Backend, run_id: str) -> Iterator[tracking.MlflowRun | None]:
@@ -384,8 +418,12 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
             return
         skip = {"mlflow", "backend", *INERT_PARAMS, *self._inert_params}
         params = {k: self.getOrDefault(k) for k in self._param_defaults if k not in skip}
-        params.update(num_proc=backend.num_processes(), run_id=run_id, framework=self._framework,
-                      store=getattr(self.getStore(), "prefix_path", None))  # fmt: skip
+        params.update(
+            num_proc=backend.num_processes(),
+            run_id=run_id,
+            framework=self._framework,
+            store=getattr(self.getStore(), "prefix_path", None),
+        )
         run = tracking.start_run(config, run_id, tracking.loggable_params(params))
         failed = True
         try:
@@ -413,18 +451,21 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
         remote_store = store.to_remote(run_id, dataset_idx)
         if finished:  # no rank starts: the run's model, from its checkpoint in the store
             state = read_run_state(remote_store) or {}
-            results = [{"model": self._finished_model(run_id, features),
-                        "history": state.get("history", {})}]  # fmt: skip
+            results = [
+                {
+                    "model": self._finished_model(run_id, features),
+                    "history": state.get("history", {}),
+                }
+            ]
         else:
-            spec = self._training_spec(remote_store, features, metadata,
-                                       backend.num_processes())  # fmt: skip
+            spec = self._training_spec(remote_store, features, metadata, backend.num_processes())
             spec.mlflow_run = mlflow_run
             results = backend.run(self._remote_trainer(), args=(spec,))
         result = results[0]
         self._add_report(results, remote_store, run_id, mlflow_run)
         if not store.saving_runs:  # the trained model is in `result`; the run folder can go
-            bounded(store, ("deleting", "from"), store.get_run_path(run_id), 0, store.delete,
-                    store.get_run_path(run_id))  # fmt: skip
+            run_path = store.get_run_path(run_id)
+            bounded(store, ("deleting", "from"), run_path, 0, store.delete, run_path)
         return self._model_class(
             model_bytes=result["model"],
             history=result["history"],
@@ -436,8 +477,13 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
             **model_params,
         )
 
-    def _add_report(self, results: list[dict], remote_store: RemoteStore, run_id: str,
-                    mlflow_run: tracking.MlflowRun | None) -> None:  # fmt: skip
+    def _add_report(
+        self,
+        results: list[dict],
+        remote_store: RemoteStore,
+        run_id: str,
+        mlflow_run: tracking.MlflowRun | None,
+    ) -> None:
         """Inside a Flyte task, the fit's report as a Deck: its facts, epochs and curves."""
         from flyte_hvd.estimators.training import read_run_state
 
@@ -634,7 +680,7 @@ class HorovodModel(Model, Archived):
         )
         target = prediction.output_schema(
             df.schema, self.getLabelColumns(), outputs, self.getMetadata(), widths
-        ).fields[len(df.columns):]  # fmt: skip
+        ).fields[len(df.columns) :]
         predict = self._batch_predictor(_broadcaster(df.sparkSession))
 
         def predict_batches(batches: Iterator[Any]) -> Iterator[Any]:
@@ -738,11 +784,16 @@ class ArchiveWriter(MLWriter):
         # pyspark's metadata: ``DefaultParamsReader.loadParamsInstance`` reads the class from
         # it when the instance is a stage of a saved Pipeline or CrossValidatorModel.
         cls = type(instance)
-        metadata = json.dumps({
-            "class": f"{cls.__module__}.{cls.__qualname__}", "timestamp": int(time.time() * 1000),
-            "sparkVersion": pyspark.__version__, "uid": instance.uid, "paramMap": {},
-            "defaultParamMap": {},
-        })  # fmt: skip
+        metadata = json.dumps(
+            {
+                "class": f"{cls.__module__}.{cls.__qualname__}",
+                "timestamp": int(time.time() * 1000),
+                "sparkVersion": pyspark.__version__,
+                "uid": instance.uid,
+                "paramMap": {},
+                "defaultParamMap": {},
+            }
+        )
         target = store.join(store.prefix_path, "metadata", "part-00000")
         bounded(store, ("writing", "to"), target, len(metadata), store.write_text, target, metadata)
 
@@ -899,8 +950,11 @@ def _check_roles(roles: dict[str, list[str]]) -> None:
     for role, names in roles.items():
         for name in names:
             if name in seen:
-                where = f"twice in `{role}`" if seen[name] == role else (
-                    f"in both `{seen[name]}` and `{role}`")  # fmt: skip
+                where = (
+                    f"twice in `{role}`"
+                    if seen[name] == role
+                    else f"in both `{seen[name]}` and `{role}`"
+                )
                 raise ValueError(
                     f"column `{name}` is listed {where}: each column is read once, as a "
                     f"feature, a label or the sample weight. Remove it from "

@@ -132,8 +132,9 @@ def lightning_package(model: object) -> str | None:
     return None
 
 
-def _check_batch_use(model: object, features: list[str], labels: list[str],
-                     weight: str | None) -> None:  # fmt: skip
+def _check_batch_use(
+    model: object, features: list[str], labels: list[str], weight: str | None
+) -> None:
     """A batch is a dict keyed by column name: a ``training_step`` that unpacks it as
     Lightning's tutorials unpack a tuple (``x, y = batch``) or indexes it by position
     (``batch[0]``) is refused before any rank starts (on the ranks it would fail with torch's
@@ -155,13 +156,16 @@ def _check_batch_use(model: object, features: list[str], labels: list[str],
         unpacked = (
             isinstance(node, ast.Assign)
             and isinstance(node.targets[0], ast.Tuple | ast.List)
-            and isinstance(node.value, ast.Name) and node.value.id == name
-        )  # fmt: skip
+            and isinstance(node.value, ast.Name)
+            and node.value.id == name
+        )
         indexed = (
             isinstance(node, ast.Subscript)
-            and isinstance(node.value, ast.Name) and node.value.id == name
-            and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int)
-        )  # fmt: skip
+            and isinstance(node.value, ast.Name)
+            and node.value.id == name
+            and isinstance(node.slice, ast.Constant)
+            and isinstance(node.slice.value, int)
+        )
         if (unpacked or indexed) and isinstance(node, ast.Assign | ast.Subscript):
             by_name = ", ".join(f"{name}[{c!r}]" for c in columns)
             if len(features) == 1 and len(labels) == 1:
@@ -338,8 +342,9 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
 
         module = cloudpickle.loads(cloudpickle.dumps(self._lightning_module(features)))
         # Written by the run's rank 0 with Lightning's own state (not only tensors).
-        saved = torch.load(io.BytesIO(self._read_checkpoint(run_id)), map_location="cpu",
-                           weights_only=False)  # fmt: skip
+        saved = torch.load(
+            io.BytesIO(self._read_checkpoint(run_id)), map_location="cpu", weights_only=False
+        )
         module.load_state_dict(saved["state_dict"])
         return cloudpickle.dumps({"model": module, "optimizer": None})
 
@@ -352,9 +357,15 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
         from flyte_hvd.estimators.lightning_legacy import to_lightning_module
 
         return to_lightning_module(
-            model, self.getOptimizer(), self.getLoss(), self.getLossWeights(), features,
-            list(self.getLabelCols()), self.getSampleWeightCol(), self.getValidation(),
-        )  # fmt: skip
+            model,
+            self.getOptimizer(),
+            self.getLoss(),
+            loss_weights=self.getLossWeights(),
+            feature_cols=features,
+            label_cols=list(self.getLabelCols()),
+            sample_weights_col=self.getSampleWeightCol(),
+            validation=self.getValidation(),
+        )
 
     def _remote_trainer(self) -> Callable[[LightningTrainingSpec], dict]:
         return train_on_rank
@@ -401,8 +412,13 @@ def _recorder_class(package: str) -> type:
         ``Checkpoint``): average the epoch's metrics over ranks and save ``last.ckpt``
         (rank 0 writes); rank 0 then hands both to the run's ``training.RunRecord``."""
 
-        def __init__(self, record: training.RunRecord | None, run: training.RankRun,
-                     logs_dir: str | None, spec: LightningTrainingSpec):  # fmt: skip
+        def __init__(
+            self,
+            record: training.RunRecord | None,
+            run: training.RankRun,
+            logs_dir: str | None,
+            spec: LightningTrainingSpec,
+        ):
             self.record, self.run, self.logs_dir, self.spec = record, run, logs_dir, spec
             self.history: dict[str, list[float]] = {}
             self.step_losses: list[float] = []  # this epoch's, as training_step returned them
@@ -453,15 +469,22 @@ def _recorder_class(package: str) -> type:
             trainer.save_checkpoint(last)  # collective; rank 0 writes
             if self.record is not None:
                 saving = next(
-                    (c for c in trainer.checkpoint_callbacks
-                     if isinstance(c, ModelCheckpoint) and c.best_model_path),
+                    (
+                        c
+                        for c in trainer.checkpoint_callbacks
+                        if isinstance(c, ModelCheckpoint) and c.best_model_path
+                    ),
                     None,
-                )  # fmt: skip
+                )
                 score = saving.best_model_score if saving else None
                 self.record.epoch_end(
-                    trainer.current_epoch, logs, last, saving.best_model_path if saving else None,
-                    self.logs_dir, best_value=None if score is None else float(score),
-                )  # fmt: skip
+                    trainer.current_epoch,
+                    logs,
+                    last,
+                    best_file=saving.best_model_path if saving else None,
+                    logs_dir=self.logs_dir,
+                    best_value=None if score is None else float(score),
+                )
 
     return RunRecorder
 
@@ -549,10 +572,15 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
             saved = torch.load(best, map_location="cpu", weights_only=False)
             module.load_state_dict(saved["state_dict"])
         module = module.cpu()
-        run.log_model(record, lambda mlflow, registered: mlflow.pytorch.log_model(
-            module, name="model", registered_model_name=registered,
-            pip_requirements=tracking.pinned("torch", "lightning", "cloudpickle", "numpy"),
-        ))  # fmt: skip
+        run.log_model(
+            record,
+            lambda mlflow, registered: mlflow.pytorch.log_model(
+                module,
+                name="model",
+                registered_model_name=registered,
+                pip_requirements=tracking.pinned("torch", "lightning", "cloudpickle", "numpy"),
+            ),
+        )
         return run.result(
             lambda: cloudpickle.dumps({"model": module, "optimizer": None}), recorder.history
         )
@@ -563,8 +591,12 @@ def _best_path(trainer: pl.Trainer, package: str) -> str | None:
     ModelCheckpoint = importlib.import_module(f"{package}.callbacks").ModelCheckpoint
 
     return next(
-        (c.best_model_path for c in trainer.checkpoint_callbacks
-         if isinstance(c, ModelCheckpoint) and c.best_model_path
-         and os.path.exists(c.best_model_path)),
+        (
+            c.best_model_path
+            for c in trainer.checkpoint_callbacks
+            if isinstance(c, ModelCheckpoint)
+            and c.best_model_path
+            and os.path.exists(c.best_model_path)
+        ),
         None,
-    )  # fmt: skip
+    )

@@ -217,8 +217,9 @@ def check_signature(cls: type, table: dict[str, tuple[Any, str]]) -> list[str]:
             declared = table[p.name][0]
             expected = None if isinstance(declared, list | dict) else declared
             if p.default != expected or type(p.default) is not type(expected):
-                problems.append(f"{cls.__name__}: `{p.name}` defaults to {p.default!r}, "
-                                f"declared {declared!r}")  # fmt: skip
+                problems.append(
+                    f"{cls.__name__}: `{p.name}` defaults to {p.default!r}, declared {declared!r}"
+                )
     return problems
 
 

@@ -21,8 +21,11 @@ logger = get_logger(__name__)
 DECK_TITLE = "Training"
 
 
-def run_report_html(facts: Mapping[str, Any], history: Mapping[str, Sequence[float]],
-                    epoch_seconds: Sequence[float] = ()) -> str:  # fmt: skip
+def run_report_html(
+    facts: Mapping[str, Any],
+    history: Mapping[str, Sequence[float]],
+    epoch_seconds: Sequence[float] = (),
+) -> str:
     """The report: facts, the epoch table and the curves (one chart per metric, training and
     validation together)."""
     facts = dict(facts)
@@ -34,16 +37,19 @@ def run_report_html(facts: Mapping[str, Any], history: Mapping[str, Sequence[flo
         for k, v in facts.items()
         if v not in (None, "", [])
     )
-    parts = [f"<h3>Run</h3><table>{rows}</table>", "<h3>Epochs</h3>", epoch_table_html(
-        history, epoch_seconds
-    )]  # fmt: skip
+    parts = [
+        f"<h3>Run</h3><table>{rows}</table>",
+        "<h3>Epochs</h3>",
+        epoch_table_html(history, epoch_seconds),
+    ]
     if any(history.values()):
         parts.append(training_curves_html(history, best_epoch(history)))
     return "".join(parts)
 
 
-def epoch_table_html(history: Mapping[str, Sequence[float]],
-                     epoch_seconds: Sequence[float] = ()) -> str:  # fmt: skip
+def epoch_table_html(
+    history: Mapping[str, Sequence[float]], epoch_seconds: Sequence[float] = ()
+) -> str:
     """One row per epoch: its number, each metric and its seconds."""
     names = sorted(history, key=lambda k: (k.removeprefix("val_"), k.startswith("val_")))
     epochs = max([len(v) for v in history.values()] + [len(epoch_seconds)], default=0)
@@ -59,8 +65,9 @@ def epoch_table_html(history: Mapping[str, Sequence[float]],
     return f"<table class='epochs'><tr>{head}</tr>{''.join(body)}</table>"
 
 
-def training_curves_html(history: Mapping[str, Sequence[float]], best: int,
-                         metrics: Mapping[str, str] | None = None) -> str:  # fmt: skip
+def training_curves_html(
+    history: Mapping[str, Sequence[float]], best: int, metrics: Mapping[str, str] | None = None
+) -> str:
     """Each metric per epoch, training and validation (``val_<metric>``), as inline SVG
     charts; ``metrics`` maps the metrics to draw to their titles (default: every metric of
     ``history``); ``best`` (from 0) is the epoch named under each chart."""

@@ -264,8 +264,9 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
         each other) holding the state the run saved, with the learning rate given."""
         import torch
 
-        saved = torch.load(io.BytesIO(self._read_checkpoint(run_id)), map_location="cpu",
-                           weights_only=True)  # fmt: skip
+        saved = torch.load(
+            io.BytesIO(self._read_checkpoint(run_id)), map_location="cpu", weights_only=True
+        )
         packed = cloudpickle.loads(
             cloudpickle.dumps({"model": self.getModel(), "optimizer": self.getOptimizer()})
         )
@@ -325,8 +326,9 @@ def _default_train_minibatch(backward_passes_per_step: int) -> MinibatchFn:
     passes = {"count": 0}
     n = backward_passes_per_step
 
-    def train_minibatch(model, optimizer, transform_outputs, loss_fn, inputs, labels,
-                        sample_weights):  # fmt: skip
+    def train_minibatch(
+        model, optimizer, transform_outputs, loss_fn, inputs, labels, sample_weights
+    ):
         if passes["count"] % n == 0:
             optimizer.zero_grad()
         stepping = (passes["count"] + 1) % n == 0
@@ -369,9 +371,11 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
         contextlib.ExitStack() as stack,
     ):
         rank, size = run.rank, run.size
-        device = torch.device(
-            "cuda", hvd.local_rank()
-        ) if spec.use_gpu and torch.cuda.is_available() else torch.device("cpu")  # fmt: skip
+        device = (
+            torch.device("cuda", hvd.local_rank())
+            if spec.use_gpu and torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL builds its communicator on the current GPU
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -415,8 +419,9 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
             for batch in train_loader.iter_epoch(epoch):
                 record.step_begin()
                 inputs, labels, weights = batch_tensors(batch, spec, spec.input_shapes, device)
-                outputs, loss = minibatch(net, optimizer, _transform_outputs, loss_fn, inputs,
-                                          labels, weights)  # fmt: skip
+                outputs, loss = minibatch(
+                    net, optimizer, _transform_outputs, loss_fn, inputs, labels, weights
+                )
                 _add_metrics(sums, "", loss, outputs, labels, spec)
             logs = _mean(sums, len(train_loader))
             if val_loader is not None:
@@ -424,8 +429,9 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
                 val_sums: dict[str, float] = {}
                 with torch.no_grad():
                     for batch in val_loader.iter_epoch(epoch):
-                        inputs, labels, weights = batch_tensors(batch, spec, spec.input_shapes,
-                                                                device)  # fmt: skip
+                        inputs, labels, weights = batch_tensors(
+                            batch, spec, spec.input_shapes, device
+                        )
                         outputs, labels = _transform_outputs(model(*inputs), labels)
                         loss = loss_fn(outputs, labels, weights)
                         _add_metrics(val_sums, "val_", loss, outputs, labels, spec)
@@ -448,18 +454,28 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
         optimizer.zero_grad(set_to_none=True)
         _scale_lr(optimizer, 1.0 / size)  # hand back the rate given
         model = model.cpu()
-        run.log_model(record, lambda mlflow, registered: mlflow.pytorch.log_model(
-            model, name="model", registered_model_name=registered,
-            pip_requirements=tracking.pinned("torch", "cloudpickle", "numpy"),
-        ))  # fmt: skip
+        run.log_model(
+            record,
+            lambda mlflow, registered: mlflow.pytorch.log_model(
+                model,
+                name="model",
+                registered_model_name=registered,
+                pip_requirements=tracking.pinned("torch", "cloudpickle", "numpy"),
+            ),
+        )
         return run.result(
             lambda: cloudpickle.dumps({"model": model, "optimizer": optimizer}), history
         )
 
 
-def _add_metrics(sums: dict[str, float], prefix: str, loss: torch.Tensor,
-                 outputs: list[torch.Tensor], labels: list[torch.Tensor],
-                 spec: TorchTrainingSpec) -> None:  # fmt: skip
+def _add_metrics(
+    sums: dict[str, float],
+    prefix: str,
+    loss: torch.Tensor,
+    outputs: list[torch.Tensor],
+    labels: list[torch.Tensor],
+    spec: TorchTrainingSpec,
+) -> None:
     sums[f"{prefix}loss"] = sums.get(f"{prefix}loss", 0.0) + float(loss.detach())
     if not spec.metrics:  # runs every step: the outputs are shaped only for metrics
         return

@@ -204,9 +204,10 @@ class TorchModel(HorovodModel):
         shapes = self.getOutputShapes()
         if shapes is None:  # a model given as it is, not from a fit: run it once
             shapes = probe_outputs(
-                self.getModel(), with_batch_dimension(self.getInputShapes()),
+                self.getModel(),
+                with_batch_dimension(self.getInputShapes()),
                 list(self.getLabelColumns()),
-            )  # fmt: skip
+            )
         return [math.prod(shape) for shape in shapes]
 
     def _batch_predictor(self, sc: Broadcaster) -> BatchPredictor:

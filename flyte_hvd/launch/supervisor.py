@@ -164,8 +164,9 @@ def rank_start(extra_env: dict[str, str], single_host: bool) -> tuple[dict[str, 
     return env, [mpiexec, "-n", "1", sys.executable, "-m", "flyte_hvd.launch.bootstrap"]
 
 
-def start_spare_ahead(extra_env: dict[str, str], preload: tuple[str, ...],
-                      single_host: bool) -> bool:  # fmt: skip
+def start_spare_ahead(
+    extra_env: dict[str, str], preload: tuple[str, ...], single_host: bool
+) -> bool:
     """Starts a spare rank process for a run about to start here (``flyte_hvd.launch.spare``),
     unless spares are off or one started the same way is already idle; whether it started."""
     if not preload or not spare.enabled():

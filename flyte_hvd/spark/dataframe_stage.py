@@ -226,8 +226,9 @@ class ConnectBackend:
     def link_host(self) -> str:
         return link_host(self.spark)
 
-    def run_stage(self, task: runner.BarrierTask, num_proc: int, retried: bool,
-                  tag: str) -> list[tuple[int, bytes]]:  # fmt: skip
+    def run_stage(
+        self, task: runner.BarrierTask, num_proc: int, retried: bool, tag: str
+    ) -> list[tuple[int, bytes]]:
         self.spark.addTag(tag)
         try:
             stage = self.spark.range(0, num_proc, 1, num_proc).mapInArrow(

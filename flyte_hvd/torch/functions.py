@@ -106,9 +106,14 @@ def _grouped_allreduce(ts, op, name, compression, pre, post, ps) -> list[torch.T
     if process_group.takes(ts, ps, compression=compression):
         return process_group.grouped_allreduce(ts, op, name, pre, post)
     outs = collectives.grouped_allreduce(
-        [_array(t, "grouped_allreduce") for t in ts], op, name, compression, pre, post,
+        [_array(t, "grouped_allreduce") for t in ts],
+        op,
+        name,
+        compression,
+        pre,
+        post,
         process_set=ps,
-    )  # fmt: skip
+    )
     return [_tensor(o, t) for o, t in zip(outs, ts, strict=True)]
 
 
@@ -283,8 +288,14 @@ def allreduce(
     Through the torch process group where ``process_group.takes`` says so; a ``process_set``
     other than every rank always goes through MPI.
     """
-    args = (_resolve_op(average, op), name, compression, prescale_factor, postscale_factor,
-            process_set)  # fmt: skip
+    args = (
+        _resolve_op(average, op),
+        name,
+        compression,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+    )
     if _grad_wanted([tensor]):
         return _AllreduceGrad.apply(tensor, *args)
     return _allreduce(tensor, *args)
@@ -300,8 +311,15 @@ def allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """``allreduce`` writing the result into ``tensor``; returns ``tensor``."""
-    out = _allreduce(tensor, _resolve_op(average, op), name, Compression.none,
-                     prescale_factor, postscale_factor, process_set)  # fmt: skip
+    out = _allreduce(
+        tensor,
+        _resolve_op(average, op),
+        name,
+        Compression.none,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+    )
     with torch.no_grad():
         tensor.copy_(out)
     return tensor
@@ -322,8 +340,14 @@ def grouped_allreduce(
     Through the torch process group where ``process_group.takes`` says so; a ``process_set``
     other than every rank always goes through MPI.
     """
-    args = (_resolve_op(average, op), name, compression, prescale_factor, postscale_factor,
-            process_set)  # fmt: skip
+    args = (
+        _resolve_op(average, op),
+        name,
+        compression,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+    )
     if _grad_wanted(tensors):
         return list(_GroupedAllreduceGrad.apply(*args, *tensors))
     return _grouped_allreduce(list(tensors), *args)
@@ -339,8 +363,15 @@ def grouped_allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """``grouped_allreduce`` writing each result into its tensor."""
-    outs = _grouped_allreduce(list(tensors), _resolve_op(average, op), name, Compression.none,
-                              prescale_factor, postscale_factor, process_set)  # fmt: skip
+    outs = _grouped_allreduce(
+        list(tensors),
+        _resolve_op(average, op),
+        name,
+        Compression.none,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+    )
     with torch.no_grad():
         for t, o in zip(tensors, outs, strict=True):
             t.copy_(o)
@@ -501,9 +532,14 @@ def allreduce_async_(
     def run(comm: MPI.Comm) -> torch.Tensor:
         collectives.scale_in_place(flat, pre)
         collectives.reduce_in_place(
-            comm, flat, op, Compression.none, post, name,
+            comm,
+            flat,
+            op,
+            Compression.none,
+            post,
+            name,
             lambda: f"allreduce_async_(op={op.name}, dtype={flat.dtype}, shape={shape})",
-        )  # fmt: skip
+        )
         return tensor
 
     return _submit(process_set, name, run)
@@ -520,8 +556,7 @@ def allreduce_async(
 ) -> background.Handle:
     """``allreduce_async_`` on a copy: ``synchronize(handle)`` returns a new tensor."""
     copy = tensor.detach().to("cpu", copy=True).contiguous()
-    return allreduce_async_(copy, average, name, op, prescale_factor, postscale_factor,
-                            process_set)  # fmt: skip
+    return allreduce_async_(copy, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_async(
@@ -557,8 +592,9 @@ def grouped_allreduce_async_(
 ) -> background.Handle:
     """``grouped_allreduce_`` on the background thread; ``synchronize`` returns ``tensors``
     with the results written into them."""
-    handle = grouped_allreduce_async(tensors, average, name, op, prescale_factor,
-                                     postscale_factor, process_set)  # fmt: skip
+    handle = grouped_allreduce_async(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set
+    )
     convert = handle._finish
     assert convert is not None  # a tensor collective's handle converts its results
 
@@ -577,8 +613,12 @@ def allgather_async(
 ) -> background.Handle:
     """``allgather`` on the background thread; ``synchronize`` returns the gathered tensor."""
     array = _copy(tensor, "allgather_async")
-    return _submit(process_set, name, lambda c: collectives.allgather_on(c, array, name),
-                   lambda out: _tensor(out, tensor))  # fmt: skip
+    return _submit(
+        process_set,
+        name,
+        lambda c: collectives.allgather_on(c, array, name),
+        lambda out: _tensor(out, tensor),
+    )
 
 
 def grouped_allgather_async(
@@ -605,8 +645,12 @@ def broadcast_async(
     """``broadcast`` on the background thread; ``synchronize`` returns a new tensor."""
     array = _copy(tensor, "broadcast_async")
     root = translate_root(process_set, collectives._check_root(root_rank, "broadcast_async"))
-    return _submit(process_set, name, lambda c: collectives.broadcast_on(c, array, root, name),
-                   lambda out: _tensor(out, tensor))  # fmt: skip
+    return _submit(
+        process_set,
+        name,
+        lambda c: collectives.broadcast_on(c, array, root, name),
+        lambda out: _tensor(out, tensor),
+    )
 
 
 def broadcast_async_(
@@ -645,8 +689,9 @@ def alltoall_async(
         out = _tensor(result[0], tensor)
         return out if splits is None else (out, torch.from_numpy(result[1].astype(np.int32)))
 
-    return _submit(process_set, name, lambda c: collectives.alltoall_on(c, array, raw, name),
-                   finish)  # fmt: skip
+    return _submit(
+        process_set, name, lambda c: collectives.alltoall_on(c, array, raw, name), finish
+    )
 
 
 def reducescatter_async(
@@ -662,8 +707,9 @@ def reducescatter_async(
     collectives.mpi_op(op)
 
     def run(comm: MPI.Comm) -> np.ndarray:
-        return collectives.reducescatter_on(comm, array, op, name, prescale_factor,
-                                            postscale_factor)  # fmt: skip
+        return collectives.reducescatter_on(
+            comm, array, op, name, prescale_factor, postscale_factor
+        )
 
     return _submit(process_set, name, run, lambda out: _tensor(out, tensor))
 
@@ -682,8 +728,10 @@ def grouped_reducescatter_async(
     collectives.mpi_op(op)
 
     def run(comm: MPI.Comm) -> list[np.ndarray]:
-        return [collectives.reducescatter_on(comm, a, op, name, prescale_factor,
-                                             postscale_factor) for a in arrays]  # fmt: skip
+        return [
+            collectives.reducescatter_on(comm, a, op, name, prescale_factor, postscale_factor)
+            for a in arrays
+        ]
 
     return _submit(process_set, name, run, _tensors_like(tensors))
 
@@ -711,8 +759,7 @@ def sparse_allreduce_async(
         values = values / process_set.size()
     prefix = "sparse_allreduce" if name is None else name
     values_handle = allgather_async(values, f"{prefix}.values", process_set)
-    indices_handle = allgather_async(t.indices().t().contiguous(), f"{prefix}.indices",
-                                     process_set)  # fmt: skip
+    indices_handle = allgather_async(t.indices().t().contiguous(), f"{prefix}.indices", process_set)
 
     def wait() -> torch.Tensor:
         gathered_values = background.synchronize(values_handle)

@@ -168,9 +168,14 @@ class _Reducer:
                     else:
                         view.copy_(grad)
             collectives.reduce_in_place(
-                comm, bucket.array, op, settings.compression, post,
-                f"DistributedOptimizer.bucket{bucket.index}", lambda: bucket.describe(op),
-            )  # fmt: skip
+                comm,
+                bucket.array,
+                op,
+                settings.compression,
+                post,
+                f"DistributedOptimizer.bucket{bucket.index}",
+                lambda: bucket.describe(op),
+            )
 
         bucket.handle = background.submit(run, self.comm)
 
@@ -370,9 +375,13 @@ def DistributedOptimizer(
     if process_set.included():
         _check_same_parameters(named, process_set)
     settings = _Settings(
-        compression, backward_passes_per_step, ReduceOp(op), float(gradient_predivide_factor),
-        bool(sparse_as_dense), process_set,
-    )  # fmt: skip
+        compression=compression,
+        backward_passes_per_step=backward_passes_per_step,
+        op=ReduceOp(op),
+        gradient_predivide_factor=float(gradient_predivide_factor),
+        sparse_as_dense=bool(sparse_as_dense),
+        process_set=process_set,
+    )
     reducer = _Reducer(named, settings)
     base = type(optimizer)
     # Same name and module as the base, so it reads (and reprs) as the optimizer it wraps.

@@ -85,10 +85,12 @@ class _HorovodStrategyMixin:
     ):
         core.init()
         super().__init__(  # type: ignore[call-arg]
-            accelerator=accelerator, parallel_devices=parallel_devices,
-            cluster_environment=None, checkpoint_io=checkpoint_io,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=None,
+            checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-        )  # fmt: skip
+        )
         self.compression = compression
         self.gradient_predivide_factor = gradient_predivide_factor
         _set_rank_zero(core.rank())
@@ -191,8 +193,14 @@ class _HorovodStrategyMixin:
             return tensor
         name = reduce_op if isinstance(reduce_op, str) else getattr(reduce_op, "name", "")
         name = str(name or reduce_op).lower()
-        ops = {"mean": core.Average, "avg": core.Average, "sum": core.Sum, "max": core.Max,
-               "min": core.Min, "product": core.Product}  # fmt: skip
+        ops = {
+            "mean": core.Average,
+            "avg": core.Average,
+            "sum": core.Sum,
+            "max": core.Max,
+            "min": core.Min,
+            "product": core.Product,
+        }
         op = next((o for key, o in ops.items() if key in name), None)
         if op is None:
             raise ValueError(

@@ -359,7 +359,8 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
     # -- fit ---------------------------------------------------------------------------------
 
     def _fit(self, df: DataFrame) -> Model:
-        from flyte_hvd.data.prepare import check_spark_dataframe, prepare_data
+        from flyte_hvd.data.columns import check_spark_dataframe
+        from flyte_hvd.data.prepare import prepare_data
 
         check_spark_dataframe(df, f"the DataFrame given to {type(self).__name__}.fit")
         self._check_params(df.columns)

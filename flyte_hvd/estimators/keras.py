@@ -33,17 +33,21 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from flyte_hvd.data.loader import TransformedLoader
 from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import prediction, tracking, training
+from flyte_hvd.estimators.backend import Backend
 from flyte_hvd.estimators.base import (
-    Backend,
     BatchPredictor,
     Broadcaster,
     HorovodEstimator,
     HorovodModel,
     Metadata,
+)
+from flyte_hvd.estimators.params import (
+    ESTIMATOR_PARAMS,
+    NAN_PARAM,
     check_learning_rate,
     passed_params,
+    with_params,
 )
-from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, NAN_PARAM, with_params
 from flyte_hvd.estimators.tracking import MlflowConfig
 from flyte_hvd.estimators.training import TrainingSpec
 

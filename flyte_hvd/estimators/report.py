@@ -12,9 +12,13 @@ from __future__ import annotations
 import html
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flyte_hvd.core.log import get_logger
+
+if TYPE_CHECKING:
+    from flyte_hvd.data.store import RemoteStore
+    from flyte_hvd.estimators.tracking import MlflowRun
 
 logger = get_logger(__name__)
 
@@ -119,6 +123,34 @@ def add_deck(content: str, title: str = DECK_TITLE) -> bool:
     if params is not None and not params.enable_deck:
         logger.debug("the task has enable_deck=False: its %r Deck is not rendered", title)
     return True
+
+
+def add_fit_report(
+    estimator: str,
+    results: list[dict],
+    remote_store: RemoteStore,
+    run_id: str,
+    mlflow_run: MlflowRun | None,
+) -> None:
+    """Inside a Flyte task, an estimator's fit's report as a Deck: its facts (from the ranks'
+    ``results`` and the run's state in the store), epochs and curves."""
+    from flyte_hvd.estimators.training import read_run_state
+
+    if not in_flyte_task():
+        return
+    state = read_run_state(remote_store) or {}
+    hosts = {r["host"] for r in results if isinstance(r, dict) and "host" in r}
+    facts = {
+        "estimator": estimator,
+        "ranks": len(results),
+        "hosts": sorted(hosts),
+        "store run path": remote_store.run_path,
+        "run id": run_id,
+        "MLflow run id": mlflow_run.run_id if mlflow_run else None,
+        "MLflow tracking URI": mlflow_run.tracking_uri if mlflow_run else None,
+    }
+    history = results[0]["history"]
+    add_deck(run_report_html(facts, history, state.get("epoch_seconds", [])))
 
 
 def best_epoch(history: Mapping[str, Sequence[float]]) -> int:

@@ -28,18 +28,15 @@ import numpy as np
 from flyte_hvd.core.checks import require_int
 from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import tracking, training
-from flyte_hvd.estimators.base import (
-    Backend,
-    HorovodEstimator,
-    Metadata,
-    check_learning_rate,
-    passed_params,
-)
+from flyte_hvd.estimators.backend import Backend
+from flyte_hvd.estimators.base import HorovodEstimator, Metadata
 from flyte_hvd.estimators.params import (
     DISTRIBUTED_PARAM,
     ESTIMATOR_PARAMS,
     NAN_PARAM,
     check_distributed,
+    check_learning_rate,
+    passed_params,
     with_params,
 )
 from flyte_hvd.estimators.torch_model import (

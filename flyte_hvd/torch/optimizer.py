@@ -211,7 +211,7 @@ class _Reducer:
         if self.settings.sparse_as_dense:
             p.grad = view.to(device=p.device, dtype=p.dtype).to_sparse()
             return
-        from flyte_hvd.torch.functions import sparse_allreduce_async
+        from flyte_hvd.torch.async_collectives import sparse_allreduce_async
 
         op = self.settings.op
         grad = p.grad
@@ -255,7 +255,7 @@ def _layout(named: list[tuple[str, torch.Tensor]], threshold: int) -> list[_Buck
     ]
 
 
-class _DistributedOptimizer:
+class DistributedMixin:
     """Mixed in front of the wrapped optimizer's own class (see ``DistributedOptimizer``)."""
 
     _hvd: _Reducer
@@ -368,7 +368,7 @@ def DistributedOptimizer(
         )
     collectives.check_optimizer_args(backward_passes_per_step, op, gradient_predivide_factor)
     state.comm()  # fail now with the init() message
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, DistributedMixin):
         unwrap(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     named = _names(params, named_parameters)
@@ -386,7 +386,7 @@ def DistributedOptimizer(
     base = type(optimizer)
     # Same name and module as the base, so it reads (and reprs) as the optimizer it wraps.
     optimizer.__class__ = type(
-        base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__}
+        base.__name__, (DistributedMixin, base), {"__module__": base.__module__}
     )
     # The optimizer's class is now the distributed one, which carries these.
     optimizer._hvd = reducer  # type: ignore[attr-defined]
@@ -398,7 +398,7 @@ def DistributedOptimizer(
 
 def unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Undo ``DistributedOptimizer`` in place (hooks removed); returns the optimizer."""
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, DistributedMixin):
         optimizer._hvd.remove_hooks()
         del optimizer._hvd
         optimizer.__dict__.pop("_parameter_names", None)

@@ -45,10 +45,10 @@ from flyte_hvd.estimators.torch_model import (
     ShapedInputs,
     TorchLoss,
     TorchModel,
-    _import_torch,
     batch_tensors,
     check_forward_arity,
     ddp_process_group,
+    import_torch,
     resolve_input_shapes,
     tensorboard_without_tensorflow,
 )
@@ -192,7 +192,7 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
     _extension = _EXTENSION
 
     def _check_model(self, features: list[str], labels: list[str]) -> None:
-        torch = _import_torch()
+        torch = import_torch()
         model, optimizer = self.getModel(), self.getOptimizer()
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"`model` must be a torch.nn.Module; found {type(model).__name__}.")

@@ -138,7 +138,7 @@ def task_slots(sc: SparkContext) -> int:
     return int(jsc.maxNumConcurrentTasks(profile))
 
 
-def _expected_executors(sc: ClusterConf) -> int | None:
+def expected_executors(sc: ClusterConf) -> int | None:
     """Executors the application asked for but may not have yet (None in local mode)."""
     master = _master(sc)
     cluster = re.match(r"local-cluster\[\s*(\d+)\s*,", master)
@@ -251,15 +251,15 @@ def wait_for_slots(sc: SparkContext, num_proc: int, deadline: float, timeout: fl
         slots = task_slots(sc)
         if slots >= num_proc:
             return
-        expected = _expected_executors(sc)
+        expected = expected_executors(sc)
         registered = _registered_executors(sc)
         coming = expected is not None and registered < expected
         if not coming or time.monotonic() >= deadline:
-            raise RuntimeError(_slots_message(sc, num_proc, slots, registered, coming, timeout))
+            raise RuntimeError(slots_message(sc, num_proc, slots, registered, coming, timeout))
         time.sleep(_SLOT_POLL_S)
 
 
-def _slots_message(
+def slots_message(
     sc: ClusterConf,
     num_proc: int,
     slots: int,
@@ -267,6 +267,8 @@ def _slots_message(
     waited: bool,
     timeout: float,
 ) -> str:
+    """Why ``num_proc`` ranks do not fit the cluster's ``slots`` free task slots, and what to
+    change (a classic session's check, and Spark Connect's)."""
     conf = sc.getConf()
     master = _master(sc)
     task_cpus = conf.get("spark.task.cpus", "1")

@@ -426,19 +426,7 @@ def _recorder_class(package: str) -> type:
             self.step_losses: list[float] = []  # this epoch's, as training_step returned them
 
         def on_train_start(self, trainer, pl_module):
-            # Lightning restored the checkpoint callback's state from last.ckpt, but not its
-            # best score (the folder changed) nor the best file (it was on another attempt's
-            # disk): take both from the run, so the best of earlier attempts is kept.
-            run = self.run
-            if run.best_value is None:
-                return
-            for callback in trainer.checkpoint_callbacks:
-                if isinstance(callback, ModelCheckpoint) and callback.monitor is not None:
-                    score = torch.tensor(run.best_value)
-                    path = run.best_file or callback.best_model_path
-                    callback.best_model_score, callback.best_model_path = score, path
-                    callback.best_k_models = {path: score}
-                    callback.kth_best_model_path, callback.kth_value = path, score
+            _restore_best(trainer, self.run, ModelCheckpoint)
 
         def on_train_epoch_start(self, trainer, pl_module):
             if self.record is not None:
@@ -470,14 +458,7 @@ def _recorder_class(package: str) -> type:
             last = os.path.join(self.run.work, LAST_MODEL_FILENAME)
             trainer.save_checkpoint(last)  # collective; rank 0 writes
             if self.record is not None:
-                saving = next(
-                    (
-                        c
-                        for c in trainer.checkpoint_callbacks
-                        if isinstance(c, ModelCheckpoint) and c.best_model_path
-                    ),
-                    None,
-                )
+                saving = _saving_checkpoint(trainer, ModelCheckpoint)
                 score = saving.best_model_score if saving else None
                 self.record.epoch_end(
                     trainer.current_epoch,
@@ -489,6 +470,42 @@ def _recorder_class(package: str) -> type:
                 )
 
     return RunRecorder
+
+
+def _restore_best(
+    trainer: pl.Trainer,
+    run: training.RankRun,
+    checkpoint_class: Any,  # ModelCheckpoint of the trainer's package (LIGHTNING_PACKAGES)
+) -> None:
+    """Lightning restored the checkpoint callbacks' state from last.ckpt, but not their best
+    score (the folder changed) nor the best file (it was on another attempt's disk): both are
+    taken from the run, so the best of earlier attempts is kept."""
+    import torch
+
+    if run.best_value is None:
+        return
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, checkpoint_class) and callback.monitor is not None:
+            score = torch.tensor(run.best_value)
+            path = run.best_file or callback.best_model_path
+            callback.best_model_score, callback.best_model_path = score, path
+            callback.best_k_models = {path: score}
+            callback.kth_best_model_path, callback.kth_value = path, score
+
+
+def _saving_checkpoint(
+    trainer: pl.Trainer,
+    checkpoint_class: Any,  # ModelCheckpoint of the trainer's package
+) -> Any | None:  # that ModelCheckpoint
+    """The first ``ModelCheckpoint`` (of the trainer's package) that holds a best model."""
+    return next(
+        (
+            c
+            for c in trainer.checkpoint_callbacks
+            if isinstance(c, checkpoint_class) and c.best_model_path
+        ),
+        None,
+    )
 
 
 def _default_logger(work: str, package: str) -> Logger:
@@ -507,7 +524,6 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
     import torch
 
     import flyte_hvd.torch as hvd
-    from flyte_hvd.torch.strategy import ddp_strategy, strategy_for
 
     pl = importlib.import_module(spec.lightning_package)
     seed = lambda value: pl.seed_everything(value, verbose=False)  # noqa: E731
@@ -534,20 +550,9 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
         )
         recorder = _recorder_class(spec.lightning_package)(record, run, logs_dir, spec)
         callbacks.append(recorder)
-        use_gpu = spec.use_gpu and torch.cuda.is_available()
-        if spec.distributed == "ddp":
-            # Each rank a node of its own, with its own GPU (see `ddp_strategy`).
-            strategy = ddp_strategy(pl, use_gpu)
-            devices, nodes = ([hvd.local_rank()] if use_gpu else 1), run.size
-        else:
-            strategy = strategy_for(pl)(compression=spec.compression or hvd.Compression.none)
-            devices, nodes = 1, 1
         args: dict[str, Any] = dict(
             max_epochs=spec.epochs,
-            strategy=strategy,
-            accelerator="gpu" if use_gpu else "cpu",
-            devices=devices,
-            num_nodes=nodes,
+            **_placement(spec, pl, hvd, run.size),
             logger=logger,
             callbacks=callbacks,
             default_root_dir=run.work,
@@ -586,6 +591,31 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
         return run.result(
             lambda: cloudpickle.dumps({"model": module, "optimizer": None}), recorder.history
         )
+
+
+def _placement(
+    spec: LightningTrainingSpec, pl: ModuleType, hvd: ModuleType, size: int
+) -> dict[str, Any]:
+    """The Trainer's strategy, accelerator, devices and nodes: this rank's GPU with
+    ``use_gpu`` where there is one; with ``distributed='ddp'`` each rank is a node of its own
+    (see ``ddp_strategy``), else one Horovod strategy reduces the gradients."""
+    import torch
+
+    from flyte_hvd.torch.strategy import ddp_strategy, strategy_for
+
+    use_gpu = spec.use_gpu and torch.cuda.is_available()
+    if spec.distributed == "ddp":
+        strategy = ddp_strategy(pl, use_gpu)
+        devices, nodes = ([hvd.local_rank()] if use_gpu else 1), size
+    else:
+        strategy = strategy_for(pl)(compression=spec.compression or hvd.Compression.none)
+        devices, nodes = 1, 1
+    return {
+        "strategy": strategy,
+        "accelerator": "gpu" if use_gpu else "cpu",
+        "devices": devices,
+        "num_nodes": nodes,
+    }
 
 
 def _best_path(trainer: pl.Trainer, package: str) -> str | None:

@@ -1112,7 +1112,7 @@ def test_slots_timeout_names_the_node_selector_of_pending_executors():
     def message(config: HorovodSpark) -> str:
         conf = SparkConf(loadDefaults=False).setAll(list(config.effective_spark_conf.items()))
         cluster = SimpleNamespace(master="k8s://https://10.0.0.1:443", getConf=lambda: conf)
-        return runner._slots_message(cluster, 2, 0, 0, True, 5.0)
+        return runner.slots_message(cluster, 2, 0, 0, True, 5.0)
 
     text = message(HorovodSpark(num_proc=2, gpus_per_rank=1))
     assert text.startswith("`num_proc`=2 but the cluster has 0 free task slot(s)")

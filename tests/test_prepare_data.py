@@ -348,7 +348,7 @@ def test_spark_writes_only_where_its_filesystem_starts(spark_local2):
     """A scheme mapped to a class is not enough: Spark writes to the store itself only when
     the class starts for that URL (here a view of one bucket over a local folder, beside
     buckets that fall back to S3A, which is not installed); else the ranks' uploads are used."""
-    from flyte_hvd.data.prepare import _spark_can_write
+    from flyte_hvd.data.writing import spark_can_write
 
     conf = spark_local2._jsc.hadoopConfiguration()
     scheme = f"fhvd{uuid.uuid4().hex[:6]}"
@@ -358,7 +358,7 @@ def test_spark_writes_only_where_its_filesystem_starts(spark_local2):
     conf.set(
         f"fs.viewfs.overload.scheme.target.{scheme}.impl", "org.apache.hadoop.fs.s3a.S3AFileSystem"
     )
-    assert _spark_can_write(spark_local2, f"{scheme}://mapped/prefix")
-    assert not _spark_can_write(spark_local2, f"{scheme}://other-bucket/prefix")
-    assert not _spark_can_write(spark_local2, "nosuchscheme://bucket/prefix")
-    assert _spark_can_write(spark_local2, "file:///tmp/prefix")
+    assert spark_can_write(spark_local2, f"{scheme}://mapped/prefix")
+    assert not spark_can_write(spark_local2, f"{scheme}://other-bucket/prefix")
+    assert not spark_can_write(spark_local2, "nosuchscheme://bucket/prefix")
+    assert spark_can_write(spark_local2, "file:///tmp/prefix")

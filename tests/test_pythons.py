@@ -130,7 +130,7 @@ def test_the_flytekit_plugin_without_flytekit_says_why_and_what_to_use(blocked, 
         ("from flyte_hvd.spark import KerasEstimator", "flyte-hvd[tf]"),
         ("from flyte_hvd.spark.keras import KerasModel", "flyte-hvd[tf]"),
         ("import flyte_hvd.torch", "flyte-hvd[torch]"),
-        ("from flyte_hvd.estimators.torch_model import _import_torch; _import_torch()",
+        ("from flyte_hvd.estimators.torch_model import import_torch; import_torch()",
          "flyte-hvd[torch]"),
     ],
 )  # fmt: skip

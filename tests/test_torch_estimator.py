@@ -380,7 +380,7 @@ def _bad(store, case):
     ],
 )  # fmt: skip
 def test_bad_input_fails_before_ranks_start(spark_local2, store, case, match, monkeypatch):
-    import flyte_hvd.estimators.base as estimator_module
+    import flyte_hvd.estimators.backend as estimator_module
 
     def no_ranks(*args, **kwargs):
         raise AssertionError("a rank was started")

@@ -153,20 +153,8 @@ class BaseDataLoader(abc.ABC):
         """
         import tensorflow as tf
 
-        specs = dict(self.output_specs)  # per column: dtype and batch shape
-        rows: dict[str, tuple[int, ...]] = {}  # per column: a row's shape, where reshaped
-        for c, shape in (shapes or {}).items():
-            if c not in specs:
-                continue
-            batch, *row = specs[c][1]
-            per_row = math.prod(d or 1 for d in row)
-            if math.prod(shape) != per_row:
-                raise ValueError(
-                    f"column `{c}` holds {per_row} value(s) per row (shape {tuple(row)}); it "
-                    f"cannot take the shape {tuple(shape)}."
-                )
-            rows[c] = tuple(shape)
-            specs[c] = (specs[c][0], (batch, *shape))
+        # Per column: dtype and batch shape; and a row's shape, where reshaped.
+        specs, rows = _reshaped(dict(self.output_specs), shapes or {})
         if float64_as is not None:
             cast_to = _float_dtype("float64_as", float64_as)
             specs = {
@@ -216,6 +204,28 @@ class BaseDataLoader(abc.ABC):
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         dataset = dataset.with_options(options)
         return dataset.prefetch(prefetch) if prefetch else dataset
+
+
+def _reshaped(
+    specs: dict[str, tuple[np.dtype, tuple[int | None, ...]]], shapes: Mapping[str, Sequence[int]]
+) -> tuple[dict[str, tuple[np.dtype, tuple[int | None, ...]]], dict[str, tuple[int, ...]]]:
+    """``specs`` (per column: dtype and batch shape) with the rows of the columns in
+    ``shapes`` given those shapes, and those rows' shapes; a ValueError for a shape that does
+    not hold a row's values."""
+    rows: dict[str, tuple[int, ...]] = {}
+    for c, shape in shapes.items():
+        if c not in specs:
+            continue
+        batch, *row = specs[c][1]
+        per_row = math.prod(d or 1 for d in row)
+        if math.prod(shape) != per_row:
+            raise ValueError(
+                f"column `{c}` holds {per_row} value(s) per row (shape {tuple(row)}); it "
+                f"cannot take the shape {tuple(shape)}."
+            )
+        rows[c] = tuple(shape)
+        specs[c] = (specs[c][0], (batch, *shape))
+    return specs, rows
 
 
 class TransformedLoader(BaseDataLoader):

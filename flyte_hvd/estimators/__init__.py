@@ -1,9 +1,10 @@
 """Spark ML estimators that train on many ranks: Keras, PyTorch and Lightning.
 
-``base`` holds what every framework shares on the driver (params, fit, transform, save and
-load); ``training`` the rank-side run (shared state, checkpoints, resume); ``prediction``
-the Arrow batches that ``transform`` feeds the model; one module per framework implements
-the hooks (``keras``, ``torch``, ``lightning``; ``torch_model`` is shared by the last two).
+``base`` holds what every framework shares on the driver (params, fit, transform; save and
+load in ``persistence``, the ranks' ``backend``); ``training`` the rank-side run (shared
+state, checkpoints, resume); ``prediction`` the Arrow batches that ``transform`` feeds the
+model; one module per framework implements the hooks (``keras``, ``torch``, ``lightning``;
+``torch_model`` is shared by the last two).
 Modules load on first use (each imports its framework).
 """
 

@@ -1,52 +1,38 @@
 """What every framework's estimator shares: params checks, data preparation, the launch on
-ranks, the trained model's creation, prediction on Arrow batches, and save/load.
-``KerasEstimator``, ``TorchEstimator`` and ``LightningEstimator`` supply only the framework
-parts: how to check the model, train on a rank (with ``flyte_hvd.estimators.training``), load the
-model and predict."""
+ranks (through a ``backend.Backend``), the trained model's creation, prediction on Arrow
+batches, and save/load (as ``persistence.Archived``). ``KerasEstimator``, ``TorchEstimator``
+and ``LightningEstimator`` supply only the framework parts: how to check the model, train on
+a rank (with ``flyte_hvd.estimators.training``), load the model and predict."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import difflib
-import inspect
-import io
-import json
-import math
-import posixpath
-import time
 import warnings
-import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias
 
 import cloudpickle
-import pyspark
 from pyspark.ml import Estimator, Model
-from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 
 from flyte_hvd.core.checks import require_int
 from flyte_hvd.data.loader import AUTO_CACHE_MAX_BYTES, BaseDataLoader
 from flyte_hvd.estimators import prediction, report, tracking
+from flyte_hvd.estimators.backend import Backend, SparkBackend
 from flyte_hvd.estimators.params import (
     ESTIMATOR_PARAMS,
     INERT_PARAMS,
     MODEL_PARAMS,
     EstimatorParams,
+    fresh_defaults,
     param_to_save,
+    warn_inert,
     with_params,
 )
-from flyte_hvd.spark.dispatch import (
-    active_session,
-    check_slots,
-    default_parallelism,
-    estimated_bytes,
-    horovod_run_args,
-    is_connect_session,
-    launch,
-    start_spares,
-)
+from flyte_hvd.estimators.persistence import PARAMS_FILE, Archived
+from flyte_hvd.spark.dispatch import default_parallelism, estimated_bytes, is_connect_session
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -83,111 +69,6 @@ class Broadcaster(Protocol):
     def broadcast(self, value: bytes) -> Shipped: ...
 
 
-# Horovod's `run` arguments a SparkBackend passes on (`horovod.spark.common.backend`).
-_RUN_ARGS = frozenset({
-    "start_timeout", "use_mpi", "use_gloo", "extra_mpi_args", "stdout", "stderr", "verbose",
-    "nics", "prefix_output_with_timestamp", "executable",
-})  # fmt: skip
-
-
-class Backend(Protocol):
-    """What ``fit`` needs of a backend (Horovod's ``horovod.spark.common.backend.Backend``):
-    ``SparkBackend`` or a user's own."""
-
-    def num_processes(self) -> int: ...
-
-    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
-            env: dict[str, str] | None = None) -> list[Any]: ...  # fmt: skip
-
-
-class SparkBackend:
-    """Runs the training function on ``num_proc`` ranks of the active SparkSession: Horovod's
-    ``SparkBackend(num_proc=None, env=None, **kwargs)``.
-
-    Args:
-        num_proc: ranks; defaults to the session's default parallelism.
-        env: environment of the ranks; by default the driver's as it is at ``fit``
-            (see ``flyte_hvd.spark.run``).
-        **kwargs: ``flyte_hvd.spark.run``'s arguments: ``start_timeout``, ``stdout``,
-            ``stderr``, ``verbose``, ``prefix_output_with_timestamp``, ``nics``, and
-            Horovod's ``use_mpi``, ``use_gloo``, ``extra_mpi_args``, ``executable``
-            (accepted; each says once that it does nothing here).
-    """
-
-    def __init__(
-        self,
-        num_proc: int | None = None,
-        env: dict[str, str] | None = None,
-        preload: tuple[str, ...] = (),
-        **kwargs: Any,  # ``flyte_hvd.spark.run``'s arguments, passed on
-    ):
-        unknown = sorted(set(kwargs) - _RUN_ARGS)
-        if unknown:
-            raise ValueError(
-                f"SparkBackend got unknown argument(s) {unknown}; it takes `num_proc`, `env` "
-                f"and `flyte_hvd.spark.run`'s arguments: {sorted(_RUN_ARGS)}."
-            )
-        self._num_proc = num_proc
-        self._env = dict(env) if env is not None else None
-        self._preload = preload
-        self._kwargs = kwargs
-        self._verbose = kwargs.get("verbose", 1)
-
-    def num_processes(self) -> int:
-        if self._num_proc is None:
-            return default_parallelism(active_session())
-        return self._num_proc
-
-    def check_slots(self) -> None:
-        """The cluster has a task slot per rank (``flyte_hvd.spark.dispatch.check_slots``)."""
-        check_slots(self.num_processes(), self._kwargs.get("start_timeout"))
-
-    def start_spares(self) -> None:
-        """Rank processes import the framework while ``prepare_data`` runs (classic
-        sessions; see ``flyte_hvd.spark.runner.start_spares``)."""
-        start_spares(self.num_processes(), self._env, self._preload)
-
-    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
-            env: dict[str, str] | None = None) -> list[Any]:  # fmt: skip
-        """Runs ``fn`` on the ranks; ``env`` adds to the backend's environment."""
-        full_env = {**self._env, **(env or {})} if self._env is not None else (env or None)
-        options = dict(self._kwargs)
-        full_env = horovod_run_args(
-            full_env, *(options.pop(k, None) for k in
-                        ("use_mpi", "use_gloo", "extra_mpi_args", "nics", "executable"))
-        )  # fmt: skip
-        return launch(
-            fn, args, kwargs, num_proc=self.num_processes(), env=full_env, preload=self._preload,
-            **options,
-        ).results  # fmt: skip
-
-
-class Archived(MLWritable, MLReadable):
-    """Saved as one archive through the Store (``ArchiveWriter``, ``ArchiveReader``):
-    pyspark's MLWriter/MLReader go through the JVM; these work on any scheme, and on Spark
-    Connect too, and keep pyspark's ``write().overwrite().save()`` shape."""
-
-    _archive_name: ClassVar[str]
-    if TYPE_CHECKING:  # of the Params it is mixed into
-        uid: str
-
-        def _resetUid(self, newUid: Any) -> Archived: ...
-
-    def write(self) -> ArchiveWriter:  # type: ignore[override]
-        return ArchiveWriter(self)
-
-    @classmethod
-    def read(cls) -> ArchiveReader:  # type: ignore[override]
-        return ArchiveReader(cls)
-
-    def _saved_files(self) -> dict[str, bytes]:
-        raise NotImplementedError
-
-    @classmethod
-    def _from_saved(cls, files: dict[str, bytes]) -> Archived:
-        raise NotImplementedError
-
-
 @with_params(ESTIMATOR_PARAMS)
 class HorovodEstimator(Estimator, EstimatorParams, Archived):
     """A ``pyspark.ml`` Estimator whose ``fit`` trains on ranks inside a Spark barrier stage.
@@ -221,19 +102,19 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
 
     def __init__(self, **kwargs: object):  # the params' values, checked by `fit`
         super().__init__()
-        self._setDefault(**_fresh(self._param_defaults))
+        self._setDefault(**fresh_defaults(self._param_defaults))
         self._set(**kwargs)
         given = {k: v for k, v in kwargs.items() if v != self._param_defaults[k]}
-        _warn_inert(type(self).__name__, {**INERT_PARAMS, **self._inert_params}, given)
+        warn_inert(type(self).__name__, {**INERT_PARAMS, **self._inert_params}, given)
 
     def _saved_files(self) -> dict[str, bytes]:
         params = {p.name: param_to_save(p.name, v) for p, v in self._paramMap.items()}
         kept = {name: v for name, v in params.items() if v is not None}
-        return {_PARAMS_FILE: cloudpickle.dumps(kept)}
+        return {PARAMS_FILE: cloudpickle.dumps(kept)}
 
     @classmethod
     def _from_saved(cls, files: dict[str, bytes]) -> HorovodEstimator:
-        return cls(**cloudpickle.loads(files[_PARAMS_FILE]))
+        return cls(**cloudpickle.loads(files[PARAMS_FILE]))
 
     # -- checks that run before any rank starts ---------------------------------------------
 
@@ -281,8 +162,11 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
                 )
         features = self._feature_cols(columns) if columns is not None else self.getFeatureCols()
         weight = self.getSampleWeightCol()
-        roles = {"feature_cols": list(features or []), "label_cols": list(labels),
-                 "sample_weight_col": [weight] if weight else []}  # fmt: skip
+        roles = {
+            "feature_cols": list(features or []),
+            "label_cols": list(labels),
+            "sample_weight_col": [weight] if weight else [],
+        }
         _check_roles(roles)
         self.getStore().check_writable()
 
@@ -299,8 +183,8 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
         preload = (*self._preload, "mlflow") if self.getMlflow() else self._preload
         if backend is None:
             return SparkBackend(self.getNumProc(), verbose=self.getVerbose(), preload=preload)
-        if isinstance(backend, SparkBackend) and not backend._preload:
-            backend._preload = preload  # a user's backend gets spares too
+        if isinstance(backend, SparkBackend) and not backend.preload:
+            backend.preload = preload  # a user's backend gets spares too
         return backend
 
     def _check_slots(self, backend: Backend) -> None:
@@ -320,14 +204,16 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
         store = self.getStore()
         # In a Flyte task, a failure a retry can fix leaves as the kind its SDK retries.
         with as_flyte_errors(), leased_run(store, self.getRunId(), self._framework) as run_id:
-            finished = check_resumable(store.to_remote(run_id), self.getEpochs(),
-                                       self._extension, self._epoch_in_model)  # fmt: skip
+            finished = check_resumable(
+                store.to_remote(run_id), self.getEpochs(), self._extension, self._epoch_in_model
+            )
             yield run_id, finished
 
     # -- fit ---------------------------------------------------------------------------------
 
     def _fit(self, df: DataFrame) -> Model:
-        from flyte_hvd.data.prepare import check_spark_dataframe, prepare_data
+        from flyte_hvd.data.columns import check_spark_dataframe
+        from flyte_hvd.data.prepare import prepare_data
 
         check_spark_dataframe(df, f"the DataFrame given to {type(self).__name__}.fit")
         self._check_params(df.columns)
@@ -354,8 +240,9 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
                 else None,
             ) as dataset_idx,
         ):
-            return self._fit_on_prepared(backend, dataset_idx, self._feature_cols(df.columns),
-                                         run_id, mlflow_run, finished)  # fmt: skip
+            return self._fit_on_prepared(
+                backend, dataset_idx, self._feature_cols(df.columns), run_id, mlflow_run, finished
+            )
 
     def fit_on_parquet(self, params: dict | None = None, dataset_idx: str | None = None) -> Model:
         """Train on data already in the store's train/val paths (written by ``prepare_data``
@@ -371,8 +258,9 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
         backend = self._backend()
         self._check_slots(backend)
         with self._run() as (run_id, finished), self._mlflow_run(backend, run_id) as mlflow_run:
-            return self._fit_on_prepared(backend, dataset_idx, list(features), run_id,
-                                         mlflow_run, finished)  # fmt: skip
+            return self._fit_on_prepared(
+                backend, dataset_idx, list(features), run_id, mlflow_run, finished
+            )
 
     @contextlib.contextmanager
     def _mlflow_run(self, backend: Backend, run_id: str) -> Iterator[tracking.MlflowRun | None]:
@@ -384,8 +272,12 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
             return
         skip = {"mlflow", "backend", *INERT_PARAMS, *self._inert_params}
         params = {k: self.getOrDefault(k) for k in self._param_defaults if k not in skip}
-        params.update(num_proc=backend.num_processes(), run_id=run_id, framework=self._framework,
-                      store=getattr(self.getStore(), "prefix_path", None))  # fmt: skip
+        params.update(
+            num_proc=backend.num_processes(),
+            run_id=run_id,
+            framework=self._framework,
+            store=getattr(self.getStore(), "prefix_path", None),
+        )
         run = tracking.start_run(config, run_id, tracking.loggable_params(params))
         failed = True
         try:
@@ -413,18 +305,21 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
         remote_store = store.to_remote(run_id, dataset_idx)
         if finished:  # no rank starts: the run's model, from its checkpoint in the store
             state = read_run_state(remote_store) or {}
-            results = [{"model": self._finished_model(run_id, features),
-                        "history": state.get("history", {})}]  # fmt: skip
+            results = [
+                {
+                    "model": self._finished_model(run_id, features),
+                    "history": state.get("history", {}),
+                }
+            ]
         else:
-            spec = self._training_spec(remote_store, features, metadata,
-                                       backend.num_processes())  # fmt: skip
+            spec = self._training_spec(remote_store, features, metadata, backend.num_processes())
             spec.mlflow_run = mlflow_run
             results = backend.run(self._remote_trainer(), args=(spec,))
         result = results[0]
-        self._add_report(results, remote_store, run_id, mlflow_run)
+        report.add_fit_report(type(self).__name__, results, remote_store, run_id, mlflow_run)
         if not store.saving_runs:  # the trained model is in `result`; the run folder can go
-            bounded(store, ("deleting", "from"), store.get_run_path(run_id), 0, store.delete,
-                    store.get_run_path(run_id))  # fmt: skip
+            run_path = store.get_run_path(run_id)
+            bounded(store, ("deleting", "from"), run_path, 0, store.delete, run_path)
         return self._model_class(
             model_bytes=result["model"],
             history=result["history"],
@@ -435,27 +330,6 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
             metadata=metadata,
             **model_params,
         )
-
-    def _add_report(self, results: list[dict], remote_store: RemoteStore, run_id: str,
-                    mlflow_run: tracking.MlflowRun | None) -> None:  # fmt: skip
-        """Inside a Flyte task, the fit's report as a Deck: its facts, epochs and curves."""
-        from flyte_hvd.estimators.training import read_run_state
-
-        if not report.in_flyte_task():
-            return
-        state = read_run_state(remote_store) or {}
-        hosts = {r["host"] for r in results if isinstance(r, dict) and "host" in r}
-        facts = {
-            "estimator": type(self).__name__,
-            "ranks": len(results),
-            "hosts": sorted(hosts),
-            "store run path": remote_store.run_path,
-            "run id": run_id,
-            "MLflow run id": mlflow_run.run_id if mlflow_run else None,
-            "MLflow tracking URI": mlflow_run.tracking_uri if mlflow_run else None,
-        }
-        history = results[0]["history"]
-        report.add_deck(report.run_report_html(facts, history, state.get("epoch_seconds", [])))
 
     def _spec_fields(
         self,
@@ -547,7 +421,7 @@ class HorovodModel(Model, Archived):
         to predict with as it is (Horovod's way to build a model by hand); ``_metadata`` is
         Horovod's name for ``metadata``."""
         super().__init__()
-        self._setDefault(**_fresh(self._param_defaults))
+        self._setDefault(**fresh_defaults(self._param_defaults))
         if "_metadata" in kwargs:
             if "metadata" in kwargs:
                 raise TypeError("give `metadata` or `_metadata`, not both.")
@@ -634,7 +508,7 @@ class HorovodModel(Model, Archived):
         )
         target = prediction.output_schema(
             df.schema, self.getLabelColumns(), outputs, self.getMetadata(), widths
-        ).fields[len(df.columns):]  # fmt: skip
+        ).fields[len(df.columns) :]
         predict = self._batch_predictor(_broadcaster(df.sparkSession))
 
         def predict_batches(batches: Iterator[Any]) -> Iterator[Any]:
@@ -680,113 +554,12 @@ class HorovodModel(Model, Archived):
 
     def _saved_files(self) -> dict[str, bytes]:
         params = {p.name: v for p, v in self._paramMap.items()}
-        return {_PARAMS_FILE: cloudpickle.dumps(params), self._model_file: self._trained_bytes()}
+        return {PARAMS_FILE: cloudpickle.dumps(params), self._model_file: self._trained_bytes()}
 
     @classmethod
     def _from_saved(cls, files: dict[str, bytes]) -> HorovodModel:
-        params = cloudpickle.loads(files[_PARAMS_FILE])
+        params = cloudpickle.loads(files[PARAMS_FILE])
         return cls(model_bytes=files[cls._model_file], **params)
-
-
-_PARAMS_FILE = "params.pkl"
-_UID_FILE = "uid"
-
-
-class ArchiveWriter(MLWriter):
-    """Saves an estimator or a model under ``path`` (local or a URL): one zip (its params, a
-    model's bytes, its uid) and pyspark's ``metadata`` (the class to load it with), so that
-    ``Pipeline``, ``PipelineModel`` and ``CrossValidatorModel`` save and load it as a stage."""
-
-    def __init__(self, instance: Archived):
-        super().__init__()
-        self.instance = instance
-
-    def overwrite(self) -> ArchiveWriter:
-        self.shouldOverwrite = True
-        return self
-
-    def save(self, path: str) -> None:
-        """Writes ``path/<archive>`` in one atomic step (local: write, then rename; object
-        stores: one PUT), through the Store for ``path``'s scheme (S3 credentials and
-        endpoint from the usual AWS environment variables), then ``path/metadata``. Nothing
-        is written when the instance cannot be saved; a ``Pipeline`` being saved around it is
-        then removed too (``_remove_unfinished_pipeline``)."""
-        from flyte_hvd.data.store import Store, bounded, url_to_fs
-
-        instance = self.instance
-        fs, root = url_to_fs(path)
-        if fs.exists(root) and not self.shouldOverwrite:
-            raise ValueError(
-                f"{path!r} already exists; use .write().overwrite().save(path) to replace it."
-            )
-        try:
-            files = {**instance._saved_files(), _UID_FILE: instance.uid.encode()}
-        except Exception as error:
-            _remove_unfinished_pipeline(fs, root, instance.uid)
-            raise ValueError(
-                f"cannot save {type(instance).__name__} `{instance.uid}` to {path!r}: a param "
-                f"value cannot be pickled ({type(error).__name__}: {error}). Nothing was "
-                f"written; give that param a value that pickles (or unset it) and save again."
-            ) from error
-        buffer = io.BytesIO()
-        with zipfile.ZipFile(buffer, "w") as archive:
-            for name, data in files.items():
-                archive.writestr(name, data)
-        store = Store.create(path)  # fails here, naming the path, if it cannot be written
-        target, data = store.join(store.prefix_path, instance._archive_name), buffer.getvalue()
-        bounded(store, ("writing", "to"), target, len(data), store.write_bytes, target, data)
-        # pyspark's metadata: ``DefaultParamsReader.loadParamsInstance`` reads the class from
-        # it when the instance is a stage of a saved Pipeline or CrossValidatorModel.
-        cls = type(instance)
-        metadata = json.dumps({
-            "class": f"{cls.__module__}.{cls.__qualname__}", "timestamp": int(time.time() * 1000),
-            "sparkVersion": pyspark.__version__, "uid": instance.uid, "paramMap": {},
-            "defaultParamMap": {},
-        })  # fmt: skip
-        target = store.join(store.prefix_path, "metadata", "part-00000")
-        bounded(store, ("writing", "to"), target, len(metadata), store.write_text, target, metadata)
-
-
-def _remove_unfinished_pipeline(fs: Any, root: str, uid: str) -> None:
-    """When ``root`` is the folder of stage ``uid`` of a ``Pipeline`` or ``PipelineModel``
-    being saved (``<pipeline>/stages/<index>_<uid>``, the pipeline's metadata naming the
-    stage), remove what that save wrote: its ``metadata`` and ``stages`` folders, and the
-    pipeline's folder if nothing else is left in it."""
-    stages = posixpath.dirname(root.rstrip("/"))
-    pipeline = posixpath.dirname(stages)
-    if posixpath.basename(stages) != "stages" or not posixpath.basename(root).endswith(uid):
-        return
-    try:
-        parts = fs.glob(f"{pipeline}/metadata/part-*")
-        named = any(uid in json.loads(fs.cat_file(p))["paramMap"]["stageUids"] for p in parts)
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    if named:
-        for folder in (f"{pipeline}/metadata", stages):
-            fs.rm(folder, recursive=True)
-        if not fs.ls(pipeline):
-            fs.rm(pipeline, recursive=True)
-
-
-class ArchiveReader(MLReader):
-    def __init__(self, cls: type[Archived]):
-        super().__init__()
-        self.cls = cls
-
-    def load(self, path: str) -> Archived:
-        from flyte_hvd.data.store import url_to_fs
-
-        cls = self.cls
-        fs, root = url_to_fs(path)
-        target = f"{root.rstrip('/')}/{cls._archive_name}"
-        if not fs.exists(target):
-            raise ValueError(f"{path!r} holds no saved {cls.__name__} (expected {target}).")
-        with fs.open(target, "rb") as f, zipfile.ZipFile(io.BytesIO(f.read())) as archive:
-            files = {name: archive.read(name) for name in archive.namelist()}
-        instance = cls._from_saved(files)
-        if _UID_FILE in files:  # a Pipeline's or CrossValidator's params name it by uid
-            instance._resetUid(files[_UID_FILE].decode())
-        return instance
 
 
 def _as_type(column: Column, target: DataType) -> Column:
@@ -846,51 +619,6 @@ class _InlineBroadcast:
         return _Inline(value)
 
 
-def passed_params(values: dict[str, Any]) -> dict[str, Any]:
-    """The arguments an estimator's keyword-only ``__init__`` was given, from its
-    ``locals()``: those left at their signature's default are not set, so the param keeps
-    its declared default (``[]`` where the signature says None)."""
-    defaults = inspect.signature(values["__class__"].__init__).parameters
-    return {
-        name: value
-        for name, value in values.items()
-        if name in defaults and name != "self" and value is not defaults[name].default
-    }
-
-
-_warned: set[tuple[str, str]] = set()
-
-
-def _warn_inert(estimator: str, inert: dict[str, str], given: dict[str, Any]) -> None:
-    """One warning per process and param for Horovod params that change nothing here."""
-    for name, value in given.items():
-        why = inert.get(name)
-        if why and (estimator, name) not in _warned:
-            _warned.add((estimator, name))
-            warnings.warn(
-                f"{estimator}: `{name}`={value!r} is accepted for Horovod compatibility and "
-                f"has no effect: {why}.",
-                stacklevel=3,
-            )
-
-
-def check_learning_rate(rate: object, where: str) -> None:
-    """A plain learning rate must be a finite number >= 0: a negative one trains without an
-    error, climbing the loss (gradient ascent), and NaN or infinity fill the weights with NaN."""
-    if (
-        isinstance(rate, bool)
-        or not isinstance(rate, int | float)
-        or not math.isfinite(rate)
-        or rate < 0
-    ):
-        shown = f"{rate:.6g}" if isinstance(rate, float) else repr(rate)  # float32's digits
-        raise ValueError(
-            f"{where} has learning rate {shown}; it must be a finite number >= 0 (a negative "
-            f"rate climbs the loss). Build the optimizer with the rate for one rank, e.g. 0.01: "
-            f"the ranks scale it by their number."
-        )
-
-
 def _check_roles(roles: dict[str, list[str]]) -> None:
     """Each column has one role: the loader reads a column once (a column named twice fails
     there with pyarrow's "Field ... exists 2 times"), and a model fed its own label learns
@@ -899,16 +627,14 @@ def _check_roles(roles: dict[str, list[str]]) -> None:
     for role, names in roles.items():
         for name in names:
             if name in seen:
-                where = f"twice in `{role}`" if seen[name] == role else (
-                    f"in both `{seen[name]}` and `{role}`")  # fmt: skip
+                where = (
+                    f"twice in `{role}`"
+                    if seen[name] == role
+                    else f"in both `{seen[name]}` and `{role}`"
+                )
                 raise ValueError(
                     f"column `{name}` is listed {where}: each column is read once, as a "
                     f"feature, a label or the sample weight. Remove it from "
                     f"`{role}`{'' if seen[name] == role else f' or `{seen[name]}`'}."
                 )
             seen[name] = role
-
-
-def _fresh(defaults: dict[str, Any]) -> dict[str, Any]:
-    """Defaults with their own copies of mutable values (lists, dicts)."""
-    return {k: (type(v)(v) if isinstance(v, list | dict) else v) for k, v in defaults.items()}

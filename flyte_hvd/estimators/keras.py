@@ -33,17 +33,21 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from flyte_hvd.data.loader import TransformedLoader
 from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import prediction, tracking, training
+from flyte_hvd.estimators.backend import Backend
 from flyte_hvd.estimators.base import (
-    Backend,
     BatchPredictor,
     Broadcaster,
     HorovodEstimator,
     HorovodModel,
     Metadata,
+)
+from flyte_hvd.estimators.params import (
+    ESTIMATOR_PARAMS,
+    NAN_PARAM,
     check_learning_rate,
     passed_params,
+    with_params,
 )
-from flyte_hvd.estimators.params import ESTIMATOR_PARAMS, NAN_PARAM, with_params
 from flyte_hvd.estimators.tracking import MlflowConfig
 from flyte_hvd.estimators.training import TrainingSpec
 
@@ -247,8 +251,9 @@ class KerasEstimator(HorovodEstimator):
                     f"select the feature columns it was built for."
                 )
         losses = self.getLoss() or self.getModel().loss
-        for i, (tensor, label) in enumerate(zip(self.getModel().outputs, self.getLabelCols(),
-                                                strict=True)):  # fmt: skip
+        for i, (tensor, label) in enumerate(
+            zip(self.getModel().outputs, self.getLabelCols(), strict=True)
+        ):
             column = columns.get(label)
             dims = tuple(tensor.shape[1:])
             if column is None or None in dims:
@@ -380,8 +385,9 @@ def train_on_rank(spec: KerasTrainingSpec) -> dict:
                     os.replace(run.best_file, best_path)
                     checkpoint.best = run.best_value
                 callbacks.append(checkpoint)
-            record = training.RunRecord(spec.store, run.state, spec.epochs, _EXTENSION,
-                                        spec.verbose)  # fmt: skip
+            record = training.RunRecord(
+                spec.store, run.state, spec.epochs, _EXTENSION, spec.verbose
+            )
             callbacks += [
                 EpochTensorBoard(os.path.join(run.work, "logs")),
                 RunRecorder(record, run.work, checkpoint),
@@ -401,10 +407,15 @@ def train_on_rank(spec: KerasTrainingSpec) -> dict:
             model = keras.models.load_model(best_path, custom_objects=spec.custom_objects)
         if spec.learning_rate is not None:
             model.optimizer.learning_rate = spec.learning_rate  # hand back the rate given
-        run.log_model(record, lambda mlflow, registered: mlflow.keras.log_model(
-            model, name="model", registered_model_name=registered,
-            pip_requirements=tracking.pinned("keras", "tensorflow", "tensorflow-cpu", "numpy"),
-        ))  # fmt: skip
+        run.log_model(
+            record,
+            lambda mlflow, registered: mlflow.keras.log_model(
+                model,
+                name="model",
+                registered_model_name=registered,
+                pip_requirements=tracking.pinned("keras", "tensorflow", "tensorflow-cpu", "numpy"),
+            ),
+        )
         return run.result(lambda: model_to_bytes(model), history.history)
 
 
@@ -412,8 +423,11 @@ def train_on_rank(spec: KerasTrainingSpec) -> dict:
 _COMPILE_METRIC_NAMES = {"accuracy", "acc", "crossentropy", "ce"}
 
 
-def _check_identifiers(loss: KerasLosses | None, metrics: list[KerasMetric] | None,
-                       custom_objects: dict[str, Any] | None) -> None:  # fmt: skip
+def _check_identifiers(
+    loss: KerasLosses | None,
+    metrics: list[KerasMetric] | None,
+    custom_objects: dict[str, Any] | None,
+) -> None:
     """Loss and metric names must resolve on the driver, before any rank starts (a typo
     otherwise surfaces as a traceback from every rank after start-up)."""
     losses = loss.values() if isinstance(loss, dict) else loss if isinstance(loss, list) else [loss]
@@ -487,8 +501,10 @@ def _model_classes(model: keras.Model) -> dict[str, type]:
                 walk(item)
 
     walk(keras.saving.serialize_keras_object(model))
-    layers = {keras.saving.get_registered_name(type(layer)): type(layer)
-              for layer in model._flatten_layers()}  # fmt: skip
+    layers = {
+        keras.saving.get_registered_name(type(layer)): type(layer)
+        for layer in model._flatten_layers()
+    }
     found = {name: keras.saving.get_registered_object(name) or layers.get(name) for name in names}
     return {name: cls for name, cls in found.items() if cls is not None}
 
@@ -539,8 +555,9 @@ def _own_module(name: str) -> bool:
     return isinstance(path, str) and not os.path.abspath(path).startswith(prefixes)
 
 
-def _output_loss(losses: KerasLosses | None, index: int, name: str,
-                 model: keras.Model) -> KerasLoss | None:  # fmt: skip
+def _output_loss(
+    losses: KerasLosses | None, index: int, name: str, model: keras.Model
+) -> KerasLoss | None:
     """The loss of output ``index`` (named ``name``) of a one-loss, list or dict ``loss``."""
     if isinstance(losses, dict):
         names = list(getattr(model, "output_names", None) or [])
@@ -612,8 +629,12 @@ class RunRecorder(keras.callbacks.Callback):
     """Rank 0, after each epoch: save the last model and hand it (and the best one, with a
     checkpoint callback) to the run's ``training.RunRecord``."""
 
-    def __init__(self, record: training.RunRecord, work: str,
-                 checkpoint: keras.callbacks.ModelCheckpoint | None = None):  # fmt: skip
+    def __init__(
+        self,
+        record: training.RunRecord,
+        work: str,
+        checkpoint: keras.callbacks.ModelCheckpoint | None = None,
+    ):
         super().__init__()
         self.record, self.work, self.checkpoint = record, work, checkpoint
 
@@ -628,10 +649,13 @@ class RunRecorder(keras.callbacks.Callback):
         self.model.save(last)
         best = getattr(self.checkpoint, "best", None)
         self.record.epoch_end(
-            epoch, logs or {}, last, os.path.join(self.work, BEST_MODEL_FILENAME),
-            os.path.join(self.work, "logs"),
+            epoch,
+            logs or {},
+            last,
+            best_file=os.path.join(self.work, BEST_MODEL_FILENAME),
+            logs_dir=os.path.join(self.work, "logs"),
             best_value=None if best is None else float(np.asarray(best)),
-        )  # fmt: skip
+        )
 
 
 @dataclass
@@ -647,16 +671,20 @@ def _datasets(spec: KerasTrainingSpec, rank: int, size: int) -> tuple[_Data, _Da
         # Spark's doubles arrive as float64; Keras computes in float32, and custom metrics
         # (which Keras does not cast for) would mix the two.
         dataset = loader.to_tf_dataset(
-            spec.features, spec.labels, spec.sample_weight_col, float64_as="float32",
+            spec.features,
+            spec.labels,
+            spec.sample_weight_col,
+            float64_as="float32",
             shapes=spec.feature_shapes,
-        )  # fmt: skip
+        )
         return _Data(dataset, len(loader))
 
     return as_data(train), (as_data(val) if val is not None else None)
 
 
-def _feature_shapes(model: keras.Model, features: list[str],
-                    metadata: DatasetMetadata) -> dict[str, tuple[int, ...]]:  # fmt: skip
+def _feature_shapes(
+    model: keras.Model, features: list[str], metadata: DatasetMetadata
+) -> dict[str, tuple[int, ...]]:
     """The model inputs' shapes per row where a feature column's differs (a flat vector of 784
     for an input of 28 x 28 x 1): the ranks reshape those batches, as Horovod does."""
     shapes = {}

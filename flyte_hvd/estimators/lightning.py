@@ -37,12 +37,14 @@ import numpy as np
 
 from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import tracking, training
-from flyte_hvd.estimators.base import Backend, HorovodEstimator, Metadata, passed_params
+from flyte_hvd.estimators.backend import Backend
+from flyte_hvd.estimators.base import HorovodEstimator, Metadata
 from flyte_hvd.estimators.params import (
     DISTRIBUTED_PARAM,
     ESTIMATOR_PARAMS,
     NAN_PARAM,
     check_distributed,
+    passed_params,
     with_params,
 )
 from flyte_hvd.estimators.torch_model import (
@@ -132,8 +134,9 @@ def lightning_package(model: object) -> str | None:
     return None
 
 
-def _check_batch_use(model: object, features: list[str], labels: list[str],
-                     weight: str | None) -> None:  # fmt: skip
+def _check_batch_use(
+    model: object, features: list[str], labels: list[str], weight: str | None
+) -> None:
     """A batch is a dict keyed by column name: a ``training_step`` that unpacks it as
     Lightning's tutorials unpack a tuple (``x, y = batch``) or indexes it by position
     (``batch[0]``) is refused before any rank starts (on the ranks it would fail with torch's
@@ -155,13 +158,16 @@ def _check_batch_use(model: object, features: list[str], labels: list[str],
         unpacked = (
             isinstance(node, ast.Assign)
             and isinstance(node.targets[0], ast.Tuple | ast.List)
-            and isinstance(node.value, ast.Name) and node.value.id == name
-        )  # fmt: skip
+            and isinstance(node.value, ast.Name)
+            and node.value.id == name
+        )
         indexed = (
             isinstance(node, ast.Subscript)
-            and isinstance(node.value, ast.Name) and node.value.id == name
-            and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int)
-        )  # fmt: skip
+            and isinstance(node.value, ast.Name)
+            and node.value.id == name
+            and isinstance(node.slice, ast.Constant)
+            and isinstance(node.slice.value, int)
+        )
         if (unpacked or indexed) and isinstance(node, ast.Assign | ast.Subscript):
             by_name = ", ".join(f"{name}[{c!r}]" for c in columns)
             if len(features) == 1 and len(labels) == 1:
@@ -338,8 +344,9 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
 
         module = cloudpickle.loads(cloudpickle.dumps(self._lightning_module(features)))
         # Written by the run's rank 0 with Lightning's own state (not only tensors).
-        saved = torch.load(io.BytesIO(self._read_checkpoint(run_id)), map_location="cpu",
-                           weights_only=False)  # fmt: skip
+        saved = torch.load(
+            io.BytesIO(self._read_checkpoint(run_id)), map_location="cpu", weights_only=False
+        )
         module.load_state_dict(saved["state_dict"])
         return cloudpickle.dumps({"model": module, "optimizer": None})
 
@@ -352,9 +359,15 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
         from flyte_hvd.estimators.lightning_legacy import to_lightning_module
 
         return to_lightning_module(
-            model, self.getOptimizer(), self.getLoss(), self.getLossWeights(), features,
-            list(self.getLabelCols()), self.getSampleWeightCol(), self.getValidation(),
-        )  # fmt: skip
+            model,
+            self.getOptimizer(),
+            self.getLoss(),
+            loss_weights=self.getLossWeights(),
+            feature_cols=features,
+            label_cols=list(self.getLabelCols()),
+            sample_weights_col=self.getSampleWeightCol(),
+            validation=self.getValidation(),
+        )
 
     def _remote_trainer(self) -> Callable[[LightningTrainingSpec], dict]:
         return train_on_rank
@@ -401,26 +414,19 @@ def _recorder_class(package: str) -> type:
         ``Checkpoint``): average the epoch's metrics over ranks and save ``last.ckpt``
         (rank 0 writes); rank 0 then hands both to the run's ``training.RunRecord``."""
 
-        def __init__(self, record: training.RunRecord | None, run: training.RankRun,
-                     logs_dir: str | None, spec: LightningTrainingSpec):  # fmt: skip
+        def __init__(
+            self,
+            record: training.RunRecord | None,
+            run: training.RankRun,
+            logs_dir: str | None,
+            spec: LightningTrainingSpec,
+        ):
             self.record, self.run, self.logs_dir, self.spec = record, run, logs_dir, spec
             self.history: dict[str, list[float]] = {}
             self.step_losses: list[float] = []  # this epoch's, as training_step returned them
 
         def on_train_start(self, trainer, pl_module):
-            # Lightning restored the checkpoint callback's state from last.ckpt, but not its
-            # best score (the folder changed) nor the best file (it was on another attempt's
-            # disk): take both from the run, so the best of earlier attempts is kept.
-            run = self.run
-            if run.best_value is None:
-                return
-            for callback in trainer.checkpoint_callbacks:
-                if isinstance(callback, ModelCheckpoint) and callback.monitor is not None:
-                    score = torch.tensor(run.best_value)
-                    path = run.best_file or callback.best_model_path
-                    callback.best_model_score, callback.best_model_path = score, path
-                    callback.best_k_models = {path: score}
-                    callback.kth_best_model_path, callback.kth_value = path, score
+            _restore_best(trainer, self.run, ModelCheckpoint)
 
         def on_train_epoch_start(self, trainer, pl_module):
             if self.record is not None:
@@ -452,18 +458,54 @@ def _recorder_class(package: str) -> type:
             last = os.path.join(self.run.work, LAST_MODEL_FILENAME)
             trainer.save_checkpoint(last)  # collective; rank 0 writes
             if self.record is not None:
-                saving = next(
-                    (c for c in trainer.checkpoint_callbacks
-                     if isinstance(c, ModelCheckpoint) and c.best_model_path),
-                    None,
-                )  # fmt: skip
+                saving = _saving_checkpoint(trainer, ModelCheckpoint)
                 score = saving.best_model_score if saving else None
                 self.record.epoch_end(
-                    trainer.current_epoch, logs, last, saving.best_model_path if saving else None,
-                    self.logs_dir, best_value=None if score is None else float(score),
-                )  # fmt: skip
+                    trainer.current_epoch,
+                    logs,
+                    last,
+                    best_file=saving.best_model_path if saving else None,
+                    logs_dir=self.logs_dir,
+                    best_value=None if score is None else float(score),
+                )
 
     return RunRecorder
+
+
+def _restore_best(
+    trainer: pl.Trainer,
+    run: training.RankRun,
+    checkpoint_class: Any,  # ModelCheckpoint of the trainer's package (LIGHTNING_PACKAGES)
+) -> None:
+    """Lightning restored the checkpoint callbacks' state from last.ckpt, but not their best
+    score (the folder changed) nor the best file (it was on another attempt's disk): both are
+    taken from the run, so the best of earlier attempts is kept."""
+    import torch
+
+    if run.best_value is None:
+        return
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, checkpoint_class) and callback.monitor is not None:
+            score = torch.tensor(run.best_value)
+            path = run.best_file or callback.best_model_path
+            callback.best_model_score, callback.best_model_path = score, path
+            callback.best_k_models = {path: score}
+            callback.kth_best_model_path, callback.kth_value = path, score
+
+
+def _saving_checkpoint(
+    trainer: pl.Trainer,
+    checkpoint_class: Any,  # ModelCheckpoint of the trainer's package
+) -> Any | None:  # that ModelCheckpoint
+    """The first ``ModelCheckpoint`` (of the trainer's package) that holds a best model."""
+    return next(
+        (
+            c
+            for c in trainer.checkpoint_callbacks
+            if isinstance(c, checkpoint_class) and c.best_model_path
+        ),
+        None,
+    )
 
 
 def _default_logger(work: str, package: str) -> Logger:
@@ -482,7 +524,6 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
     import torch
 
     import flyte_hvd.torch as hvd
-    from flyte_hvd.torch.strategy import ddp_strategy, strategy_for
 
     pl = importlib.import_module(spec.lightning_package)
     seed = lambda value: pl.seed_everything(value, verbose=False)  # noqa: E731
@@ -509,20 +550,9 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
         )
         recorder = _recorder_class(spec.lightning_package)(record, run, logs_dir, spec)
         callbacks.append(recorder)
-        use_gpu = spec.use_gpu and torch.cuda.is_available()
-        if spec.distributed == "ddp":
-            # Each rank a node of its own, with its own GPU (see `ddp_strategy`).
-            strategy = ddp_strategy(pl, use_gpu)
-            devices, nodes = ([hvd.local_rank()] if use_gpu else 1), run.size
-        else:
-            strategy = strategy_for(pl)(compression=spec.compression or hvd.Compression.none)
-            devices, nodes = 1, 1
         args: dict[str, Any] = dict(
             max_epochs=spec.epochs,
-            strategy=strategy,
-            accelerator="gpu" if use_gpu else "cpu",
-            devices=devices,
-            num_nodes=nodes,
+            **_placement(spec, pl, hvd, run.size),
             logger=logger,
             callbacks=callbacks,
             default_root_dir=run.work,
@@ -549,13 +579,43 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
             saved = torch.load(best, map_location="cpu", weights_only=False)
             module.load_state_dict(saved["state_dict"])
         module = module.cpu()
-        run.log_model(record, lambda mlflow, registered: mlflow.pytorch.log_model(
-            module, name="model", registered_model_name=registered,
-            pip_requirements=tracking.pinned("torch", "lightning", "cloudpickle", "numpy"),
-        ))  # fmt: skip
+        run.log_model(
+            record,
+            lambda mlflow, registered: mlflow.pytorch.log_model(
+                module,
+                name="model",
+                registered_model_name=registered,
+                pip_requirements=tracking.pinned("torch", "lightning", "cloudpickle", "numpy"),
+            ),
+        )
         return run.result(
             lambda: cloudpickle.dumps({"model": module, "optimizer": None}), recorder.history
         )
+
+
+def _placement(
+    spec: LightningTrainingSpec, pl: ModuleType, hvd: ModuleType, size: int
+) -> dict[str, Any]:
+    """The Trainer's strategy, accelerator, devices and nodes: this rank's GPU with
+    ``use_gpu`` where there is one; with ``distributed='ddp'`` each rank is a node of its own
+    (see ``ddp_strategy``), else one Horovod strategy reduces the gradients."""
+    import torch
+
+    from flyte_hvd.torch.strategy import ddp_strategy, strategy_for
+
+    use_gpu = spec.use_gpu and torch.cuda.is_available()
+    if spec.distributed == "ddp":
+        strategy = ddp_strategy(pl, use_gpu)
+        devices, nodes = ([hvd.local_rank()] if use_gpu else 1), size
+    else:
+        strategy = strategy_for(pl)(compression=spec.compression or hvd.Compression.none)
+        devices, nodes = 1, 1
+    return {
+        "strategy": strategy,
+        "accelerator": "gpu" if use_gpu else "cpu",
+        "devices": devices,
+        "num_nodes": nodes,
+    }
 
 
 def _best_path(trainer: pl.Trainer, package: str) -> str | None:
@@ -563,8 +623,12 @@ def _best_path(trainer: pl.Trainer, package: str) -> str | None:
     ModelCheckpoint = importlib.import_module(f"{package}.callbacks").ModelCheckpoint
 
     return next(
-        (c.best_model_path for c in trainer.checkpoint_callbacks
-         if isinstance(c, ModelCheckpoint) and c.best_model_path
-         and os.path.exists(c.best_model_path)),
+        (
+            c.best_model_path
+            for c in trainer.checkpoint_callbacks
+            if isinstance(c, ModelCheckpoint)
+            and c.best_model_path
+            and os.path.exists(c.best_model_path)
+        ),
         None,
-    )  # fmt: skip
+    )

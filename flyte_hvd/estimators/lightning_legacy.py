@@ -23,12 +23,17 @@ if TYPE_CHECKING:
     from flyte_hvd.estimators.torch_model import ModelOutput, TorchLoss
 
 
-def to_lightning_module(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        loss_fns: TorchLoss | list[TorchLoss],
-                        loss_weights: list[float] | None,
-                        feature_cols: list[str], label_cols: list[str],
-                        sample_weights_col: str | None, validation: float | str | None,
-                        package: str = "lightning.pytorch") -> pl.LightningModule:  # fmt: skip
+def to_lightning_module(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fns: TorchLoss | list[TorchLoss],
+    loss_weights: list[float] | None,
+    feature_cols: list[str],
+    label_cols: list[str],
+    sample_weights_col: str | None,
+    validation: float | str | None,
+    package: str = "lightning.pytorch",
+) -> pl.LightningModule:
     """A ``LightningModule`` (of ``package``) that trains ``model`` with ``optimizer`` and
     ``loss_fns`` (one function per label, or one for all)."""
     base = importlib.import_module(package).LightningModule
@@ -79,13 +84,15 @@ def to_lightning_module(model: torch.nn.Module, optimizer: torch.optim.Optimizer
             """The weighted sum of each output's loss; with ``sample_weights``, each row's
             loss (the function's ``reduction='none'``) times its weight, averaged."""
             total: torch.Tensor | float = 0.0
-            for output, label, loss_fn, weight in zip(outputs, labels, losses, weights,
-                                                       strict=True):  # fmt: skip
+            for output, label, loss_fn, weight in zip(
+                outputs, labels, losses, weights, strict=True
+            ):
                 if sample_weights is None:
                     value = loss_fn(output, label)
                 else:
-                    value = (loss_fn(output, label, reduction="none").flatten()
-                             * sample_weights).mean()  # fmt: skip
+                    value = (
+                        loss_fn(output, label, reduction="none").flatten() * sample_weights
+                    ).mean()
                 total = total + value * weight
             return cast("torch.Tensor", total)  # a term per label, and there is at least one
 

@@ -6,7 +6,10 @@ and docs live in one place for the Keras, Torch and Lightning estimators.
 
 from __future__ import annotations
 
+import inspect
+import math
 import os
+import warnings
 from typing import Any
 
 from pyspark.ml.param import Param, Params
@@ -217,8 +220,9 @@ def check_signature(cls: type, table: dict[str, tuple[Any, str]]) -> list[str]:
             declared = table[p.name][0]
             expected = None if isinstance(declared, list | dict) else declared
             if p.default != expected or type(p.default) is not type(expected):
-                problems.append(f"{cls.__name__}: `{p.name}` defaults to {p.default!r}, "
-                                f"declared {declared!r}")  # fmt: skip
+                problems.append(
+                    f"{cls.__name__}: `{p.name}` defaults to {p.default!r}, declared {declared!r}"
+                )
     return problems
 
 
@@ -269,3 +273,56 @@ def _getter(name: str):
 @with_params(ESTIMATOR_PARAMS)
 class EstimatorParams(Params):
     """The params every estimator has (Horovod's class name), as ``pyspark.ml`` Params."""
+
+
+# -- an estimator's arguments --------------------------------------------------------------
+
+
+def passed_params(values: dict[str, Any]) -> dict[str, Any]:
+    """The arguments an estimator's keyword-only ``__init__`` was given, from its
+    ``locals()``: those left at their signature's default are not set, so the param keeps
+    its declared default (``[]`` where the signature says None)."""
+    defaults = inspect.signature(values["__class__"].__init__).parameters
+    return {
+        name: value
+        for name, value in values.items()
+        if name in defaults and name != "self" and value is not defaults[name].default
+    }
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def warn_inert(estimator: str, inert: dict[str, str], given: dict[str, Any]) -> None:
+    """One warning per process and param for Horovod params that change nothing here."""
+    for name, value in given.items():
+        why = inert.get(name)
+        if why and (estimator, name) not in _warned:
+            _warned.add((estimator, name))
+            warnings.warn(
+                f"{estimator}: `{name}`={value!r} is accepted for Horovod compatibility and "
+                f"has no effect: {why}.",
+                stacklevel=3,
+            )
+
+
+def check_learning_rate(rate: object, where: str) -> None:
+    """A plain learning rate must be a finite number >= 0: a negative one trains without an
+    error, climbing the loss (gradient ascent), and NaN or infinity fill the weights with NaN."""
+    if (
+        isinstance(rate, bool)
+        or not isinstance(rate, int | float)
+        or not math.isfinite(rate)
+        or rate < 0
+    ):
+        shown = f"{rate:.6g}" if isinstance(rate, float) else repr(rate)  # float32's digits
+        raise ValueError(
+            f"{where} has learning rate {shown}; it must be a finite number >= 0 (a negative "
+            f"rate climbs the loss). Build the optimizer with the rate for one rank, e.g. 0.01: "
+            f"the ranks scale it by their number."
+        )
+
+
+def fresh_defaults(defaults: dict[str, Any]) -> dict[str, Any]:
+    """Defaults with their own copies of mutable values (lists, dicts)."""
+    return {k: (type(v)(v) if isinstance(v, list | dict) else v) for k, v in defaults.items()}

@@ -12,17 +12,24 @@ from __future__ import annotations
 import html
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flyte_hvd.core.log import get_logger
+
+if TYPE_CHECKING:
+    from flyte_hvd.data.store import RemoteStore
+    from flyte_hvd.estimators.tracking import MlflowRun
 
 logger = get_logger(__name__)
 
 DECK_TITLE = "Training"
 
 
-def run_report_html(facts: Mapping[str, Any], history: Mapping[str, Sequence[float]],
-                    epoch_seconds: Sequence[float] = ()) -> str:  # fmt: skip
+def run_report_html(
+    facts: Mapping[str, Any],
+    history: Mapping[str, Sequence[float]],
+    epoch_seconds: Sequence[float] = (),
+) -> str:
     """The report: facts, the epoch table and the curves (one chart per metric, training and
     validation together)."""
     facts = dict(facts)
@@ -34,16 +41,19 @@ def run_report_html(facts: Mapping[str, Any], history: Mapping[str, Sequence[flo
         for k, v in facts.items()
         if v not in (None, "", [])
     )
-    parts = [f"<h3>Run</h3><table>{rows}</table>", "<h3>Epochs</h3>", epoch_table_html(
-        history, epoch_seconds
-    )]  # fmt: skip
+    parts = [
+        f"<h3>Run</h3><table>{rows}</table>",
+        "<h3>Epochs</h3>",
+        epoch_table_html(history, epoch_seconds),
+    ]
     if any(history.values()):
         parts.append(training_curves_html(history, best_epoch(history)))
     return "".join(parts)
 
 
-def epoch_table_html(history: Mapping[str, Sequence[float]],
-                     epoch_seconds: Sequence[float] = ()) -> str:  # fmt: skip
+def epoch_table_html(
+    history: Mapping[str, Sequence[float]], epoch_seconds: Sequence[float] = ()
+) -> str:
     """One row per epoch: its number, each metric and its seconds."""
     names = sorted(history, key=lambda k: (k.removeprefix("val_"), k.startswith("val_")))
     epochs = max([len(v) for v in history.values()] + [len(epoch_seconds)], default=0)
@@ -59,8 +69,9 @@ def epoch_table_html(history: Mapping[str, Sequence[float]],
     return f"<table class='epochs'><tr>{head}</tr>{''.join(body)}</table>"
 
 
-def training_curves_html(history: Mapping[str, Sequence[float]], best: int,
-                         metrics: Mapping[str, str] | None = None) -> str:  # fmt: skip
+def training_curves_html(
+    history: Mapping[str, Sequence[float]], best: int, metrics: Mapping[str, str] | None = None
+) -> str:
     """Each metric per epoch, training and validation (``val_<metric>``), as inline SVG
     charts; ``metrics`` maps the metrics to draw to their titles (default: every metric of
     ``history``); ``best`` (from 0) is the epoch named under each chart."""
@@ -112,6 +123,34 @@ def add_deck(content: str, title: str = DECK_TITLE) -> bool:
     if params is not None and not params.enable_deck:
         logger.debug("the task has enable_deck=False: its %r Deck is not rendered", title)
     return True
+
+
+def add_fit_report(
+    estimator: str,
+    results: list[dict],
+    remote_store: RemoteStore,
+    run_id: str,
+    mlflow_run: MlflowRun | None,
+) -> None:
+    """Inside a Flyte task, an estimator's fit's report as a Deck: its facts (from the ranks'
+    ``results`` and the run's state in the store), epochs and curves."""
+    from flyte_hvd.estimators.training import read_run_state
+
+    if not in_flyte_task():
+        return
+    state = read_run_state(remote_store) or {}
+    hosts = {r["host"] for r in results if isinstance(r, dict) and "host" in r}
+    facts = {
+        "estimator": estimator,
+        "ranks": len(results),
+        "hosts": sorted(hosts),
+        "store run path": remote_store.run_path,
+        "run id": run_id,
+        "MLflow run id": mlflow_run.run_id if mlflow_run else None,
+        "MLflow tracking URI": mlflow_run.tracking_uri if mlflow_run else None,
+    }
+    history = results[0]["history"]
+    add_deck(run_report_html(facts, history, state.get("epoch_seconds", [])))
 
 
 def best_epoch(history: Mapping[str, Sequence[float]]) -> int:

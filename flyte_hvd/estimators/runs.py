@@ -64,8 +64,9 @@ def run_ids(store: Store) -> list[str]:
     runs = store.get_runs_path()
     if not bounded(store, ("looking for", "in"), runs, 0, store.exists, runs):
         return []
-    found = bounded(store, ("listing", "in"), runs, 0,
-                    lambda: store.fs.ls(store.fs_path(runs), detail=False))  # fmt: skip
+    found = bounded(
+        store, ("listing", "in"), runs, 0, lambda: store.fs.ls(store.fs_path(runs), detail=False)
+    )
     return sorted(os.path.basename(str(p).rstrip("/")) for p in found)
 
 
@@ -123,11 +124,19 @@ class RunLease:
 
     def _record(self) -> bytes:
         now = time.time()
-        return json.dumps({
-            "owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
-            "pid_space": _pid_space(), "token": self.token, "started": self.started,
-            "renewed": now, "expires": now + LEASE_SECONDS, "flyte": self.flyte,
-        }).encode()  # fmt: skip
+        return json.dumps(
+            {
+                "owner": self.owner,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "pid_space": _pid_space(),
+                "token": self.token,
+                "started": self.started,
+                "renewed": now,
+                "expires": now + LEASE_SECONDS,
+                "flyte": self.flyte,
+            }
+        ).encode()
 
     def _call(self, verb: tuple[str, str], fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)``, one Store call on the lease, within the Store's timeout."""
@@ -147,8 +156,9 @@ class RunLease:
         """Take the lease if no live fit holds it (taking over a stale one, with a warning);
         False when another fit holds it."""
         for _ in range(3):  # a stale lease removed, then another fit may win the create
-            if self._call(("writing", "to"), self.store.create_exclusive, self.path,
-                          self._record()):  # fmt: skip
+            if self._call(
+                ("writing", "to"), self.store.create_exclusive, self.path, self._record()
+            ):
                 self._start_renewing()
                 return True
             held = self._read()
@@ -159,8 +169,10 @@ class RunLease:
                 return False
             logger.warning(
                 "run `%s`: taking over the lease of %s, which %s",
-                self.run_id, held.get("owner", "an unknown owner"), why,
-            )  # fmt: skip
+                self.run_id,
+                held.get("owner", "an unknown owner"),
+                why,
+            )
             self._call(("deleting", "from"), self.store.delete, self.path)
         return False
 
@@ -191,14 +203,17 @@ class RunLease:
                 if not held or held.get("token") != self.token:
                     logger.warning(
                         "run `%s`: another fit (%s) took over this fit's lease `%s`; this fit "
-                        "no longer renews it", self.run_id,
-                        (held or {}).get("owner", "unknown"), self.path,
-                    )  # fmt: skip
+                        "no longer renews it",
+                        self.run_id,
+                        (held or {}).get("owner", "unknown"),
+                        self.path,
+                    )
                     return
                 self._call(("writing", "to"), self.store.write_bytes, self.path, self._record())
             except Exception as error:  # a store hiccup: the next renewal tries again
-                logger.warning("run `%s`: cannot renew its lease `%s`: %s",
-                               self.run_id, self.path, error)  # fmt: skip
+                logger.warning(
+                    "run `%s`: cannot renew its lease `%s`: %s", self.run_id, self.path, error
+                )
 
     def release(self) -> None:
         """Stop renewing and remove the lease, if it is still this fit's. Bounded by the
@@ -217,8 +232,11 @@ class RunLease:
             logger.warning(
                 "run `%s`: its lease `%s` could not be removed within %gs (the store does not "
                 "answer); it expires by itself %ds after its last renewal",
-                self.run_id, self.path, limit, LEASE_SECONDS,
-            )  # fmt: skip
+                self.run_id,
+                self.path,
+                limit,
+                LEASE_SECONDS,
+            )
 
     def _remove(self) -> None:
         with contextlib.suppress(Exception):  # the fit's own error matters more
@@ -309,8 +327,9 @@ def _archive_problem(store: Store, target: str) -> str | None:
         return archive_problem(f)
 
 
-def check_resumable(store: RemoteStore, epochs: int, extension: str,
-                    epoch_in_model: bool = False) -> bool:  # fmt: skip
+def check_resumable(
+    store: RemoteStore, epochs: int, extension: str, epoch_in_model: bool = False
+) -> bool:
     """Before any rank starts: the run's ``state.json`` is valid and the model it resumes
     from is intact. A damaged or missing last model is replaced by the run's checkpoint when
     that is intact (one warning); otherwise, and for a damaged best model, the error names
@@ -337,8 +356,11 @@ def check_resumable(store: RemoteStore, epochs: int, extension: str,
             "run `%s` already trained %d epoch(s) and `epochs`=%d: its model is returned "
             "without training. To train it further, fit again with `epochs` > %d and the same "
             "`run_id`; to train anew, give a new `run_id`.",
-            run_id, done, epochs, done,
-        )  # fmt: skip
+            run_id,
+            done,
+            epochs,
+            done,
+        )
         return True
     todo = (
         f"Restore it, or delete the run's folder `{store.run_path}` to train it from the "
@@ -358,8 +380,11 @@ def check_resumable(store: RemoteStore, epochs: int, extension: str,
             )
         logger.warning(
             "run `%s`: its last model `%s` %s; resuming from its checkpoint `%s`",
-            run_id, last, problem, checkpoint,
-        )  # fmt: skip
+            run_id,
+            last,
+            problem,
+            checkpoint,
+        )
         with tempfile.TemporaryDirectory(prefix="flyte-hvd-resume-") as folder:
             local = os.path.join(folder, "model")
             store.download_file(checkpoint, local)

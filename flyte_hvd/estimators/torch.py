@@ -28,18 +28,15 @@ import numpy as np
 from flyte_hvd.core.checks import require_int
 from flyte_hvd.data.store import Store
 from flyte_hvd.estimators import tracking, training
-from flyte_hvd.estimators.base import (
-    Backend,
-    HorovodEstimator,
-    Metadata,
-    check_learning_rate,
-    passed_params,
-)
+from flyte_hvd.estimators.backend import Backend
+from flyte_hvd.estimators.base import HorovodEstimator, Metadata
 from flyte_hvd.estimators.params import (
     DISTRIBUTED_PARAM,
     ESTIMATOR_PARAMS,
     NAN_PARAM,
     check_distributed,
+    check_learning_rate,
+    passed_params,
     with_params,
 )
 from flyte_hvd.estimators.torch_model import (
@@ -48,10 +45,10 @@ from flyte_hvd.estimators.torch_model import (
     ShapedInputs,
     TorchLoss,
     TorchModel,
-    _import_torch,
     batch_tensors,
     check_forward_arity,
     ddp_process_group,
+    import_torch,
     resolve_input_shapes,
     tensorboard_without_tensorflow,
 )
@@ -195,7 +192,7 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
     _extension = _EXTENSION
 
     def _check_model(self, features: list[str], labels: list[str]) -> None:
-        torch = _import_torch()
+        torch = import_torch()
         model, optimizer = self.getModel(), self.getOptimizer()
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"`model` must be a torch.nn.Module; found {type(model).__name__}.")
@@ -264,8 +261,9 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
         each other) holding the state the run saved, with the learning rate given."""
         import torch
 
-        saved = torch.load(io.BytesIO(self._read_checkpoint(run_id)), map_location="cpu",
-                           weights_only=True)  # fmt: skip
+        saved = torch.load(
+            io.BytesIO(self._read_checkpoint(run_id)), map_location="cpu", weights_only=True
+        )
         packed = cloudpickle.loads(
             cloudpickle.dumps({"model": self.getModel(), "optimizer": self.getOptimizer()})
         )
@@ -325,8 +323,9 @@ def _default_train_minibatch(backward_passes_per_step: int) -> MinibatchFn:
     passes = {"count": 0}
     n = backward_passes_per_step
 
-    def train_minibatch(model, optimizer, transform_outputs, loss_fn, inputs, labels,
-                        sample_weights):  # fmt: skip
+    def train_minibatch(
+        model, optimizer, transform_outputs, loss_fn, inputs, labels, sample_weights
+    ):
         if passes["count"] % n == 0:
             optimizer.zero_grad()
         stepping = (passes["count"] + 1) % n == 0
@@ -369,36 +368,10 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
         contextlib.ExitStack() as stack,
     ):
         rank, size = run.rank, run.size
-        device = torch.device(
-            "cuda", hvd.local_rank()
-        ) if spec.use_gpu and torch.cuda.is_available() else torch.device("cpu")  # fmt: skip
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # NCCL builds its communicator on the current GPU
+        device = _device(spec, hvd)
         backend = "nccl" if device.type == "cuda" else "gloo"
         stack.enter_context(ddp_process_group(spec.distributed, backend))
-        packed = cloudpickle.loads(spec.model_bytes)
-        model, optimizer = packed["model"].to(device), packed["optimizer"]
-        losses = spec.losses or [build() for build in spec.loss_constructors or []]
-        loss_fn = _loss_function(spec, losses)
-        if run.resume_file:  # rank 0; the others get its state by the broadcasts below
-            saved = torch.load(run.resume_file, map_location=device, weights_only=True)
-            model.load_state_dict(saved["model"])
-            optimizer.load_state_dict(saved["optimizer"])
-        _scale_lr(optimizer, size)  # scaled once, also on resume (checkpoints hold the rate given)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-        net = model  # what the steps call: the model, or DDP's wrapper of it
-        if spec.distributed == "ddp":
-            net = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None
-            )
-        else:
-            hvd.DistributedOptimizer(
-                optimizer,
-                named_parameters=model.named_parameters(),
-                compression=spec.compression or hvd.Compression.none,
-                backward_passes_per_step=spec.backward_passes_per_step,
-            )
+        model, net, optimizer, loss_fn = _distributed_model(spec, run, hvd, device)
         train_loader, val_loader = training.make_loaders(spec, rank, size)
         minibatch = spec.train_minibatch_fn or _default_train_minibatch(
             spec.backward_passes_per_step
@@ -415,32 +388,21 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
             for batch in train_loader.iter_epoch(epoch):
                 record.step_begin()
                 inputs, labels, weights = batch_tensors(batch, spec, spec.input_shapes, device)
-                outputs, loss = minibatch(net, optimizer, _transform_outputs, loss_fn, inputs,
-                                          labels, weights)  # fmt: skip
+                outputs, loss = minibatch(
+                    net, optimizer, _transform_outputs, loss_fn, inputs, labels, weights
+                )
                 _add_metrics(sums, "", loss, outputs, labels, spec)
             logs = _mean(sums, len(train_loader))
             if val_loader is not None:
-                model.eval()
-                val_sums: dict[str, float] = {}
-                with torch.no_grad():
-                    for batch in val_loader.iter_epoch(epoch):
-                        inputs, labels, weights = batch_tensors(batch, spec, spec.input_shapes,
-                                                                device)  # fmt: skip
-                        outputs, labels = _transform_outputs(model(*inputs), labels)
-                        loss = loss_fn(outputs, labels, weights)
-                        _add_metrics(val_sums, "val_", loss, outputs, labels, spec)
-                logs.update(_mean(val_sums, len(val_loader)))
+                logs.update(_validate(model, val_loader, epoch, loss_fn, spec, device))
             logs = _average_over_ranks(hvd, logs)
             training.check_loss(spec, logs, epoch, rank)
             for key, value in logs.items():
                 history.setdefault(key, []).append(value)
             if rank == 0:
-                if writer is not None:
-                    for key, value in logs.items():
-                        writer.add_scalar(key, value, epoch)
-                    writer.flush()
+                _write_scalars(writer, logs, epoch)
                 torch.save(_state_dicts(model, optimizer, size), last_local)
-                record.epoch_end(epoch, logs, last_local, None, logs_dir)
+                record.epoch_end(epoch, logs, last_local, logs_dir=logs_dir)
         if writer is not None:
             writer.close()
         if spec.distributed != "ddp":
@@ -448,18 +410,105 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
         optimizer.zero_grad(set_to_none=True)
         _scale_lr(optimizer, 1.0 / size)  # hand back the rate given
         model = model.cpu()
-        run.log_model(record, lambda mlflow, registered: mlflow.pytorch.log_model(
-            model, name="model", registered_model_name=registered,
-            pip_requirements=tracking.pinned("torch", "cloudpickle", "numpy"),
-        ))  # fmt: skip
+        run.log_model(
+            record,
+            lambda mlflow, registered: mlflow.pytorch.log_model(
+                model,
+                name="model",
+                registered_model_name=registered,
+                pip_requirements=tracking.pinned("torch", "cloudpickle", "numpy"),
+            ),
+        )
         return run.result(
             lambda: cloudpickle.dumps({"model": model, "optimizer": optimizer}), history
         )
 
 
-def _add_metrics(sums: dict[str, float], prefix: str, loss: torch.Tensor,
-                 outputs: list[torch.Tensor], labels: list[torch.Tensor],
-                 spec: TorchTrainingSpec) -> None:  # fmt: skip
+def _device(spec: TorchTrainingSpec, hvd: ModuleType) -> torch.device:
+    """This rank's GPU (by local rank) with ``use_gpu`` where there is one, else the CPU."""
+    import torch
+
+    if not (spec.use_gpu and torch.cuda.is_available()):
+        return torch.device("cpu")
+    device = torch.device("cuda", hvd.local_rank())
+    torch.cuda.set_device(device)  # NCCL builds its communicator on the current GPU
+    return device
+
+
+def _distributed_model(
+    spec: TorchTrainingSpec, run: training.RankRun, hvd: ModuleType, device: torch.device
+) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, LossFn]:
+    """The model on ``device`` and its optimizer, resumed from the run's checkpoint (rank 0)
+    and made the same on every rank, the rate scaled by the ranks' number; what the steps
+    call (the model, or DDP's wrapper of it: with ``distributed='horovod'`` the optimizer
+    reduces the gradients instead); and the loss function."""
+    import torch
+
+    packed = cloudpickle.loads(spec.model_bytes)
+    model, optimizer = packed["model"].to(device), packed["optimizer"]
+    losses = spec.losses or [build() for build in spec.loss_constructors or []]
+    loss_fn = _loss_function(spec, losses)
+    if run.resume_file:  # rank 0; the others get its state by the broadcasts below
+        saved = torch.load(run.resume_file, map_location=device, weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+    _scale_lr(optimizer, run.size)  # scaled once, also on resume (checkpoints hold the rate given)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    net = model
+    if spec.distributed == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    else:
+        hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=model.named_parameters(),
+            compression=spec.compression or hvd.Compression.none,
+            backward_passes_per_step=spec.backward_passes_per_step,
+        )
+    return model, net, optimizer, loss_fn
+
+
+def _validate(
+    model: torch.nn.Module,
+    loader: BaseDataLoader,
+    epoch: int,
+    loss_fn: LossFn,
+    spec: TorchTrainingSpec,
+    device: torch.device,
+) -> dict[str, float]:
+    """This rank's validation loss and metrics of the epoch (``val_`` names)."""
+    import torch
+
+    model.eval()
+    sums: dict[str, float] = {}
+    with torch.no_grad():
+        for batch in loader.iter_epoch(epoch):
+            inputs, labels, weights = batch_tensors(batch, spec, spec.input_shapes, device)
+            outputs, labels = _transform_outputs(model(*inputs), labels)
+            loss = loss_fn(outputs, labels, weights)
+            _add_metrics(sums, "val_", loss, outputs, labels, spec)
+    return _mean(sums, len(loader))
+
+
+def _write_scalars(writer: SummaryWriter | None, logs: dict[str, float], epoch: int) -> None:
+    """The epoch's metrics in the run's TensorBoard logs (when tensorboard is installed)."""
+    if writer is None:
+        return
+    for key, value in logs.items():
+        writer.add_scalar(key, value, epoch)
+    writer.flush()
+
+
+def _add_metrics(
+    sums: dict[str, float],
+    prefix: str,
+    loss: torch.Tensor,
+    outputs: list[torch.Tensor],
+    labels: list[torch.Tensor],
+    spec: TorchTrainingSpec,
+) -> None:
     sums[f"{prefix}loss"] = sums.get(f"{prefix}loss", 0.0) + float(loss.detach())
     if not spec.metrics:  # runs every step: the outputs are shaped only for metrics
         return

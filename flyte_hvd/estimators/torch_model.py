@@ -48,7 +48,8 @@ TORCH_MODEL_PARAMS: dict[str, tuple[Any, str]] = {
 }
 
 
-def _import_torch() -> ModuleType:
+def import_torch() -> ModuleType:
+    """``torch``, or an ImportError that names the extra to install."""
     try:
         import torch
     except ImportError as error:  # pragma: no cover - depends on the environment
@@ -111,7 +112,7 @@ def probe_outputs(
     shape per row."""
     import copy
 
-    torch = _import_torch()
+    torch = import_torch()
     probe = copy.deepcopy(model).eval()
     inputs = [torch.zeros((2, *shape[1:]), dtype=torch.float32) for shape in input_shapes]
     try:
@@ -194,7 +195,7 @@ class TorchModel(HorovodModel):
         return super().getModel()["optimizer"]
 
     def _load_model(self, data: bytes) -> dict:
-        _import_torch()
+        import_torch()
         return cloudpickle.loads(data)
 
     def _model_to_bytes(self, model: torch.nn.Module) -> bytes:
@@ -204,9 +205,10 @@ class TorchModel(HorovodModel):
         shapes = self.getOutputShapes()
         if shapes is None:  # a model given as it is, not from a fit: run it once
             shapes = probe_outputs(
-                self.getModel(), with_batch_dimension(self.getInputShapes()),
+                self.getModel(),
+                with_batch_dimension(self.getInputShapes()),
                 list(self.getLabelColumns()),
-            )  # fmt: skip
+            )
         return [math.prod(shape) for shape in shapes]
 
     def _batch_predictor(self, sc: Broadcaster) -> BatchPredictor:

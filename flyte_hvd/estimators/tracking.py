@@ -142,8 +142,9 @@ def start_run(config: MlflowConfig, default_name: str, params: dict[str, Any]) -
             tags = dict(config.tags or {})
             if task_run is not None:
                 tags[TASK_RUN_TAG] = task_run
-            run = client.create_run(experiment_id, run_name=config.run_name or default_name,
-                                    tags=tags)  # fmt: skip
+            run = client.create_run(
+                experiment_id, run_name=config.run_name or default_name, tags=tags
+            )
             run_id = run.info.run_id
             client.log_batch(run_id, params=[Param(k, _param_text(v)) for k, v in params.items()])
     except Exception as error:
@@ -187,8 +188,10 @@ def default_tracking_uri(mlflow: ModuleType) -> str:
         "MLflow's default store %s needs SQLAlchemy and alembic, which mlflow-skinny does not "
         "install: this run is tracked in MLflow's file store %s instead. Set "
         "MLFLOW_TRACKING_URI (a tracking server, for runs on a cluster), or `pip install "
-        "mlflow` for MLflow's default.", uri, fallback,
-    )  # fmt: skip
+        "mlflow` for MLflow's default.",
+        uri,
+        fallback,
+    )
     return fallback
 
 
@@ -340,8 +343,9 @@ def _log_epoch(mlflow: ModuleType, epoch: progress.Epoch) -> None:
     mlflow.log_metrics(metrics, step=epoch.number - 1)
 
 
-def log_outcome(mlflow: ModuleType, run: MlflowRun, checkpoint: str | None,
-                log_model: ModelLogger | None) -> None:  # fmt: skip
+def log_outcome(
+    mlflow: ModuleType, run: MlflowRun, checkpoint: str | None, log_model: ModelLogger | None
+) -> None:
     """Rank 0, after training: the best checkpoint as an artifact (``checkpoint/``) and the
     model in its framework's flavour (``log_model(mlflow, registered_model_name)``)."""
     if checkpoint and os.path.exists(checkpoint):

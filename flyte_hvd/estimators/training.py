@@ -152,14 +152,25 @@ def _count(value: object) -> bool:
 _STATE_FIELDS: dict[str, tuple[bool, Callable[[Any], bool], str]] = {
     "epoch": (True, _count, "an int >= 0 (epochs completed)"),
     "epochs": (False, _count, "an int >= 0"),
-    "history": (False, lambda v: isinstance(v, dict) and all(
-        isinstance(k, str) and isinstance(x, list) and all(map(_number, x))
-        for k, x in v.items()), "an object of metric name -> list of numbers"),
-    "epoch_seconds": (False, lambda v: isinstance(v, list) and all(map(_number, v)),
-                      "a list of numbers"),
+    "history": (
+        False,
+        lambda v: (
+            isinstance(v, dict)
+            and all(
+                isinstance(k, str) and isinstance(x, list) and all(map(_number, x))
+                for k, x in v.items()
+            )
+        ),
+        "an object of metric name -> list of numbers",
+    ),
+    "epoch_seconds": (
+        False,
+        lambda v: isinstance(v, list) and all(map(_number, v)),
+        "a list of numbers",
+    ),
     "first_step_at": (False, lambda v: v is None or _number(v), "a number or null"),
     "best": (False, _number, "a number"),
-}  # fmt: skip
+}
 
 
 def state_problem(state: object) -> str | None:
@@ -238,9 +249,13 @@ class RankRun:
 
 
 @contextmanager
-def rank_run(spec: TrainingSpec, hvd: ModuleType, extension: str,
-             seed: Callable[[int], Any] | None = None,
-             resume_on_every_rank: bool = False) -> Iterator[RankRun]:  # fmt: skip
+def rank_run(
+    spec: TrainingSpec,
+    hvd: ModuleType,
+    extension: str,
+    seed: Callable[[int], Any] | None = None,
+    resume_on_every_rank: bool = False,
+) -> Iterator[RankRun]:
     """Start this rank's part of the run: initialize the collective core, seed with
     ``random_seed + rank``, share rank 0's reading of ``state.json``, and download the files
     to resume from into a temporary folder (rank 0's, or every rank's when the framework
@@ -280,8 +295,9 @@ class RunRecord:
     model when there is one, else the last), the last model, the logs and then
     ``state.json``, and prints one summary line."""
 
-    def __init__(self, store: RemoteStore, state: dict | None, epochs: int, extension: str,
-                 verbose: int = 1):  # fmt: skip
+    def __init__(
+        self, store: RemoteStore, state: dict | None, epochs: int, extension: str, verbose: int = 1
+    ):
         self.store, self.epochs, self.verbose = store, epochs, verbose
         self.checkpoint_path = checkpoint_path(store, extension)
         self.last_path = run_file(store, f"last{extension}")
@@ -300,9 +316,15 @@ class RunRecord:
         if self.first_step_at is None:
             self.first_step_at = time.time()
 
-    def epoch_end(self, epoch: int, logs: dict[str, float], last_file: str,
-                  best_file: str | None = None, logs_dir: str | None = None,
-                  best_value: float | None = None) -> None:  # fmt: skip
+    def epoch_end(
+        self,
+        epoch: int,
+        logs: dict[str, float],
+        last_file: str,
+        best_file: str | None = None,
+        logs_dir: str | None = None,
+        best_value: float | None = None,
+    ) -> None:
         """Publish the epoch. ``best_file`` is the best model so far by the checkpoint
         callback's monitor and ``best_value`` its monitored value, which a resumed run starts
         from (so it keeps the best model of earlier attempts)."""
@@ -330,8 +352,9 @@ class RunRecord:
         if self.best is not None:
             state["best"] = self.best
         store.write_text(store.state_path, json.dumps(state))
-        progress.record_epoch(epoch + 1, self.epochs, logs, seconds, self.attempt_seconds,
-                              self.verbose)  # fmt: skip
+        progress.record_epoch(
+            epoch + 1, self.epochs, logs, seconds, self.attempt_seconds, self.verbose
+        )
 
 
 # -- data --------------------------------------------------------------------------------------
@@ -355,8 +378,9 @@ def make_loaders(
     if spec.sample_weight_col:
         columns.append(spec.sample_weight_col)
 
-    def make(path: str, metadata: DatasetMetadata, batch_size: int, shuffle: bool,
-             steps: int | None) -> BaseDataLoader:  # fmt: skip
+    def make(
+        path: str, metadata: DatasetMetadata, batch_size: int, shuffle: bool, steps: int | None
+    ) -> BaseDataLoader:
         loader = build(
             path,
             batch_size,
@@ -376,10 +400,20 @@ def make_loaders(
             loader = TransformedLoader(loader, spec.transformation_fn)
         return loader
 
-    train = make(spec.store.train_data_path, train_meta, spec.batch_size, spec.shuffle,
-                 spec.train_steps_per_epoch)  # fmt: skip
+    train = make(
+        spec.store.train_data_path,
+        train_meta,
+        batch_size=spec.batch_size,
+        shuffle=spec.shuffle,
+        steps=spec.train_steps_per_epoch,
+    )
     val = None
     if val_meta is not None:
-        val = make(spec.store.val_data_path, val_meta, spec.val_batch_size, False,
-                   spec.validation_steps_per_epoch)  # fmt: skip
+        val = make(
+            spec.store.val_data_path,
+            val_meta,
+            batch_size=spec.val_batch_size,
+            shuffle=False,
+            steps=spec.validation_steps_per_epoch,
+        )
     return train, val

@@ -135,8 +135,7 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
                 )
             spec = replace(RankSpec.of(self, ctx), mlflow_run=mlflow_run)
             with failures.as_flyte_errors():  # recoverable ones as FlyteRecoverableException
-                result = launch_body(self.name, self._task_function, kwargs, spec, config,
-                                     connect)  # fmt: skip
+                result = launch_body(self.name, self._task_function, kwargs, spec, config, connect)
             failed = False
         except KeyboardInterrupt as interrupt:
             if not logged_interrupt(interrupt):
@@ -149,8 +148,9 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
         self._report(result, mlflow_run, time.monotonic() - started)
         return literal_map_from_bytes(result.outputs)
 
-    def _report(self, result: BodyResult, mlflow_run: tracking.MlflowRun | None,
-                seconds: float) -> None:  # fmt: skip
+    def _report(
+        self, result: BodyResult, mlflow_run: tracking.MlflowRun | None, seconds: float
+    ) -> None:
         """The task's "Training" Deck: ranks, hosts, MLflow run and rank 0's epochs. A local
         run writes the Deck file here: flytekit writes it only for tasks that return Python
         values, and this one returns rank 0's literals."""

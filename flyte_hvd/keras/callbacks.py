@@ -103,9 +103,12 @@ class MetricAverageCallback(keras.callbacks.Callback):
         if self.progress and state.rank() == 0:
             params = self.params or {}
             run_progress.record_epoch(
-                epoch + 1, params.get("epochs"), {k: float(logs[k]) for k in keys},
-                time.monotonic() - self._started, verbose=params.get("verbose", 1),
-            )  # fmt: skip
+                epoch + 1,
+                params.get("epochs"),
+                {k: float(logs[k]) for k in keys},
+                time.monotonic() - self._started,
+                verbose=params.get("verbose", 1),
+            )
 
 
 def _is_number(value: Any) -> bool:  # any logged value: float() decides

@@ -65,9 +65,14 @@ def main() -> None:
         logger.log(
             logging.INFO if env.get(LOG_LEVEL_ENV) else logging.DEBUG,
             "rank %d of %d on host %s: local_rank %d of %d, cross_rank %d of %d",
-            rank, size, state.host_name(), topo.local_rank, topo.local_size, topo.cross_rank,
+            rank,
+            size,
+            state.host_name(),
+            topo.local_rank,
+            topo.local_size,
+            topo.cross_rank,
             topo.cross_size,
-        )  # fmt: skip
+        )
         env.update(
             HOROVOD_RANK=str(rank),
             HOROVOD_SIZE=str(size),

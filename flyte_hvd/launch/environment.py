@@ -9,8 +9,7 @@ import sys
 # Storage settings a local master's ranks and Python workers take from the driver as it is now:
 # S3's, fsspec's, Google Cloud Storage's (credentials, project, an emulator, gcsfs' switches)
 # and Azure's.
-FORWARDED_ENV_PREFIXES = ("AWS_", "FSSPEC_", "GOOGLE_", "GCSFS_", "STORAGE_EMULATOR_HOST",
-                          "AZURE_")  # fmt: skip
+FORWARDED_ENV_PREFIXES = ("AWS_", "FSSPEC_", "GOOGLE_", "GCSFS_", "STORAGE_EMULATOR_HOST", "AZURE_")
 
 
 # The Spark driver's flyte_hvd version, in every rank's environment: the executor's task and
@@ -124,24 +123,82 @@ def _module_roots(skip: tuple[str, ...]) -> list[str]:
 
 # What ranks never take from the driver's environment: it describes the driver's own host,
 # process, interpreter or Spark role, not the job (the ranks' host and Spark give them theirs).
-_HOST_ENV = frozenset({
-    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "OLDPWD", "HOSTNAME", "TMPDIR", "TEMP",
-    "TMP", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONEXECUTABLE", "VIRTUAL_ENV",
-    "LD_LIBRARY_PATH", "LD_PRELOAD", "CLASSPATH", "SHLVL", "_", "CUDA_VISIBLE_DEVICES",
-    "NVIDIA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS", "DISPLAY", "TERM_SESSION_ID", "FLYTE_HVD_SPARE",
-    "FLYTE_HVD_SPARE_OWNER", "FLYTE_HVD_SPARE_PRELOAD", "FLYTE_HVD_OUTPUT_FDS",
-    "FLYTE_HVD_ADDRESS",
-    # The driver's own torch.distributed group (it runs under torchrun, say): each rank gets
-    # its own values (``process_group``).
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-    "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-})  # fmt: skip
+_HOST_ENV = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "PWD",
+        "OLDPWD",
+        "HOSTNAME",
+        "TMPDIR",
+        "TEMP",
+        "TMP",
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONSTARTUP",
+        "PYTHONEXECUTABLE",
+        "VIRTUAL_ENV",
+        "LD_LIBRARY_PATH",
+        "LD_PRELOAD",
+        "CLASSPATH",
+        "SHLVL",
+        "_",
+        "CUDA_VISIBLE_DEVICES",
+        "NVIDIA_VISIBLE_DEVICES",
+        "ROCR_VISIBLE_DEVICES",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "DISPLAY",
+        "TERM_SESSION_ID",
+        "FLYTE_HVD_SPARE",
+        "FLYTE_HVD_SPARE_OWNER",
+        "FLYTE_HVD_SPARE_PRELOAD",
+        "FLYTE_HVD_OUTPUT_FDS",
+        "FLYTE_HVD_ADDRESS",
+        # The driver's own torch.distributed group (it runs under torchrun, say): each rank gets
+        # its own values (``process_group``).
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "NODE_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+)
 _HOST_ENV_PREFIXES = (
-    "SPARK_", "PYSPARK_", "JAVA_", "JDK_", "HADOOP_", "YARN_", "KUBERNETES_", "XDG_", "SSH_",
-    "CONDA_", "JPY_", "PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "FLYTE_HVD_RANK",
-    "FLYTE_HVD_SIZE", "FLYTE_HVD_CONTROL", "FLYTE_HVD_JOB", "FLYTE_HVD_RESULT", "TORCHELASTIC_",
-)  # fmt: skip
+    "SPARK_",
+    "PYSPARK_",
+    "JAVA_",
+    "JDK_",
+    "HADOOP_",
+    "YARN_",
+    "KUBERNETES_",
+    "XDG_",
+    "SSH_",
+    "CONDA_",
+    "JPY_",
+    "PMI_",
+    "PMIX_",
+    "HYDRA_",
+    "MPIR_",
+    "OMPI_",
+    "I_MPI_",
+    "FLYTE_HVD_RANK",
+    "FLYTE_HVD_SIZE",
+    "FLYTE_HVD_CONTROL",
+    "FLYTE_HVD_JOB",
+    "FLYTE_HVD_RESULT",
+    "TORCHELASTIC_",
+)
 
 
 def driver_env() -> dict[str, str]:

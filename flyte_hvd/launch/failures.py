@@ -36,12 +36,25 @@ _EXCEPTION_LINE = re.compile(
 
 # Exceptions a retry can fix: the store, the network, a peer or the driver gone, a collective
 # that could not complete because of them (by class name; the Store's errors are a layer up).
-RECOVERABLE_EXCEPTIONS = frozenset({
-    "StoreTimeoutError", "StoreUnreachableError", "PeerExitedError", "HorovodInternalError",
-    "RendezvousTimeoutError", "ConnectionError", "ConnectionResetError",
-    "ConnectionRefusedError", "ConnectionAbortedError", "BrokenPipeError", "TimeoutError",
-    "DistBackendError", "DistNetworkError", "DistStoreError", "ExecutorLostFailure",
-})  # fmt: skip
+RECOVERABLE_EXCEPTIONS = frozenset(
+    {
+        "StoreTimeoutError",
+        "StoreUnreachableError",
+        "PeerExitedError",
+        "HorovodInternalError",
+        "RendezvousTimeoutError",
+        "ConnectionError",
+        "ConnectionResetError",
+        "ConnectionRefusedError",
+        "ConnectionAbortedError",
+        "BrokenPipeError",
+        "TimeoutError",
+        "DistBackendError",
+        "DistNetworkError",
+        "DistStoreError",
+        "ExecutorLostFailure",
+    }
+)
 OOM_EXCEPTIONS = frozenset({"MemoryError", "OutOfMemoryError", "ResourceExhaustedError"})
 # Words of a failure text that name a cause a retry can fix, where no exception names it.
 _RECOVERABLE_TEXT = (
@@ -98,8 +111,10 @@ def _memory_cgroup_files(root: str, own: str) -> list[str]:
             continue
         parts = [p for p in path.split("/") if p]
         candidates += [os.path.join(base, *parts[i:], name) for i in range(len(parts))]
-    candidates += [os.path.join(root, "memory.events"),
-                   os.path.join(root, "memory", "memory.oom_control")]  # fmt: skip
+    candidates += [
+        os.path.join(root, "memory.events"),
+        os.path.join(root, "memory", "memory.oom_control"),
+    ]
     return candidates
 
 

@@ -70,8 +70,7 @@ def rank_failed(traceback: str) -> Message:
 def probe(coll: str | None, age: float, where: str, doing: str | None = None) -> Message:
     """``doing``: what the rank has been busy with outside collectives for a while (e.g.
     "uploading runs/x/checkpoint.keras to s3://b/p"; ``stall.activity``), else None."""
-    return {"op": RankOp.PROBE, "coll": coll, "age": round(age, 3), "where": where,
-            "doing": doing}  # fmt: skip
+    return {"op": RankOp.PROBE, "coll": coll, "age": round(age, 3), "where": where, "doing": doing}
 
 
 def shm(names: list[str]) -> Message:
@@ -124,8 +123,9 @@ def result(rank: int, size: int) -> Message:
     return {"kind": LinkKind.RESULT, "rank": rank, "size": size}
 
 
-def round_reply(round_: int, values: list[str] | None = None,
-                aborted: str | None = None) -> Message:  # fmt: skip
+def round_reply(
+    round_: int, values: list[str] | None = None, aborted: str | None = None
+) -> Message:
     """The driver's answer to a ``gather`` round: every task's value, or why it was aborted."""
     if aborted is not None:
         return {"round": round_, "aborted": aborted}

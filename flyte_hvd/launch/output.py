@@ -226,8 +226,9 @@ class ConsoleSink:
     """Writes display lines as ``[rank]<stream>:line`` to the given streams (default: sys's,
     looked up at each write); a character the stream cannot encode is escaped, not raised."""
 
-    def __init__(self, stdout: IO[str] | None = None, stderr: IO[str] | None = None,
-                 timestamps: bool = False):  # fmt: skip
+    def __init__(
+        self, stdout: IO[str] | None = None, stderr: IO[str] | None = None, timestamps: bool = False
+    ):
         self._stdout, self._stderr = stdout, stderr
         self._timestamps = timestamps
         self._touched: set[int] = set()
@@ -259,8 +260,9 @@ class ConsoleSink:
         self._touched.clear()
 
 
-def console_sink(stdout: IO[str] | None = None, stderr: IO[str] | None = None,
-                 timestamps: bool = False) -> ConsoleSink:  # fmt: skip
+def console_sink(
+    stdout: IO[str] | None = None, stderr: IO[str] | None = None, timestamps: bool = False
+) -> ConsoleSink:
     """Write rank lines as ``[rank]<stream>:line`` to the given streams (default: sys's)."""
     return ConsoleSink(stdout, stderr, timestamps)
 

@@ -74,8 +74,9 @@ def own_address(env: Mapping[str, str]) -> str:
         return socket.gethostname()
 
 
-def rendezvous_value(rank: int, host: str, env: Mapping[str, str],
-                     reserved: socket.socket | None) -> list[Any]:  # fmt: skip
+def rendezvous_value(
+    rank: int, host: str, env: Mapping[str, str], reserved: socket.socket | None
+) -> list[Any]:
     """What a rank contributes to the rendezvous' host exchange: its host, and for rank 0
     its address and reserved port."""
     if rank != 0 or reserved is None:
@@ -83,8 +84,9 @@ def rendezvous_value(rank: int, host: str, env: Mapping[str, str],
     return [host, own_address(env), reserved.getsockname()[1]]
 
 
-def rank_env(rank: int, size: int, topology: Topology, gathered: list[list[Any]],
-             env: Mapping[str, str]) -> dict[str, str]:  # fmt: skip
+def rank_env(
+    rank: int, size: int, topology: Topology, gathered: list[list[Any]], env: Mapping[str, str]
+) -> dict[str, str]:
     """The variables for this rank (see the module's docstring), from every rank's
     ``rendezvous_value`` (index = rank) and the rank's environment as it is now."""
     hosts = [value[0] for value in gathered]
@@ -94,8 +96,10 @@ def rank_env(rank: int, size: int, topology: Topology, gathered: list[list[Any]]
         local_rank, local_size, node_rank = 0, 1, rank
     else:
         local_rank, local_size, node_rank = (
-            topology.local_rank, topology.local_size, topology.cross_rank
-        )  # fmt: skip
+            topology.local_rank,
+            topology.local_size,
+            topology.cross_rank,
+        )
     out = {
         "RANK": str(rank),
         "WORLD_SIZE": str(size),
@@ -112,8 +116,10 @@ def rank_env(rank: int, size: int, topology: Topology, gathered: list[list[Any]]
                 logger.warning(
                     "MASTER_ADDR=%s is a loopback address but the ranks run on %d hosts: "
                     "using rank 0's address %s instead",
-                    given_addr, len(set(hosts)), out["MASTER_ADDR"],
-                )  # fmt: skip
+                    given_addr,
+                    len(set(hosts)),
+                    out["MASTER_ADDR"],
+                )
         else:
             out["MASTER_ADDR"] = given_addr
     if env.get("MASTER_PORT", "").strip():

@@ -53,8 +53,14 @@ def epochs() -> list[Epoch]:
     return list(_run.epochs)
 
 
-def record_epoch(number: int, epochs: int | None, metrics: dict[str, float], seconds: float,
-                 seconds_so_far: list[float] | None = None, verbose: int = 1) -> Epoch:  # fmt: skip
+def record_epoch(
+    number: int,
+    epochs: int | None,
+    metrics: dict[str, float],
+    seconds: float,
+    seconds_so_far: list[float] | None = None,
+    verbose: int = 1,
+) -> Epoch:
     """Record epoch ``number`` (from 1) of ``epochs``, tell the listeners, and log its line.
     ``seconds_so_far``: this attempt's epoch times, for the time left (default: the
     epochs recorded in this process)."""

@@ -72,8 +72,9 @@ def key_of(env: dict[str, str], preload: tuple[str, ...], command: list[str]) ->
     return (tuple(command), preload, tuple(sorted(same.items())))
 
 
-def start(env: dict[str, str], preload: tuple[str, ...], command: list[str], base: str,
-          keep: int = 1) -> None:  # fmt: skip
+def start(
+    env: dict[str, str], preload: tuple[str, ...], command: list[str], base: str, keep: int = 1
+) -> None:
     """Starts one spare that imports ``preload`` and waits; ``env`` is the rank environment
     without the run's own entries (control socket, rank, job, result, ``TMPDIR``). Of this
     process's idle spares the newest ``keep`` stay: older ones were made for runs started
@@ -110,8 +111,9 @@ def start(env: dict[str, str], preload: tuple[str, ...], command: list[str], bas
         _stop(_SPARES[0])
 
 
-def claim(key: tuple, assignment: messages.Message,
-          timeout: float) -> tuple[subprocess.Popen, tuple[int, int]] | None:  # fmt: skip
+def claim(
+    key: tuple, assignment: messages.Message, timeout: float
+) -> tuple[subprocess.Popen, tuple[int, int]] | None:
     """Hands the rank in ``assignment`` to an idle spare started as ``key`` says; returns its
     process and the read ends of its output pipes (the caller's from now on), or None when
     there is none (the caller starts a new one)."""

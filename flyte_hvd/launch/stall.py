@@ -73,8 +73,7 @@ class StallConfig:
     enabled: bool = True
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None,
-                 in_task: bool = False) -> StallConfig:  # fmt: skip
+    def from_env(cls, env: Mapping[str, str] | None = None, in_task: bool = False) -> StallConfig:
         """``in_task``: the run is a Flyte task's, whose stuck collective must end (its pods
         are held, and a retry can resume it): the shutdown defaults to
         ``TASK_SHUTDOWN_CHECKS`` check times instead of never."""
@@ -258,8 +257,9 @@ class Probe:
         ):
             self._report(None, 0.0, where, now, doing)
 
-    def _report(self, coll: str | None, age: float, where: str, now: float,
-                doing: str | None = None) -> None:  # fmt: skip
+    def _report(
+        self, coll: str | None, age: float, where: str, now: float, doing: str | None = None
+    ) -> None:
         self._where, self._where_sent_at, self._doing = where, now, doing
         self._send(messages.probe(coll, age, where, doing))
 

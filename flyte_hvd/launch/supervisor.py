@@ -22,9 +22,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from typing import IO, Protocol
+from typing import Protocol
 
 import cloudpickle
 
@@ -36,14 +35,12 @@ from flyte_hvd.launch.job import MAX_RESULT_ENV, Job
 from flyte_hvd.launch.messages import RankOp
 from flyte_hvd.launch.output import (
     ByteSink,
-    LineSplitter,
     OutputLog,
     OutputSink,
     RankOutput,
     console_sink,
-    open_rank_pipes,
-    render,
 )
+from flyte_hvd.launch.rank_process import RankProcess
 
 __all__ = ["ByteSink", "OutputLog", "OutputSink", "RankOutput", "console_sink"]
 
@@ -51,20 +48,7 @@ __all__ = ["ByteSink", "OutputLog", "OutputSink", "RankOutput", "console_sink"]
 _MPI_ENV_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "MPI_LOCALNRANKS")
 # MPICH's settings (its netmod, shared memory off, ...) are the user's, not a launch's: kept.
 _MPICH_SETTINGS_PREFIX = "MPIR_CVAR_"
-# mpiexec's own banner when a rank dies; we report the death ourselves, naming the rank.
-_BANNER_PREFIXES = (
-    "=====",
-    "=   ",
-    "YOUR APPLICATION TERMINATED",
-    "This typically refers to a problem",
-    "Please see the FAQ page",
-)
-_EXIT_STRING = "YOUR APPLICATION TERMINATED WITH THE EXIT STRING:"
-# mpiexec.gforker's report of a rank killed by a signal (it then exits 0 itself).
-_GFORKER_SIGNALLED = re.compile(r"^\[\d+\]\d+:Return code = \d+, signaled with (.+)$")
-_SIGNAL_NUMBERS = {signal.strsignal(s): int(s) for s in signal.valid_signals()}
 _FAILURE_GRACE_S = 0.5
-_STDERR_TAIL_LINES = 30
 
 
 class Exchange(Protocol):
@@ -127,26 +111,6 @@ def find_mpiexec(single_host: bool = False) -> str:
     return found
 
 
-class _Rank:
-    def __init__(self, rank: int):
-        self.rank = rank
-        self.proc: subprocess.Popen | None = None
-        self.pid: int | None = None
-        self.conn: socket.socket | None = None
-        self.traceback: str | None = None
-        self.exit_string: str | None = None
-        self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
-        self.tail_splitter = LineSplitter(piece_bytes=4096)
-        self.outputs: tuple[int, int] | None = None  # read ends of the rank's own pipes
-        self.done = False
-        self.times: dict[str, float] = {}  # event -> wall-clock time, comparable across hosts' logs
-        self.pumps: list[threading.Thread] = []
-        self.command: list[str] = []
-        self.spare_env: dict[str, str] = {}  # its environment without the run's own entries
-        self.spare_started = False
-        self.shm: list[str] = []  # MPI's shared-memory segments of the rank (``/dev/shm``)
-
-
 def rank_start(extra_env: dict[str, str], single_host: bool) -> tuple[dict[str, str], list[str]]:
     """The environment (without the run's own entries) and command a rank process of this
     process starts with."""
@@ -164,8 +128,9 @@ def rank_start(extra_env: dict[str, str], single_host: bool) -> tuple[dict[str, 
     return env, [mpiexec, "-n", "1", sys.executable, "-m", "flyte_hvd.launch.bootstrap"]
 
 
-def start_spare_ahead(extra_env: dict[str, str], preload: tuple[str, ...],
-                      single_host: bool) -> bool:  # fmt: skip
+def start_spare_ahead(
+    extra_env: dict[str, str], preload: tuple[str, ...], single_host: bool
+) -> bool:
     """Starts a spare rank process for a run about to start here (``flyte_hvd.launch.spare``),
     unless spares are off or one started the same way is already idle; whether it started."""
     if not preload or not spare.enabled():
@@ -229,7 +194,7 @@ class RankSupervisor:
         self.single_host = single_host
         self.job = job
         self.output_log = output_log
-        self.ranks = {r: _Rank(r) for r in ranks}
+        self.ranks = {r: RankProcess(r) for r in ranks}
         self.size = size
         self.exchange = exchange
         self.secret = secret
@@ -280,7 +245,7 @@ class RankSupervisor:
             self._start_spare(state)
         return results
 
-    def _start_spare(self, state: _Rank) -> None:
+    def _start_spare(self, state: RankProcess) -> None:
         if self.preload and not state.spare_started and not self._stopping_for_failure:
             state.spare_started = True
             spare.start(
@@ -299,7 +264,7 @@ class RankSupervisor:
 
     # -- starting ----------------------------------------------------------------------------
 
-    def _spawn(self, state: _Rank, control: str, job_path: str, workdir: str) -> None:
+    def _spawn(self, state: RankProcess, control: str, job_path: str, workdir: str) -> None:
         env, state.command = rank_start(self.env, self.single_host)
         # The result limit is the run's, not the process's: it travels with the rank's
         # assignment, so a spare started before the run can take the rank.
@@ -325,90 +290,10 @@ class RankSupervisor:
                 state.proc, state.outputs = claimed
                 state.times["spare_claimed"] = time.time()
         if state.proc is None:
-            state.outputs, write_ends, pipes_env = open_rank_pipes()
-            env.update(spare.rank_environment(assignment), **pipes_env)
-            try:
-                state.proc = subprocess.Popen(
-                    state.command,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,
-                    pass_fds=write_ends,
-                )
-            finally:
-                for fd in write_ends:
-                    os.close(fd)
+            env.update(spare.rank_environment(assignment))
+            state.start(env)
         state.times["spawned"] = time.time()
-        assert state.outputs is not None
-        pumps: list[tuple[Callable[..., None], str, IO[bytes] | int | None]] = [
-            (self._pump_launcher, "stdout", state.proc.stdout),
-            (self._pump_launcher, "stderr", state.proc.stderr),
-            (self._pump_rank, "stdout", state.outputs[0]),
-            (self._pump_rank, "stderr", state.outputs[1]),
-        ]
-        for target, stream, source in pumps:
-            pump = threading.Thread(target=target, args=(state, stream, source), daemon=True)
-            pump.start()
-            state.pumps.append(pump)
-
-    def _pump_rank(self, state: _Rank, stream: str, fd: int) -> None:
-        """Reads the rank's own pipe as fast as it is written: every byte goes on at once to
-        ``output``, which must not block (see ``flyte_hvd.launch.output``)."""
-        try:
-            while True:
-                try:
-                    data = os.read(fd, 1 << 16)
-                except InterruptedError:
-                    continue
-                except OSError:
-                    break
-                if not data:
-                    break
-                if stream == "stderr":
-                    self._keep_tail(state, data)
-                self.output(state.rank, stream, data)
-        finally:
-            os.close(fd)
-            if stream == "stderr":
-                self._keep_tail(state, None)
-            self.output(state.rank, stream, b"")
-
-    @staticmethod
-    def _keep_tail(state: _Rank, data: bytes | None) -> None:
-        lines = state.tail_splitter.feed(data) if data else state.tail_splitter.flush()
-        state.stderr_tail.extend(render(line) for line, _ in lines[-_STDERR_TAIL_LINES:])
-
-    def _pump_launcher(self, state: _Rank, stream: str, pipe: IO[bytes]) -> None:
-        """mpiexec's own output: its report of how the rank ended is kept, its banner is
-        dropped (the run's error says it better), anything else (say, Python failing to
-        start) is the rank's output."""
-        held_blank = False  # mpiexec's banner starts with a blank line: hold blanks back
-        for raw in pipe:
-            line = raw.decode(errors="replace").rstrip("\n")
-            if line.startswith(_EXIT_STRING):
-                state.exit_string = line[len(_EXIT_STRING) :].strip()
-            signalled = _GFORKER_SIGNALLED.match(line)
-            if signalled:
-                name = signalled.group(1).strip()
-                number = _SIGNAL_NUMBERS.get(name)
-                state.exit_string = f"{name} (signal {number})" if number else name
-                continue
-            if line.startswith(_BANNER_PREFIXES):
-                held_blank = False
-                continue
-            if held_blank:
-                self.output(state.rank, stream, b"\n")
-            held_blank = not line
-            if held_blank:
-                continue
-            if stream == "stderr":
-                state.stderr_tail.append(line)
-            self.output(state.rank, stream, raw if raw.endswith(b"\n") else raw + b"\n")
-        if held_blank:
-            self.output(state.rank, stream, b"\n")
-        pipe.close()
+        state.start_pumps(self.output)
 
     # -- control socket ----------------------------------------------------------------------
 
@@ -421,7 +306,7 @@ class RankSupervisor:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        state: _Rank | None = None
+        state: RankProcess | None = None
         try:
             for line in conn.makefile("rb"):
                 message = json.loads(line)
@@ -475,7 +360,7 @@ class RankSupervisor:
             if self._cancelled is not None:
                 self._stop_all()
                 raise RuntimeError(self._cancelled)
-            failed = [s for s in self.ranks.values() if self._failed(s)]
+            failed = [s for s in self.ranks.values() if s.failed()]
             for s in failed:
                 s.times.setdefault("failed", time.time())
             if failed and first_failure_at is None:
@@ -493,7 +378,7 @@ class RankSupervisor:
                     return
                 continue  # a rank was killed, though its launcher exited 0 (gforker)
             for s in self.ranks.values():
-                if self._code(s) == 0 and not s.done:
+                if s.exit_code() == 0 and not s.done:
                     self.watch.ended(s.rank, "exited with status 0 without returning a result")
             verdict = None if failed else self.watch.check()
             if verdict is not None:
@@ -504,18 +389,6 @@ class RankSupervisor:
             with self._changed:
                 self._changed.wait(timeout=0.05)
 
-    def _failed(self, state: _Rank) -> bool:
-        if state.traceback is not None:
-            return True
-        code = self._code(state)
-        return code is not None and code != 0
-
-    @staticmethod
-    def _code(state: _Rank) -> int | None:
-        """The rank's exit status; -1 for a signal its launcher reported but exited 0 on."""
-        code = state.proc.poll() if state.proc is not None else None
-        return -1 if code == 0 and state.exit_string else code
-
     def _raise_failures(self) -> None:
         self._stop_all()
         failures: dict[int, str] = {}
@@ -524,13 +397,13 @@ class RankSupervisor:
             if state.traceback is not None:
                 failures[state.rank] = state.traceback
                 continue
-            code = self._code(state)
+            code = state.exit_code()
             if code in (None, 0) or "killed_by_us" in state.times:
                 continue
             if code == rendezvous.ORPHANED_EXIT:
                 orphans.append(state.rank)
                 continue
-            failures[state.rank] = self._death_text(state, code)
+            failures[state.rank] = state.death_text(code, self._oom_kills)
         if not failures:
             failures = {r: "lost its supervisor connection" for r in orphans}
         first = first_failure(failures, lambda r: self.ranks[r].times.get("failed", float("inf")))
@@ -539,14 +412,6 @@ class RankSupervisor:
     def _raise_stuck(self, rank: int, message: str) -> None:
         self._stop_all()
         raise RanksFailedError({rank: message}, summary=f"rank {rank} failed; the run was stopped")
-
-    def _death_text(self, state: _Rank, code: int) -> str:
-        how = f"died: {state.exit_string}" if state.exit_string else f"exited with status {code}"
-        killed = f"(signal {int(signal.SIGKILL)})" in (state.exit_string or "")
-        if killed and _more(failure_kinds.oom_kills(), self._oom_kills):
-            how += f"; {failure_kinds.OOM_KILLED_NOTE}"
-        tail = "\n".join(state.stderr_tail)
-        return f"rank {state.rank} {how}" + (f"\nlast stderr lines:\n{tail}" if tail else "")
 
     def _raise_timeout(self) -> None:
         waiting = sorted(r for r, s in self.ranks.items() if "joined" not in s.times)
@@ -598,11 +463,6 @@ class RankSupervisor:
             return self.read_result(rank, path)
         with open(path, "rb") as f:
             return cloudpickle.load(f)
-
-
-# How ``_death_text`` says a signal killed a rank.
-def _more(now: int | None, before: int | None) -> bool:
-    return now is not None and before is not None and now > before
 
 
 _SIGNALLED_TEXT = re.compile(r"^rank \d+ died: .*\(signal (\d+)\)")

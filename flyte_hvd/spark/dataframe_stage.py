@@ -136,7 +136,7 @@ def wait_for_slots(
             f"spark.dynamicAllocation.enabled=false and spark.executor.instances so the "
             f"cluster has {num_proc} task slots."
         )
-    expected = runner._expected_executors(conf)
+    expected = runner.expected_executors(conf)
     while True:
         slots = task_slots(spark, conf)
         if slots >= num_proc:
@@ -146,7 +146,7 @@ def wait_for_slots(
         coming = expected is not None and registered < expected
         if not coming or time.monotonic() >= deadline:
             raise RuntimeError(
-                runner._slots_message(conf, num_proc, slots, registered, coming, timeout)
+                runner.slots_message(conf, num_proc, slots, registered, coming, timeout)
             )
         time.sleep(_SLOT_POLL_S)
 
@@ -226,8 +226,9 @@ class ConnectBackend:
     def link_host(self) -> str:
         return link_host(self.spark)
 
-    def run_stage(self, task: runner.BarrierTask, num_proc: int, retried: bool,
-                  tag: str) -> list[tuple[int, bytes]]:  # fmt: skip
+    def run_stage(
+        self, task: runner.BarrierTask, num_proc: int, retried: bool, tag: str
+    ) -> list[tuple[int, bytes]]:
         self.spark.addTag(tag)
         try:
             stage = self.spark.range(0, num_proc, 1, num_proc).mapInArrow(

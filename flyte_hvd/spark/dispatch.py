@@ -168,9 +168,18 @@ def run(
     """
     env = horovod_run_args(env, use_mpi, use_gloo, extra_mpi_args, nics, executable)
     return launch(
-        fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
-        prefix_output_with_timestamp, max_result_bytes=max_result_bytes,
-    ).results  # fmt: skip
+        fn,
+        args,
+        kwargs,
+        num_proc=num_proc,
+        start_timeout=start_timeout,
+        env=env,
+        stdout=stdout,
+        stderr=stderr,
+        verbose=verbose,
+        prefix_output_with_timestamp=prefix_output_with_timestamp,
+        max_result_bytes=max_result_bytes,
+    ).results
 
 
 def _warn_unused(name: str, meaning: str) -> None:
@@ -180,10 +189,14 @@ def _warn_unused(name: str, meaning: str) -> None:
     )
 
 
-def horovod_run_args(env: dict[str, str] | None, use_mpi: bool | None = None,
-                     use_gloo: bool | None = None, extra_mpi_args: str | None = None,
-                     nics: set[str] | list[str] | None = None,
-                     executable: str | None = None) -> dict[str, str] | None:  # fmt: skip
+def horovod_run_args(
+    env: dict[str, str] | None,
+    use_mpi: bool | None = None,
+    use_gloo: bool | None = None,
+    extra_mpi_args: str | None = None,
+    nics: set[str] | list[str] | None = None,
+    executable: str | None = None,
+) -> dict[str, str] | None:
     """Horovod's launcher arguments of ``run``: ``nics`` restricts the ranks' MPI traffic to
     those interfaces (``FI_TCP_IFACE`` for MPICH's libfabric TCP, ``UCX_NET_DEVICES`` for
     UCX), added to ``env``; the others do nothing here and say so once."""
@@ -192,8 +205,11 @@ def horovod_run_args(env: dict[str, str] | None, use_mpi: bool | None = None,
     if extra_mpi_args:
         _warn_unused("extra_mpi_args", "does nothing: each rank runs under its own `mpiexec -n 1`")
     if executable is not None and executable != sys.executable:
-        _warn_unused("executable", "does nothing: ranks run the Python of Spark's workers "
-                  "(`spark.pyspark.python` / PYSPARK_PYTHON)")  # fmt: skip
+        _warn_unused(
+            "executable",
+            "does nothing: ranks run the Python of Spark's workers "
+            "(`spark.pyspark.python` / PYSPARK_PYTHON)",
+        )
     if not nics:
         return env
     if isinstance(nics, str) or not all(isinstance(n, str) and n for n in nics):
@@ -231,10 +247,20 @@ def launch(
     their framework's."""
     backend = backend_of(active_session())
     spec = pipeline.LaunchSpec.of(
-        fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
-        prefix_output_with_timestamp, preload, default_num_proc=backend.default_parallelism,
+        fn,
+        args,
+        kwargs,
+        num_proc=num_proc,
+        start_timeout=start_timeout,
+        env=env,
+        stdout=stdout,
+        stderr=stderr,
+        verbose=verbose,
+        prefix_output_with_timestamp=prefix_output_with_timestamp,
+        preload=preload,
+        default_num_proc=backend.default_parallelism,
         max_result_bytes=max_result_bytes,
-    )  # fmt: skip
+    )
     return pipeline.launch(spec, backend)
 
 

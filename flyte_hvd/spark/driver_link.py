@@ -144,8 +144,11 @@ class DriverServer:
                     _hang_up(conn)
                     return
                 if len(self._conns) >= self._max_connections:
-                    logger.debug("driver link: hung up on %s: %d connections open already",
-                                 peer, len(self._conns))  # fmt: skip
+                    logger.debug(
+                        "driver link: hung up on %s: %d connections open already",
+                        peer,
+                        len(self._conns),
+                    )
                     _hang_up(conn)
                     continue
                 thread = threading.Thread(target=self._serve, args=(conn, peer), daemon=True)
@@ -173,8 +176,12 @@ class DriverServer:
             line = None
         hello = _parse(line) if line is not None else None
         if hello is None:
-            logger.debug("driver link: hung up on %s: no hello line of at most %d bytes "
-                         "within %gs", peer, HELLO_MAX_BYTES, HELLO_TIMEOUT_S)  # fmt: skip
+            logger.debug(
+                "driver link: hung up on %s: no hello line of at most %d bytes within %gs",
+                peer,
+                HELLO_MAX_BYTES,
+                HELLO_TIMEOUT_S,
+            )
             return False
         role, rank = hello.get("role"), hello.get("rank")
         if (
@@ -203,8 +210,12 @@ class DriverServer:
                         continue
                     final = self._handle(message, conn, born)
                 except (KeyError, TypeError, ValueError) as error:
-                    logger.debug("driver link: dropped a %r message with bad fields (%s: %s)",
-                                 message.get("kind"), type(error).__name__, error)  # fmt: skip
+                    logger.debug(
+                        "driver link: dropped a %r message with bad fields (%s: %s)",
+                        message.get("kind"),
+                        type(error).__name__,
+                        error,
+                    )
                     continue
                 if final is not None:  # the failing task waits for the verdict
                     with self._lock:
@@ -217,16 +228,19 @@ class DriverServer:
                 if born == self._generation and self._gathers:
                     self._abort_gathers("a task's link to the driver closed")
 
-    def _receive_result(self, message: messages.Message, conn: socket.socket,
-                        stream: IO[bytes]) -> bool:  # fmt: skip
+    def _receive_result(
+        self, message: messages.Message, conn: socket.socket, stream: IO[bytes]
+    ) -> bool:
         """Copies a rank's pickled result from the link into a file of the driver's and tells
         the task the id it is kept under; False when the link cannot go on."""
         rank, size = int(message["rank"]), message["size"]
         if not isinstance(size, int) or not 0 <= size <= self._max_result_bytes:
             logger.warning(
                 "driver link: refused rank %d's result of %r bytes (the limit is %d bytes)",
-                rank, size, self._max_result_bytes,
-            )  # fmt: skip
+                rank,
+                size,
+                self._max_result_bytes,
+            )
             return False
         with self._lock:
             if self._results_dir is None:
@@ -444,8 +458,9 @@ class DriverLink:
         self._closing = False
         # Rank output waits here, never blocking the ranks, while one thread sends it.
         self._spool = Spool()
-        self._sender = threading.Thread(target=self._send_output, name="flyte-hvd-link-output",
-                                        daemon=True)  # fmt: skip
+        self._sender = threading.Thread(
+            target=self._send_output, name="flyte-hvd-link-output", daemon=True
+        )
         self._sender.start()
         # Called once if the driver closes the link first: its run is over (it raised, or the
         # driver is gone), so whatever this task still runs is for nobody.

@@ -58,8 +58,9 @@ class StageBackend(Protocol):
     def link_host(self) -> str:
         """The driver-side address the stage's tasks reach the driver link at."""
 
-    def run_stage(self, task: runner.BarrierTask, num_proc: int, retried: bool,
-                  tag: str) -> list[tuple[int, bytes]]:  # fmt: skip
+    def run_stage(
+        self, task: runner.BarrierTask, num_proc: int, retried: bool, tag: str
+    ) -> list[tuple[int, bytes]]:
         """Runs ``task`` in a barrier stage of ``num_proc`` tasks, tagged ``tag`` (so that
         ``cancel`` reaches it), retried as a whole when ``retried``; returns each task's
         ``(rank, payload)`` in rank order."""
@@ -93,14 +94,22 @@ class LaunchSpec:
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
 
     @classmethod
-    def of(cls, fn: Callable[..., UserValue], args: tuple = (),
-           kwargs: dict[str, Any] | None = None,  # ``fn``'s keyword arguments
-           num_proc: int | None = None, start_timeout: float | None = None,
-           env: dict[str, str] | None = None, stdout: IO[str] | None = None,
-           stderr: IO[str] | None = None, verbose: int = 1,
-           prefix_output_with_timestamp: bool = False, preload: tuple[str, ...] = (),
-           default_num_proc: Callable[[], int] | None = None,
-           max_result_bytes: int | None = None) -> LaunchSpec:  # fmt: skip
+    def of(
+        cls,
+        fn: Callable[..., UserValue],
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,  # ``fn``'s keyword arguments
+        num_proc: int | None = None,
+        start_timeout: float | None = None,
+        env: dict[str, str] | None = None,
+        stdout: IO[str] | None = None,
+        stderr: IO[str] | None = None,
+        verbose: int = 1,
+        prefix_output_with_timestamp: bool = False,
+        preload: tuple[str, ...] = (),
+        default_num_proc: Callable[[], int] | None = None,
+        max_result_bytes: int | None = None,
+    ) -> LaunchSpec:
         """Checks every argument (``num_proc`` defaults to ``default_num_proc()``, the
         timeout to ``HOROVOD_SPARK_START_TIMEOUT``, then 600 s, ``max_result_bytes`` to
         ``FLYTE_HVD_MAX_RESULT_BYTES``, then 2 GiB)."""
@@ -152,18 +161,29 @@ def launch(spec: LaunchSpec, backend: StageBackend) -> runner.RunReport:
     tag = f"flyte-hvd-{uuid.uuid4().hex[:12]}"
 
     server = DriverServer(
-        backend.link_host(), secret, num_proc, spec.stdout, spec.stderr,
-        spec.prefix_output_with_timestamp,
+        backend.link_host(),
+        secret,
+        num_proc,
+        stdout=spec.stdout,
+        stderr=spec.stderr,
+        prefix_output_with_timestamp=spec.prefix_output_with_timestamp,
         on_failure=runner.on_rank_failure(max_attempts, lambda: backend.cancel(tag)),
         watch=stall.StallWatch(num_proc, stall_config),
-        on_stuck=lambda: backend.cancel(tag), max_result_bytes=spec.max_result_bytes,
-    )  # fmt: skip
+        on_stuck=lambda: backend.cancel(tag),
+        max_result_bytes=spec.max_result_bytes,
+    )
     level = verbosity_level(spec.verbose)
     logger.log(level, "running %d ranks in a Spark barrier stage%s", num_proc, backend.label)
     task = runner.barrier_task(
-        spec.job, num_proc, secret, server.address, rank_env, deadline - time.monotonic(),
-        single_host=runner.is_local(backend.master), preload=spec.preload,
-    )  # fmt: skip
+        spec.job,
+        num_proc,
+        secret,
+        driver_address=server.address,
+        env=rank_env,
+        start_timeout=deadline - time.monotonic(),
+        single_host=runner.is_local(backend.master),
+        preload=spec.preload,
+    )
 
     def stop() -> None:  # the stage's tasks are killed; the link's end stops their ranks now
         try:

@@ -138,7 +138,7 @@ def task_slots(sc: SparkContext) -> int:
     return int(jsc.maxNumConcurrentTasks(profile))
 
 
-def _expected_executors(sc: ClusterConf) -> int | None:
+def expected_executors(sc: ClusterConf) -> int | None:
     """Executors the application asked for but may not have yet (None in local mode)."""
     master = _master(sc)
     cluster = re.match(r"local-cluster\[\s*(\d+)\s*,", master)
@@ -223,8 +223,11 @@ def on_rank_failure(
             told.add(attempts_started)
             logger.warning(
                 "rank %d failed (%s); Spark retries the stage (attempt %d of %d)",
-                rank, _last_line(traceback), attempts_started + 1, max_attempts,
-            )  # fmt: skip
+                rank,
+                _last_line(traceback),
+                attempts_started + 1,
+                max_attempts,
+            )
         return False
 
     return handle
@@ -248,15 +251,15 @@ def wait_for_slots(sc: SparkContext, num_proc: int, deadline: float, timeout: fl
         slots = task_slots(sc)
         if slots >= num_proc:
             return
-        expected = _expected_executors(sc)
+        expected = expected_executors(sc)
         registered = _registered_executors(sc)
         coming = expected is not None and registered < expected
         if not coming or time.monotonic() >= deadline:
-            raise RuntimeError(_slots_message(sc, num_proc, slots, registered, coming, timeout))
+            raise RuntimeError(slots_message(sc, num_proc, slots, registered, coming, timeout))
         time.sleep(_SLOT_POLL_S)
 
 
-def _slots_message(
+def slots_message(
     sc: ClusterConf,
     num_proc: int,
     slots: int,
@@ -264,6 +267,8 @@ def _slots_message(
     waited: bool,
     timeout: float,
 ) -> str:
+    """Why ``num_proc`` ranks do not fit the cluster's ``slots`` free task slots, and what to
+    change (a classic session's check, and Spark Connect's)."""
     conf = sc.getConf()
     master = _master(sc)
     task_cpus = conf.get("spark.task.cpus", "1")
@@ -336,8 +341,9 @@ def _task_rank_env(env: dict[str, str], ctx: TaskContext) -> dict[str, str]:
     return rank_env
 
 
-def start_spares(sc: SparkContext, num_proc: int, env: dict[str, str] | None,
-                 preload: tuple[str, ...]) -> threading.Thread | None:  # fmt: skip
+def start_spares(
+    sc: SparkContext, num_proc: int, env: dict[str, str] | None, preload: tuple[str, ...]
+) -> threading.Thread | None:
     """Starts, in a background thread, a short Spark job of ``num_proc`` tasks that each
     start a spare rank process importing ``preload`` in their Python worker, unless one is
     idle there (``flyte_hvd.launch.spare``). An estimator calls it once ``prepare_data`` has
@@ -417,8 +423,9 @@ class ClassicBackend:
             return "127.0.0.1"
         return self.sc.getConf().get("spark.driver.host") or "127.0.0.1"
 
-    def run_stage(self, task: BarrierTask, num_proc: int, retried: bool,
-                  tag: str) -> list[tuple[int, bytes]]:  # fmt: skip
+    def run_stage(
+        self, task: BarrierTask, num_proc: int, retried: bool, tag: str
+    ) -> list[tuple[int, bytes]]:
         self.sc.addJobTag(tag)
         try:
             rdd = self.sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(task)
@@ -444,9 +451,12 @@ class ClassicBackend:
             stages = [
                 stage
                 for job in tracker.getJobIdsForTag(tag)
-                for stage in (tracker.getJobInfo(job).get().stageIds() if tracker.getJobInfo(
-                    job).isDefined() else [])
-            ]  # fmt: skip
+                for stage in (
+                    tracker.getJobInfo(job).get().stageIds()
+                    if tracker.getJobInfo(job).isDefined()
+                    else []
+                )
+            ]
             while time.monotonic() < deadline:
                 infos = [tracker.getStageInfo(stage) for stage in stages]
                 if not any(i.isDefined() and i.get().numActiveTasks() > 0 for i in infos):

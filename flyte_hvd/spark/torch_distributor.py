@@ -101,9 +101,11 @@ class TorchDistributor:
                 logger.warning(
                     "`num_processes`=%d but the driver has %d GPU(s) (%s): running %d "
                     "processes, one per GPU, as pyspark's TorchDistributor does",
-                    num_processes, len(self._driver_gpus), _DRIVER_GPU_KEY,
+                    num_processes,
                     len(self._driver_gpus),
-                )  # fmt: skip
+                    _DRIVER_GPU_KEY,
+                    len(self._driver_gpus),
+                )
                 self.num_processes = len(self._driver_gpus)
         elif use_gpu:
             _check_task_gpus()
@@ -134,9 +136,11 @@ class TorchDistributor:
             return launch_local(job, self.num_processes, _LOCAL_START_TIMEOUT, env=env)[0]
         try:
             report = dispatch.launch(
-                job.run, num_proc=self.num_processes,
-                env={**driver_env(), NODE_PER_RANK_ENV: "1"}, preload=("torch",),
-            )  # fmt: skip
+                job.run,
+                num_proc=self.num_processes,
+                env={**driver_env(), NODE_PER_RANK_ENV: "1"},
+                preload=("torch",),
+            )
         except RuntimeError as error:  # the pipeline's slot check names its own argument
             if str(error).startswith("`num_proc`="):
                 raise RuntimeError(str(error).replace("`num_proc`", "`num_processes`")) from None

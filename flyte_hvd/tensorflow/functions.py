@@ -61,9 +61,12 @@ def numpy_call(
     previous = None if tf.inside_function() else _LAST_COLLECTIVE.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
         out = tf.numpy_function(
-            lambda *arrays: list(fn(*arrays)), list(tensors), list(dtypes), stateful=True,
+            lambda *arrays: list(fn(*arrays)),
+            list(tensors),
+            list(dtypes),
+            stateful=True,
             name=_op_name(name),
-        )  # fmt: skip
+        )
     out = list(out) if isinstance(out, list | tuple) else [out]
     if not tf.inside_function():
         _LAST_COLLECTIVE[graph] = out[0].op
@@ -158,9 +161,13 @@ def allreduce(
             values = values / tf.cast(state.size(), values.dtype)
         return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
     return grouped_allreduce(
-        [tensor], op=op, compression=compression, prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, name=name,
-    )[0]  # fmt: skip
+        [tensor],
+        op=op,
+        compression=compression,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        name=name,
+    )[0]
 
 
 def grouped_allreduce(
@@ -184,12 +191,18 @@ def grouped_allreduce(
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):  # gathered, one by one, as Horovod does
-            out[i] = allreduce(t, op=op, prescale_factor=prescale_factor,
-                               postscale_factor=postscale_factor, name=name)  # fmt: skip
+            out[i] = allreduce(
+                t,
+                op=op,
+                prescale_factor=prescale_factor,
+                postscale_factor=postscale_factor,
+                name=name,
+            )
     if dense:
         arrays = [tf.convert_to_tensor(tensors[i]) for i in dense]
-        reduced = _grouped_allreduce(arrays, op, compression, prescale_factor, postscale_factor,
-                                     name)  # fmt: skip
+        reduced = _grouped_allreduce(
+            arrays, op, compression, prescale_factor, postscale_factor, name
+        )
         for i, t in zip(dense, reduced, strict=True):
             out[i] = t
     return out
@@ -201,9 +214,13 @@ def _grouped_allreduce(tensors, op, compression, prescale, postscale, name) -> l
         def reduce(*arrays):
             if all(a.dtype.kind in "fc" for a in arrays):
                 return collectives.grouped_allreduce(
-                    list(arrays), op=op, name=name, compression=compression,
-                    prescale_factor=prescale, postscale_factor=postscale,
-                )  # fmt: skip
+                    list(arrays),
+                    op=op,
+                    name=name,
+                    compression=compression,
+                    prescale_factor=prescale,
+                    postscale_factor=postscale,
+                )
             # Integers are scaled in floating point and cast back, as Horovod does.
             out = collectives.grouped_allreduce(
                 [_scaled(a, prescale) for a in arrays], op=op, name=name, compression=compression
@@ -248,9 +265,11 @@ def _allgather(tensor: tf.Tensor, name: str | None) -> tf.Tensor:
     @tf.custom_gradient
     def forward(x):
         (y,) = numpy_call(
-            lambda a: [collectives.allgather(a, name=name)], [x], [_dtype(x)],
+            lambda a: [collectives.allgather(a, name=name)],
+            [x],
+            [_dtype(x)],
             name or "HorovodAllgather",
-        )  # fmt: skip
+        )
         y.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else [None])
 
         def grad(dy):
@@ -291,9 +310,11 @@ def _broadcast(tensor: tf.Tensor, root_rank: int, name: str | None) -> tf.Tensor
     @tf.custom_gradient
     def forward(x):
         (y,) = numpy_call(
-            lambda a: [collectives.broadcast(a, root_rank, name=name)], [x], [_dtype(x)],
+            lambda a: [collectives.broadcast(a, root_rank, name=name)],
+            [x],
+            [_dtype(x)],
             name or "HorovodBroadcast",
-        )  # fmt: skip
+        )
         y.set_shape(x.shape)
 
         def grad(dy):
@@ -305,8 +326,12 @@ def _broadcast(tensor: tf.Tensor, root_rank: int, name: str | None) -> tf.Tensor
     return forward(tensor)
 
 
-def broadcast_(variables: Sequence[tf.Variable], root_rank: int, name: str | None = None,
-               process_set: ProcessSet | None = None) -> list[tf.Tensor]:  # fmt: skip
+def broadcast_(
+    variables: Sequence[tf.Variable],
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> list[tf.Tensor]:
     """Broadcast ``variables`` in place; returns their new values (in a graph, the
     assignments' values: evaluating them runs the broadcasts)."""
     check_process_set(process_set)
@@ -375,12 +400,17 @@ def reducescatter(
     )
 
 
-def grouped_reducescatter(tensors: Sequence[tf.Tensor], device_dense: str = "",
-                          compression: type[Compressor] = Compression.none,
-                          op: ReduceOp = Average, name: str | None = None,
-                          process_set: ProcessSet | None = None, ignore_name_scope: bool = False,
-                          prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list[tf.Tensor]:  # fmt: skip
+def grouped_reducescatter(
+    tensors: Sequence[tf.Tensor],
+    device_dense: str = "",
+    compression: type[Compressor] = Compression.none,
+    op: ReduceOp = Average,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+    ignore_name_scope: bool = False,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[tf.Tensor]:
     check_process_set(process_set)
     op = ReduceOp(op)
     return [

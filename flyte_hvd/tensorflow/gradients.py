@@ -42,9 +42,15 @@ class Reduction:
     gradient_predivide_factor: float = 1.0
 
     @staticmethod
-    def checked(compression: type[Compressor], op: int, gradient_predivide_factor: float,
-                backward_passes_per_step: int = 1, num_groups: int = 0, groups: Groups = None,
-                process_set: ProcessSet | None = None) -> Reduction:  # fmt: skip
+    def checked(
+        compression: type[Compressor],
+        op: int,
+        gradient_predivide_factor: float,
+        backward_passes_per_step: int = 1,
+        num_groups: int = 0,
+        groups: Groups = None,
+        process_set: ProcessSet | None = None,
+    ) -> Reduction:
         collectives.check_optimizer_args(backward_passes_per_step, op, gradient_predivide_factor)
         check_groups(num_groups, groups)
         check_process_set(process_set)
@@ -93,9 +99,13 @@ def allreduce_gradients(
 
     def reduce(*arrays):
         return collectives.grouped_allreduce(
-            list(arrays), op=op, name=name, compression=reduction.compression,
-            prescale_factor=pre, postscale_factor=post,
-        )  # fmt: skip
+            list(arrays),
+            op=op,
+            name=name,
+            compression=reduction.compression,
+            prescale_factor=pre,
+            postscale_factor=post,
+        )
 
     reduced = numpy_call(reduce, dense, [t.dtype for t in dense], name)
     for i, tensor, original in zip(positions, reduced, dense, strict=True):
@@ -111,8 +121,13 @@ class _DistributedGradientTape(tf.GradientTape):
     _hvd_local: set
     _hvd_scale_local: bool
 
-    def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=tf.UnconnectedGradients.NONE):  # fmt: skip
+    def gradient(
+        self,
+        target,
+        sources,
+        output_gradients=None,
+        unconnected_gradients=tf.UnconnectedGradients.NONE,
+    ):
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads)
@@ -167,8 +182,14 @@ def DistributedGradientTape(
             f"DistributedGradientTape wraps a tf.GradientTape; found "
             f"{type(gradtape).__module__}.{type(gradtape).__name__}."
         )
-    reduction = Reduction.checked(compression, op, gradient_predivide_factor, 1, num_groups,
-                                  groups, process_set)  # fmt: skip
+    reduction = Reduction.checked(
+        compression,
+        op,
+        gradient_predivide_factor,
+        num_groups=num_groups,
+        groups=groups,
+        process_set=process_set,
+    )
     state.comm()  # fail now, with the init() message
     base = type(gradtape)
     if issubclass(base, _DistributedGradientTape):
@@ -197,9 +218,19 @@ def PartialDistributedGradientTape(
     scale_local_gradients: bool = True,
 ) -> tf.GradientTape:
     """``DistributedGradientTape`` whose ``local_layers``' weights keep local gradients."""
-    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
-                                   sparse_as_dense, op, gradient_predivide_factor, num_groups,
-                                   groups, process_set, scale_local_gradients)  # fmt: skip
+    tape = DistributedGradientTape(
+        gradtape,
+        device_dense=device_dense,
+        device_sparse=device_sparse,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        op=op,
+        gradient_predivide_factor=gradient_predivide_factor,
+        num_groups=num_groups,
+        groups=groups,
+        process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
+    )
     layers = [] if local_layers is None else local_layers
     for layer in layers if isinstance(layers, list | tuple) else [layers]:
         for weight in layer.trainable_weights:

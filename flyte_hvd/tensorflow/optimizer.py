@@ -209,9 +209,15 @@ def DistributedOptimizer(
             f"keras.optimizers.SGD(0.01)); found {type(optimizer).__module__}."
             f"{type(optimizer).__name__}."
         )
-    reduction = Reduction.checked(compression, op, gradient_predivide_factor,
-                                  backward_passes_per_step, num_groups, groups,
-                                  process_set)  # fmt: skip
+    reduction = Reduction.checked(
+        compression,
+        op,
+        gradient_predivide_factor,
+        backward_passes_per_step=backward_passes_per_step,
+        num_groups=num_groups,
+        groups=groups,
+        process_set=process_set,
+    )
     if getattr(optimizer, "gradient_accumulation_steps", None) and backward_passes_per_step > 1:
         raise ValueError(
             "the optimizer already accumulates gradients (`gradient_accumulation_steps`="
@@ -251,10 +257,21 @@ def PartialDistributedOptimizer(
 ) -> keras.optimizers.Optimizer:
     """``DistributedOptimizer`` whose ``local_layers``' weights keep local gradients."""
     optimizer = DistributedOptimizer(
-        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
-        gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
-        0, groups, process_set, scale_local_gradients,
-    )  # fmt: skip
+        optimizer,
+        name,
+        device_dense=device_dense,
+        device_sparse=device_sparse,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor,
+        op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients,
+        num_groups=0,
+        groups=groups,
+        process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
+    )
     layers = [] if local_layers is None else local_layers
     for layer in layers if isinstance(layers, list | tuple) else [layers]:
         for weight in layer.trainable_weights:

@@ -19,35 +19,36 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from flyte_hvd.core import *  # noqa: F403 - Horovod's API is one namespace
 from flyte_hvd.core import __all__ as _core_all
-from flyte_hvd.torch.functions import (
-    allgather,
+from flyte_hvd.torch.async_collectives import (
     allgather_async,
-    allreduce,
-    allreduce_,
     allreduce_async,
     allreduce_async_,
-    alltoall,
     alltoall_async,
-    broadcast,
-    broadcast_,
     broadcast_async,
     broadcast_async_,
-    broadcast_optimizer_state,
-    broadcast_parameters,
-    grouped_allgather,
     grouped_allgather_async,
-    grouped_allreduce,
-    grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    grouped_reducescatter,
     grouped_reducescatter_async,
     poll,
-    reducescatter,
     reducescatter_async,
     sparse_allreduce_async,
     synchronize,
 )
+from flyte_hvd.torch.functions import (
+    allgather,
+    allreduce,
+    allreduce_,
+    alltoall,
+    broadcast,
+    broadcast_,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_reducescatter,
+    reducescatter,
+)
+from flyte_hvd.torch.model_state import broadcast_optimizer_state, broadcast_parameters
 from flyte_hvd.torch.optimizer import DistributedOptimizer
 from flyte_hvd.torch.sync_batch_norm import SyncBatchNorm
 

@@ -168,9 +168,14 @@ class _Reducer:
                     else:
                         view.copy_(grad)
             collectives.reduce_in_place(
-                comm, bucket.array, op, settings.compression, post,
-                f"DistributedOptimizer.bucket{bucket.index}", lambda: bucket.describe(op),
-            )  # fmt: skip
+                comm,
+                bucket.array,
+                op,
+                settings.compression,
+                post,
+                f"DistributedOptimizer.bucket{bucket.index}",
+                lambda: bucket.describe(op),
+            )
 
         bucket.handle = background.submit(run, self.comm)
 
@@ -206,7 +211,7 @@ class _Reducer:
         if self.settings.sparse_as_dense:
             p.grad = view.to(device=p.device, dtype=p.dtype).to_sparse()
             return
-        from flyte_hvd.torch.functions import sparse_allreduce_async
+        from flyte_hvd.torch.async_collectives import sparse_allreduce_async
 
         op = self.settings.op
         grad = p.grad
@@ -250,7 +255,7 @@ def _layout(named: list[tuple[str, torch.Tensor]], threshold: int) -> list[_Buck
     ]
 
 
-class _DistributedOptimizer:
+class DistributedMixin:
     """Mixed in front of the wrapped optimizer's own class (see ``DistributedOptimizer``)."""
 
     _hvd: _Reducer
@@ -363,21 +368,25 @@ def DistributedOptimizer(
         )
     collectives.check_optimizer_args(backward_passes_per_step, op, gradient_predivide_factor)
     state.comm()  # fail now with the init() message
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, DistributedMixin):
         unwrap(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     named = _names(params, named_parameters)
     if process_set.included():
         _check_same_parameters(named, process_set)
     settings = _Settings(
-        compression, backward_passes_per_step, ReduceOp(op), float(gradient_predivide_factor),
-        bool(sparse_as_dense), process_set,
-    )  # fmt: skip
+        compression=compression,
+        backward_passes_per_step=backward_passes_per_step,
+        op=ReduceOp(op),
+        gradient_predivide_factor=float(gradient_predivide_factor),
+        sparse_as_dense=bool(sparse_as_dense),
+        process_set=process_set,
+    )
     reducer = _Reducer(named, settings)
     base = type(optimizer)
     # Same name and module as the base, so it reads (and reprs) as the optimizer it wraps.
     optimizer.__class__ = type(
-        base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__}
+        base.__name__, (DistributedMixin, base), {"__module__": base.__module__}
     )
     # The optimizer's class is now the distributed one, which carries these.
     optimizer._hvd = reducer  # type: ignore[attr-defined]
@@ -389,7 +398,7 @@ def DistributedOptimizer(
 
 def unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Undo ``DistributedOptimizer`` in place (hooks removed); returns the optimizer."""
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, DistributedMixin):
         optimizer._hvd.remove_hooks()
         del optimizer._hvd
         optimizer.__dict__.pop("_parameter_names", None)

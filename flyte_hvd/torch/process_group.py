@@ -50,9 +50,8 @@ ROUTES = ("auto", "process_group", "mpi")
 _ROUTE_MARK = 0x5047
 
 REDUCE_DTYPES = frozenset(
-    {torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32,
-     torch.int64}
-)  # fmt: skip
+    {torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64}
+)
 BROADCAST_DTYPES = REDUCE_DTYPES | {torch.bool}
 _TORCH_OPS = {
     ReduceOp.AVERAGE: dist.ReduceOp.SUM,
@@ -75,9 +74,12 @@ def route_setting() -> str:
     return raw
 
 
-def takes(tensors: Sequence[object], process_set: ProcessSet,
-          dtypes: frozenset = REDUCE_DTYPES,
-          compression: type[Compressor] = Compression.none) -> bool:  # fmt: skip
+def takes(
+    tensors: Sequence[object],
+    process_set: ProcessSet,
+    dtypes: frozenset = REDUCE_DTYPES,
+    compression: type[Compressor] = Compression.none,
+) -> bool:
     """Whether a collective on ``tensors`` goes through the process group (module docstring)."""
     setting = route_setting()
     if setting == "mpi" or compression is not Compression.none or not tensors:
@@ -133,8 +135,9 @@ def _finish_average(t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
     return t.floor_divide_(size)
 
 
-def _reduce(flat: torch.Tensor, op: ReduceOp, pre: float, post: float, kind: str,
-            name: str | None) -> torch.Tensor:  # fmt: skip
+def _reduce(
+    flat: torch.Tensor, op: ReduceOp, pre: float, post: float, kind: str, name: str | None
+) -> torch.Tensor:
     """Reduce the contiguous ``flat`` (this call's own copy) with ``op`` and the scales."""
     flat = _scaled(flat, pre)
     start = collectives._begin()
@@ -143,8 +146,9 @@ def _reduce(flat: torch.Tensor, op: ReduceOp, pre: float, post: float, kind: str
     return _scaled(_finish_average(flat, op), post)
 
 
-def allreduce(t: torch.Tensor, op: ReduceOp, name: str | None, pre: float,
-              post: float) -> torch.Tensor:  # fmt: skip
+def allreduce(
+    t: torch.Tensor, op: ReduceOp, name: str | None, pre: float, post: float
+) -> torch.Tensor:
     """``functions.allreduce``'s plain form through the process group: a new tensor."""
     op, _ = collectives.mpi_op(op)  # Adasum and unknown ops: the MPI route's errors
     x = t.detach()
@@ -157,26 +161,39 @@ def allreduce(t: torch.Tensor, op: ReduceOp, name: str | None, pre: float,
     return _reduce(flat, op, pre, post, "allreduce", name).view(shape)
 
 
-def grouped_allreduce(ts: Sequence[torch.Tensor], op: ReduceOp, name: str | None, pre: float,
-                      post: float) -> list[torch.Tensor]:  # fmt: skip
+def grouped_allreduce(
+    ts: Sequence[torch.Tensor], op: ReduceOp, name: str | None, pre: float, post: float
+) -> list[torch.Tensor]:
     """``grouped_allreduce`` through the process group: the tensors of one dtype packed into
     buffers of at most ``HOROVOD_FUSION_THRESHOLD`` bytes, one reduction each, as on MPI."""
     op, _ = collectives.mpi_op(op)
     xs = [t.detach() for t in ts]
     described = [(_dtype(x), tuple(x.shape)) for x in xs]
     _agree(
-        (2, op, collectives._compression_id(Compression.none),
-         tuple((d.num, s) for d, s in described)),
-        lambda: (f"grouped_allreduce(op={op.name}, arrays={[(str(d), s) for d, s in described]}"
-                 f", route=process group)"),
-    )  # fmt: skip
+        (
+            2,
+            op,
+            collectives._compression_id(Compression.none),
+            tuple((d.num, s) for d, s in described),
+        ),
+        lambda: (
+            f"grouped_allreduce(op={op.name}, arrays={[(str(d), s) for d, s in described]}"
+            f", route=process group)"
+        ),
+    )
     buckets = collectives.fusion_buckets(
         [(x.dtype, x.numel() * x.element_size()) for x in xs], collectives.fusion_threshold()
     )
     results: list[torch.Tensor | None] = [None] * len(xs)
     for members in buckets:
-        flat = _reduce(torch.cat([xs[i].reshape(-1) for i in members]), op, pre, post,
-                       "grouped_allreduce", name)  # fmt: skip
+        flat = _reduce(
+            torch.cat([xs[i].reshape(-1) for i in members]),
+            op,
+            pre,
+            post,
+            "grouped_allreduce",
+            name,
+        )
         for i, part in zip(members, flat.split([xs[i].numel() for i in members]), strict=True):
             results[i] = part.view(xs[i].shape)
     return results  # type: ignore[return-value]

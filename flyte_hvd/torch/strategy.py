@@ -40,8 +40,9 @@ from lightning.pytorch.strategies import ParallelStrategy
 import flyte_hvd.core as core
 import flyte_hvd.torch.functions as torch_functions
 from flyte_hvd.core.compression import Compression, Compressor
+from flyte_hvd.torch import model_state
 from flyte_hvd.torch.functions import allreduce
-from flyte_hvd.torch.optimizer import DistributedOptimizer, _DistributedOptimizer
+from flyte_hvd.torch.optimizer import DistributedMixin, DistributedOptimizer
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO
@@ -85,10 +86,12 @@ class _HorovodStrategyMixin:
     ):
         core.init()
         super().__init__(  # type: ignore[call-arg]
-            accelerator=accelerator, parallel_devices=parallel_devices,
-            cluster_environment=None, checkpoint_io=checkpoint_io,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=None,
+            checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-        )  # fmt: skip
+        )
         self.compression = compression
         self.gradient_predivide_factor = gradient_predivide_factor
         _set_rank_zero(core.rank())
@@ -138,10 +141,10 @@ class _HorovodStrategyMixin:
             return
         module = self.lightning_module
         assert module is not None  # set while fitting
-        torch_functions.broadcast_parameters(module.state_dict(), root_rank=0)
+        model_state.broadcast_parameters(module.state_dict(), root_rank=0)
         names = {p: n for n, p in module.named_parameters()}
         for optimizer in self.optimizers:
-            torch_functions.broadcast_optimizer_state(optimizer, root_rank=0)
+            model_state.broadcast_optimizer_state(optimizer, root_rank=0)
             params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
             DistributedOptimizer(
                 optimizer,
@@ -167,7 +170,7 @@ class _HorovodStrategyMixin:
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,  # the optimizer's ``step`` arguments, passed on
     ) -> T:
-        if not isinstance(optimizer, _DistributedOptimizer):
+        if not isinstance(optimizer, DistributedMixin):
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
 
         # Reduce right after backward, before Lightning clips gradients or runs
@@ -191,8 +194,14 @@ class _HorovodStrategyMixin:
             return tensor
         name = reduce_op if isinstance(reduce_op, str) else getattr(reduce_op, "name", "")
         name = str(name or reduce_op).lower()
-        ops = {"mean": core.Average, "avg": core.Average, "sum": core.Sum, "max": core.Max,
-               "min": core.Min, "product": core.Product}  # fmt: skip
+        ops = {
+            "mean": core.Average,
+            "avg": core.Average,
+            "sum": core.Sum,
+            "max": core.Max,
+            "min": core.Min,
+            "product": core.Product,
+        }
         op = next((o for key, o in ops.items() if key in name), None)
         if op is None:
             raise ValueError(

@@ -33,8 +33,7 @@ class SyncBatchNorm(_BatchNorm):
 
         channels = input.size(1)
         dims = [0, *range(2, input.dim())]
-        count = torch.full((1,), input.numel() // channels, dtype=input.dtype,
-                           device=input.device)  # fmt: skip
+        count = torch.full((1,), input.numel() // channels, dtype=input.dtype, device=input.device)
         stats = torch.cat([input.sum(dims), (input * input).sum(dims), count])
         total = allreduce(stats, op=Sum, name="SyncBatchNorm.stats")
         n = total[-1]

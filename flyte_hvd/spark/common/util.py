@@ -14,8 +14,8 @@ from flyte_hvd.data.prepare import (
     forget_prepared,
     prepare_data,
     prepared_store,
-    train_val_split,
 )
+from flyte_hvd.data.split import train_val_split
 from flyte_hvd.data.store import Store
 
 if TYPE_CHECKING:

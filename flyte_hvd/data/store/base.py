@@ -154,10 +154,10 @@ _BACKENDS: list[type[Store]] = []
 
 
 def register_backends(*classes: type[Store]) -> None:
-    """Sets the Store classes ``Store.create`` chooses from: the first whose ``matches``
-    accepts a prefix serves it, so a narrower class comes before a broader one
-    (``DBFSLocalStore`` before ``LocalStore``, ``FilesystemStore``, which takes any protocol
-    fsspec knows, last)."""
+    """Sets the Store classes ``Store.create`` chooses from: the first that has the prefix's
+    scheme among its ``schemes``, or whose ``matches`` accepts the prefix, serves it; so a
+    narrower class comes before a broader one (``DBFSLocalStore`` before ``LocalStore``;
+    ``FilesystemStore``, which takes any protocol fsspec knows, last)."""
     _BACKENDS[:] = classes
 
 
@@ -169,7 +169,10 @@ def store_class_for(prefix_path: str) -> type[Store]:
         ValueError: neither a Store class nor fsspec knows the scheme.
     """
     path = check_path("prefix_path", prefix_path)
+    scheme = scheme_of(path)
     for cls in _BACKENDS:
-        if cls.matches(path):
+        # A class serves its schemes even where its `matches` is narrower (`DBFS://x` is a
+        # DBFSLocalStore's, which then refuses it as not a DBFS path).
+        if scheme in cls.schemes or cls.matches(path):
             return cls
-    raise ValueError(unknown_scheme(path, scheme_of(path)))
+    raise ValueError(unknown_scheme(path, scheme))

@@ -4,8 +4,9 @@
     python scripts/api_reference.py --check  exit 1 if a page differs from what it would write
 
 One page per public package. A name the package defines (or that a module of its own
-defines) gets a mkdocstrings entry rendered from its docstring; a name it re-exports from
-another documented package links there; a constant is listed with its value. `make docs` runs
+defines) gets a mkdocstrings entry rendered from its docstring (with its inherited members
+for a class built from layers the package does not export, the Store); a name it re-exports
+from another documented package links there; a constant is listed with its value. `make docs` runs
 the check, so a public name added without its page fails the docs build.
 """
 
@@ -27,6 +28,9 @@ PACKAGES = {
     "flyte": "The `HorovodSpark` flytekit task plugin.",
     "flyte2": "The `HorovodSpark` task plugin of Flyte 2 (the `flyte` SDK), and live fit reports.",
 }
+# Classes whose methods are defined in layers of their own that no page documents (the Store:
+# layout, files, Horovod's methods): their entries show the inherited members too.
+WITH_INHERITED_MEMBERS = {"flyte_hvd.data.store.base.Store"}
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "reference"
 
 
@@ -67,7 +71,10 @@ def page(short: str) -> str:
         lines += ["## Constants", "", "| name | value |", "|---|---|", *values, ""]
     for name, home in documented:
         lines += [f"## `{name}`", "", f"::: {home}", "    options:", "      heading_level: 3",
-                  "      show_root_heading: false", ""]  # fmt: skip
+                  "      show_root_heading: false"]  # fmt: skip
+        if home in WITH_INHERITED_MEMBERS:
+            lines.append("      inherited_members: true")
+        lines.append("")
     if linked:
         lines += ["## Re-exported", "", *linked, ""]
     return "\n".join(lines)

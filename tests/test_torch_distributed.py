@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 import torch_distributed_cases as cases  # noqa: E402
 
 from flyte_hvd.core.errors import RanksFailedError  # noqa: E402
-from flyte_hvd.launch import environment, process_group  # noqa: E402
+from flyte_hvd.launch import environment, torch_env  # noqa: E402
 from flyte_hvd.spark import TorchDistributor, run  # noqa: E402
 
 cloudpickle.register_pickle_by_value(cases)
@@ -239,38 +239,38 @@ def _gathered(hosts: list[str]) -> list[list]:
 
 
 def test_master_addr_is_rank_zeros_address_across_hosts_and_loopback_on_one():
-    one = process_group.rank_env(1, 2, _Place(), _gathered(["a", "a"]), {})
+    one = torch_env.rank_env(1, 2, _Place(), _gathered(["a", "a"]), {})
     assert one == {
         "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
         "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "40000",
     }  # fmt: skip
-    two = process_group.rank_env(1, 2, _Place(), _gathered(["a", "b"]), {})
+    two = torch_env.rank_env(1, 2, _Place(), _gathered(["a", "b"]), {})
     assert two["MASTER_ADDR"] == "10.0.0.5"
 
 
 def test_master_addr_and_port_given_are_kept_unless_loopback_across_hosts(caplog):
     given = {"MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "29500"}
-    env = process_group.rank_env(1, 2, _Place(), _gathered(["a", "b"]), given)
+    env = torch_env.rank_env(1, 2, _Place(), _gathered(["a", "b"]), given)
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.9.9.9", "29500")
     given = {"MASTER_ADDR": "localhost", "RANK": "7"}
-    env = process_group.rank_env(0, 2, _Place(), _gathered(["a", "b"]), given)
+    env = torch_env.rank_env(0, 2, _Place(), _gathered(["a", "b"]), given)
     assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["RANK"]) == ("10.0.0.5", "40000", "0")
     assert "MASTER_ADDR=localhost is a loopback address but the ranks run on 2 hosts" in (
         caplog.text
     )
-    env = process_group.rank_env(0, 2, _Place(), _gathered(["a", "a"]), given)
+    env = torch_env.rank_env(0, 2, _Place(), _gathered(["a", "a"]), given)
     assert env["MASTER_ADDR"] == "localhost"  # one host: loopback reaches rank 0
 
 
 def test_a_node_per_rank_as_pysparks_tasks():
-    env = process_group.rank_env(
-        1, 2, _Place(), _gathered(["a", "a"]), {process_group.NODE_PER_RANK_ENV: "1"}
+    env = torch_env.rank_env(
+        1, 2, _Place(), _gathered(["a", "a"]), {torch_env.NODE_PER_RANK_ENV: "1"}
     )
     assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["NODE_RANK"]) == ("0", "1", "1")
 
 
 def test_reserved_port_is_held_until_released():
-    reserved = process_group.reserve_port()
+    reserved = torch_env.reserve_port()
     port = reserved.getsockname()[1]
     with socket.socket() as other, pytest.raises(OSError):
         other.bind(("", port))

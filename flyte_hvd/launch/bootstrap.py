@@ -20,7 +20,7 @@ from flyte_hvd.core import state
 from flyte_hvd.core.errors import ExplainedError
 from flyte_hvd.core.log import get_logger
 from flyte_hvd.launch import job as job_module
-from flyte_hvd.launch import messages, process_group, rendezvous, spare, stall
+from flyte_hvd.launch import messages, rendezvous, spare, stall, torch_env
 from flyte_hvd.launch.environment import DRIVER_VERSION_ENV, version_mismatch
 from flyte_hvd.launch.messages import RankOp
 from flyte_hvd.launch.output import adopt_rank_pipes
@@ -52,12 +52,12 @@ def main() -> None:
         rendezvous.verify_secret(comm, client.secret)
         client.secret = ""
         state.set_launcher_comm(comm)
-        # Rank 0's torch.distributed port, held until the job runs (see process_group).
-        reserved = process_group.reserve_port() if rank == 0 else None
+        # Rank 0's torch.distributed port, held until the job runs (see torch_env).
+        reserved = torch_env.reserve_port() if rank == 0 else None
         gathered = comm.allgather(
-            process_group.rendezvous_value(rank, state.host_hash(), env, reserved)
+            torch_env.rendezvous_value(rank, state.host_hash(), env, reserved)
         )
-        env.pop(process_group.ADDRESS_ENV, None)  # the launcher's, not the job's
+        env.pop(torch_env.ADDRESS_ENV, None)  # the launcher's, not the job's
         hosts = [value[0] for value in gathered]
         topo = state.Topology.from_hosts(hosts, rank)
         # Where each rank landed is shown only when asked for (FLYTE_HVD_LOG_LEVEL): by
@@ -81,7 +81,7 @@ def main() -> None:
             HOROVOD_CROSS_RANK=str(topo.cross_rank),
             HOROVOD_CROSS_SIZE=str(topo.cross_size),
         )
-        env.update(process_group.rank_env(rank, size, topo, gathered, env))
+        env.update(torch_env.rank_env(rank, size, topo, gathered, env))
         client.send(messages.rank_event(RankOp.JOINED))
         with open(job_path, "rb") as f, job_module.collector_paused():
             job = cloudpickle.load(f)  # imports the modules it names (the framework)

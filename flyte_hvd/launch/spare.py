@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from flyte_hvd.launch import messages, process_group, rendezvous
+from flyte_hvd.launch import messages, rendezvous, torch_env
 from flyte_hvd.launch.environment import DRIVER_VERSION_ENV
 from flyte_hvd.launch.job import MAX_RESULT_ENV, collector_paused
 from flyte_hvd.launch.output import open_rank_pipes
@@ -258,7 +258,7 @@ def rank_environment(assignment: messages.Message) -> dict[str, str]:
         rendezvous.JOB_ENV: str(assignment["job"]),
         rendezvous.RESULT_ENV: str(assignment["result"]),
         "TMPDIR": str(assignment["tmpdir"]),
-        process_group.ADDRESS_ENV: str(assignment.get("address") or ""),
+        torch_env.ADDRESS_ENV: str(assignment.get("address") or ""),
         **({MAX_RESULT_ENV: limit} if limit else {}),
     }
 

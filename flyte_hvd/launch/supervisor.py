@@ -164,7 +164,7 @@ class RankSupervisor:
             for the next run that starts its ranks the same way (``flyte_hvd.launch.spare``).
         address: this host's address as the run's other hosts reach it (a Spark task's
             executor address); rank 0's is ``MASTER_ADDR`` when the ranks span hosts
-            (``flyte_hvd.launch.process_group``).
+            (``flyte_hvd.launch.torch_env``).
         read_result: what ``run`` returns for a rank, from the rank and the file holding its
             pickled return value (by default the value, unpickled); the file is removed after.
     """

@@ -519,7 +519,7 @@ def barrier_task(
             raise RuntimeError(mismatch)
         rank_env = _task_rank_env(env, ctx)
         # "host:port" of the task's executor as the driver reaches it: rank 0's host part is
-        # MASTER_ADDR when the ranks span hosts (``launch.process_group``).
+        # MASTER_ADDR when the ranks span hosts (``launch.torch_env``).
         address = ctx.getTaskInfos()[rank].address.rpartition(":")[0]
         supervisor = RankSupervisor(
             job,

@@ -2,7 +2,7 @@
 ``pyspark.ml.torch.distributor.TorchDistributor`` runs with one import changed.
 
 Each process is a flyte-hvd rank: it has ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR``, ``MASTER_PORT``... (``flyte_hvd.launch.process_group``), so
+``MASTER_ADDR``, ``MASTER_PORT``... (``flyte_hvd.launch.torch_env``), so
 ``torch.distributed.init_process_group()`` finds its peers, and the run keeps flyte-hvd's
 guarantees: bad arguments and a cluster too small fail before any rank starts, a rank that
 fails or stalls ends the run with an error naming it, and no rank process outlives ``run``.
@@ -19,7 +19,7 @@ from flyte_hvd.core.log import get_logger
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch.environment import driver_env
 from flyte_hvd.launch.job import FunctionJob, ProgramJob
-from flyte_hvd.launch.process_group import NODE_PER_RANK_ENV
+from flyte_hvd.launch.torch_env import NODE_PER_RANK_ENV
 from flyte_hvd.launch.supervisor import launch_local
 from flyte_hvd.spark import dispatch
 

@@ -74,7 +74,7 @@ def _column_stats(c: str, kind: str, dtype: str, check_nan: bool) -> dict[str, C
             # Rows holding a NaN or an infinity, by the row's greatest and least value (NaN
             # sorts above every number): compiled code, where a per-value lambda is
             # interpreted (measured: 0.4 s of a cold 200 k-row pass). The values themselves
-            # are counted only when there are some (`countnon_finite`).
+            # are counted only when there are some (`count_non_finite`).
             top, bottom = F.array_max(values), F.array_min(values)
             exprs["nan_rows"] = count(
                 F.isnan(top) | (top == float("inf")) | (bottom == float("-inf"))
@@ -82,7 +82,7 @@ def _column_stats(c: str, kind: str, dtype: str, check_nan: bool) -> dict[str, C
     return exprs
 
 
-def countnon_finite(sel: DataFrame, c: str, kind: str) -> int:
+def count_non_finite(sel: DataFrame, c: str, kind: str) -> int:
     """The NaN or infinite values of an array or vector column, for the error message."""
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F
@@ -135,10 +135,10 @@ def _collect_stats(
                 f"df.na.fill)."
             )
         if st.pop("nan_rows", None):
-            st["nans"] = countnon_finite(sel, c, kinds[c][0])
+            st["nans"] = count_non_finite(sel, c, kinds[c][0])
         if st["nans"]:
             allow = (
-                "; or pass `allownon_finite_features=True` to prepare_data if the model "
+                "; or pass `allow_non_finite_features=True` to prepare_data if the model "
                 "handles them"
                 if c in features
                 else ""

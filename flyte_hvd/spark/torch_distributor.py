@@ -19,8 +19,8 @@ from flyte_hvd.core.log import get_logger
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch.environment import driver_env
 from flyte_hvd.launch.job import FunctionJob, ProgramJob
-from flyte_hvd.launch.torch_env import NODE_PER_RANK_ENV
 from flyte_hvd.launch.supervisor import launch_local
+from flyte_hvd.launch.torch_env import NODE_PER_RANK_ENV
 from flyte_hvd.spark import dispatch
 
 logger = get_logger(__name__)

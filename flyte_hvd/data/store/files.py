@@ -51,25 +51,12 @@ class StoreFiles(StoreLayout):
     def __init__(
         self,
         prefix_path: str,
-        train_path: str | None = None,
-        val_path: str | None = None,
-        test_path: str | None = None,
-        runs_path: str | None = None,
-        save_runs: bool = True,
         storage_options: dict[str, Any] | None = None,  # fsspec's options for the filesystem
-        checkpoint_filename: str | None = None,
         temp_dir: str | os.PathLike[str] | None = None,
         timeout: float | None = None,
+        **layout: Any,  # ``StoreLayout``'s arguments (``Store`` documents them all)
     ):
-        super().__init__(
-            prefix_path,
-            train_path=train_path,
-            val_path=val_path,
-            test_path=test_path,
-            runs_path=runs_path,
-            save_runs=save_runs,
-            checkpoint_filename=checkpoint_filename,
-        )
+        super().__init__(prefix_path, **layout)
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ValueError(
                 f"`storage_options` must be a dict; found {type(storage_options).__name__}."

@@ -7,7 +7,6 @@ import os
 import signal
 import time
 
-import keras
 import numpy as np
 from flytekit import current_context, task
 from flytekitplugins.spark import Spark
@@ -34,31 +33,33 @@ def collective(mode: str) -> int:
     return int(hvd.allreduce(np.ones(1), op=hvd.Sum)[0])
 
 
-class RecordEpochs(keras.callbacks.Callback):
-    """Rank 0 writes ``<attempt> <epoch>`` to ``path`` as each epoch begins; in attempt 0 it
-    waits (to be killed) at the start of epoch ``stop_at`` (0-based), after the run recorded
-    every epoch before it."""
+def record_epochs(path: str, stop_at: int):
+    """A Keras callback: rank 0 writes ``<attempt> <epoch>`` to ``path`` as each epoch begins;
+    in attempt 0 it waits (to be killed) at the start of epoch ``stop_at`` (0-based), after
+    the run recorded every epoch before it. Keras is imported here, not with the module: the
+    ``collective`` task's driver and ranks then start without TensorFlow."""
+    import keras
 
-    def __init__(self, path: str, stop_at: int):
-        super().__init__()
-        self.path, self.stop_at = path, stop_at
+    class RecordEpochs(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            import flyte_hvd.core as hvd
 
-    def on_epoch_begin(self, epoch, logs=None):
-        import flyte_hvd.core as hvd
+            if hvd.rank() != 0:
+                return
+            attempt = int(os.environ.get("FLYTE_ATTEMPT_NUMBER", "0"))
+            with open(path, "a") as f:
+                f.write(f"{attempt} {epoch}\n")
+            if attempt == 0 and epoch == stop_at:
+                time.sleep(600)
 
-        if hvd.rank() != 0:
-            return
-        attempt = int(os.environ.get("FLYTE_ATTEMPT_NUMBER", "0"))
-        with open(self.path, "a") as f:
-            f.write(f"{attempt} {epoch}\n")
-        if attempt == 0 and epoch == self.stop_at:
-            time.sleep(600)
+    return RecordEpochs()
 
 
 @task(task_config=Spark(spark_conf={"spark.ui.enabled": "false"}))
 def fit(epochs: int, work_dir: str, log: str) -> str:
     """A KerasEstimator with MLflow's defaults (``mlflow=True``, nothing set), no run_id; the
     model's class, run id and epochs of history."""
+    import keras
     from pyspark.ml.linalg import Vectors
 
     from flyte_hvd.data.store import Store
@@ -74,7 +75,7 @@ def fit(epochs: int, work_dir: str, log: str) -> str:
     fitted = KerasEstimator(
         num_proc=2, store=Store.create(work_dir), model=model, optimizer=keras.optimizers.SGD(0.01),
         loss="mse", feature_cols=["features"], label_cols=["label"], batch_size=16,
-        epochs=epochs, verbose=0, callbacks=[RecordEpochs(log, stop_at=2)], mlflow=True,
+        epochs=epochs, verbose=0, callbacks=[record_epochs(log, stop_at=2)], mlflow=True,
     ).fit(df)  # fmt: skip
     history = fitted.getHistory()["loss"]
     return f"{type(fitted).__name__} {fitted.getRunId()} {len(history)}"

@@ -279,7 +279,13 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
         super().__init__(**passed_params(locals()))
 
     _framework = "lightning"
-    _preload = ("flyte_hvd.estimators.lightning", "torch", "lightning.pytorch", "flyte_hvd.torch")
+    _preload = (  # torch._dynamo: as TorchEstimator's
+        "flyte_hvd.estimators.lightning",
+        "torch",
+        "lightning.pytorch",
+        "flyte_hvd.torch",
+        "torch._dynamo",
+    )
     _extension = _EXTENSION
     _epoch_in_model = True
     _model_class = TorchModel

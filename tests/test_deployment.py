@@ -1072,7 +1072,7 @@ def test_gpu_node_selector_is_removed_or_replaced_through_spark_conf():
     sets the key to None (or "") and, where GPU nodes carry another label, names that one."""
     from flyte_hvd.flyte import HorovodSpark
     from flyte_hvd.flyte.task import HorovodSparkFunctionTask
-    from flyte_hvd.spark.barrier_task import GPU_NODE_SELECTOR
+    from flyte_hvd.spark.flyte_task import GPU_NODE_SELECTOR
 
     def body() -> None:
         return None
@@ -1106,13 +1106,13 @@ def test_slots_timeout_names_the_node_selector_of_pending_executors():
     from pyspark import SparkConf
 
     from flyte_hvd.flyte import HorovodSpark
-    from flyte_hvd.spark import runner
-    from flyte_hvd.spark.barrier_task import GPU_NODE_SELECTOR
+    from flyte_hvd.spark import pipeline
+    from flyte_hvd.spark.flyte_task import GPU_NODE_SELECTOR
 
     def message(config: HorovodSpark) -> str:
         conf = SparkConf(loadDefaults=False).setAll(list(config.effective_spark_conf.items()))
         cluster = SimpleNamespace(master="k8s://https://10.0.0.1:443", getConf=lambda: conf)
-        return runner.slots_message(cluster, 2, 0, 0, True, 5.0)
+        return pipeline.slots_message(cluster, 2, 0, 0, True, 5.0)
 
     text = message(HorovodSpark(num_proc=2, gpus_per_rank=1))
     assert text.startswith("`num_proc`=2 but the cluster has 0 free task slot(s)")

@@ -26,7 +26,7 @@ from flyte_hvd.spark.driver_link import (
     _proof,
     max_connections,
 )
-from flyte_hvd.spark.runner import ClassicBackend
+from flyte_hvd.spark.rdd_stage import ClassicBackend
 
 SECRET = "s3cret"
 

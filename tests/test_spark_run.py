@@ -253,7 +253,7 @@ def test_the_last_attempt_stops_at_once_for_a_killed_rank_and_waits_for_one_that
     """A peer's "connection closed" can reach the driver before the task of the rank the
     kernel killed reports the death: the stage is stopped only after a grace period then, so
     the killed rank's report still arrives and the error names it."""
-    from flyte_hvd.spark.runner import on_rank_failure
+    from flyte_hvd.spark.pipeline import on_rank_failure
 
     cancels = []
     handle = on_rank_failure(
@@ -363,14 +363,14 @@ def test_an_unpicklable_result_names_the_rank_and_its_type(spark_local2, no_left
 def test_the_link_is_on_loopback_and_no_secret_is_in_job_tags_or_logs(
     spark_local2, monkeypatch, caplog
 ):
-    from flyte_hvd.spark import pipeline, runner
+    from flyte_hvd.spark import pipeline, rdd_stage
 
     sc = spark_local2.sparkContext
     # Loopback on a local master, whatever `spark.driver.host` says (a session a user builds
     # has the host's outward address there).
-    assert runner.ClassicBackend(sc).link_host() == "127.0.0.1"
+    assert rdd_stage.ClassicBackend(sc).link_host() == "127.0.0.1"
     secrets_, tags, hosts = [], [], []
-    new_secret, run_stage = pipeline.new_secret, runner.ClassicBackend.run_stage
+    new_secret, run_stage = pipeline.new_secret, rdd_stage.ClassicBackend.run_stage
 
     def recording_secret():
         secrets_.append(new_secret())
@@ -382,7 +382,7 @@ def test_the_link_is_on_loopback_and_no_secret_is_in_job_tags_or_logs(
         return run_stage(self, task, num_proc, retried, tag)
 
     monkeypatch.setattr(pipeline, "new_secret", recording_secret)
-    monkeypatch.setattr(runner.ClassicBackend, "run_stage", recording_stage)
+    monkeypatch.setattr(rdd_stage.ClassicBackend, "run_stage", recording_stage)
     with caplog.at_level(logging.DEBUG, logger="flyte_hvd"):
         assert run(_rank_bytes, args=(1,), num_proc=2) == [b"\1", b"\2"]
     [secret], [tag] = secrets_, tags

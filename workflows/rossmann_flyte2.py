@@ -291,7 +291,7 @@ def _local_session(num_proc: int) -> Iterator[None]:
     cluster each Spark task has its own SparkApplication."""
     from pyspark.sql import SparkSession
 
-    from flyte_hvd.spark.barrier_task import start_local_session
+    from flyte_hvd.spark.flyte_task import start_local_session
 
     if _on_cluster() or SparkSession.getActiveSession() is not None:
         yield

@@ -91,7 +91,7 @@ class SparkBackend:
 
     def start_spares(self) -> None:
         """Rank processes import the framework while ``prepare_data`` runs (classic
-        sessions; see ``flyte_hvd.spark.runner.start_spares``)."""
+        sessions; see ``flyte_hvd.spark.rdd_stage.start_spares``)."""
         start_spares(self.num_processes(), self._env, self.preload)
 
     def run(

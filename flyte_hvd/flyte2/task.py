@@ -5,7 +5,7 @@
 with the barrier stage's settings), so Flyte 2's backend runs it with its Spark plugin. Its
 body does not run on the Spark driver: the driver starts ``num_proc`` ranks in one Spark
 barrier stage, each rank calls ``flyte_hvd.core.init()`` and then the body, and the task's
-outputs are rank 0's return values. ``flyte_hvd.spark.barrier_task`` holds what this plugin
+outputs are rank 0's return values. ``flyte_hvd.spark.flyte_task`` holds what this plugin
 shares with the flytekit one (``flyte_hvd.flyte``); ``rank.py`` is Flyte 2's rank half.
 """
 
@@ -32,16 +32,16 @@ except ImportError as error:  # pragma: no cover - depends on the install
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.flyte2.rank import RankSpec, outputs_from_bytes
 from flyte_hvd.launch import failures
-from flyte_hvd.spark import barrier_task
+from flyte_hvd.spark import flyte_task
 
 
 @dataclass(frozen=True)
-class HorovodSpark(barrier_task.BarrierTaskConfig):
+class HorovodSpark(flyte_task.BarrierTaskConfig):
     """Flyte 2 task config for ``num_proc`` ranks in one Spark barrier stage:
     ``flyte.TaskEnvironment(name=..., plugin_config=HorovodSpark(num_proc=2))``.
 
     The fields, the Spark settings derived from them and their checks are
-    ``flyte_hvd.spark.barrier_task.BarrierTaskConfig``'s, the same as the flytekit
+    ``flyte_hvd.spark.flyte_task.BarrierTaskConfig``'s, the same as the flytekit
     ``flyte_hvd.flyte.HorovodSpark``; ``driver_pod`` and ``executor_pod`` are
     ``flyte.PodTemplate``s, as in ``flyteplugins.spark.Spark``.
 
@@ -95,11 +95,11 @@ class HorovodSparkTask(PysparkFunctionTask):
             bundle = ctx.code_bundle if ctx and in_cluster else None
             code_dir = bundle.destination if bundle is not None else None
             return {
-                "spark_session": barrier_task.connect_session(config.connect_url, config, code_dir)
+                "spark_session": flyte_task.connect_session(config.connect_url, config, code_dir)
             }
         if not in_cluster:
             action = ctx.action.name if ctx else "local"
-            barrier_task.start_local_session(f"FlyteSpark: {action}", config)
+            flyte_task.start_local_session(f"FlyteSpark: {action}", config)
         return await super().pre(*args, **kwargs)
 
     async def execute(self, *args: UserValue, **kwargs: UserValue) -> UserValue:
@@ -113,7 +113,7 @@ class HorovodSparkTask(PysparkFunctionTask):
         # A failure leaves as the kind Flyte 2 retries (or not): ``flyte_hvd.launch.failures``.
         with failures.as_flyte_errors():
             result = await asyncio.to_thread(
-                barrier_task.launch_body,
+                flyte_task.launch_body,
                 self.name,
                 self.func,
                 kwargs,

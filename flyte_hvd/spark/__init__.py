@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from flyte_hvd.spark.dispatch import launch, run
 from flyte_hvd.spark.horovod_runner import HorovodRunner
-from flyte_hvd.spark.runner import RunReport, get_available_devices
+from flyte_hvd.spark.pipeline import RunReport
+from flyte_hvd.spark.rank_task import get_available_devices
 from flyte_hvd.spark.torch_distributor import TorchDistributor
 
 __all__ = [

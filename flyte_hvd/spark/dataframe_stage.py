@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, overload
 
 from flyte_hvd.core.log import get_logger
-from flyte_hvd.spark import runner
+from flyte_hvd.spark import pipeline, rank_task
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -44,7 +44,7 @@ _SLOT_POLL_S = 1.0
 
 class SessionConf:
     """A Connect session's settings, read once (one round trip), with the two members of
-    ``SparkContext`` that ``runner``'s preflight helpers read: ``master`` and
+    ``SparkContext`` that the pipeline's cluster checks read: ``master`` and
     ``getConf().get``."""
 
     def __init__(self, spark: SparkSession):
@@ -102,7 +102,7 @@ def task_slots(spark: SparkSession, conf: SessionConf | None = None) -> int:
     executor cores (the default parallelism) over ``spark.task.cpus``, and, when tasks ask
     for GPUs, no more than the executors' GPUs allow."""
     conf = conf or SessionConf(spark)
-    if conf.get("spark.default.parallelism") is not None and not runner.is_local(conf.master):
+    if conf.get("spark.default.parallelism") is not None and not pipeline.is_local(conf.master):
         # The planned parallelism is the setting, not the cores; count from the executors.
         cores = _int(conf, "spark.executor.instances", 0) * _int(conf, "spark.executor.cores", 1)
     else:
@@ -110,7 +110,7 @@ def task_slots(spark: SparkSession, conf: SessionConf | None = None) -> int:
     slots = cores // max(1, _int(conf, "spark.task.cpus", 1))
     task_gpus = float(conf.get("spark.task.resource.gpu.amount") or 0)
     executors = _int(conf, "spark.executor.instances", 0)
-    if task_gpus > 0 and executors and not runner.is_local(conf.master):
+    if task_gpus > 0 and executors and not pipeline.is_local(conf.master):
         per_executor = _int(conf, "spark.executor.resource.gpu.amount", 0)
         slots = min(slots, executors * int(per_executor // task_gpus))
     return slots
@@ -127,7 +127,7 @@ def _int(conf: SessionConf, key: str, default: int) -> int:
 def wait_for_slots(
     spark: SparkSession, conf: SessionConf, num_proc: int, deadline: float, timeout: float
 ) -> None:
-    """``runner.wait_for_slots`` for a Connect session: fail fast when the stage can never be
+    """``rdd_stage.wait_for_slots`` for a Connect session: fail fast when the stage can never be
     scheduled (Spark itself would retry the barrier check for minutes); wait only while
     executors the application asked for may still be registering."""
     if (conf.get("spark.dynamicAllocation.enabled") or "false").lower() == "true":
@@ -136,7 +136,7 @@ def wait_for_slots(
             f"spark.dynamicAllocation.enabled=false and spark.executor.instances so the "
             f"cluster has {num_proc} task slots."
         )
-    expected = runner.expected_executors(conf)
+    expected = pipeline.expected_executors(conf)
     while True:
         slots = task_slots(spark, conf)
         if slots >= num_proc:
@@ -146,7 +146,7 @@ def wait_for_slots(
         coming = expected is not None and registered < expected
         if not coming or time.monotonic() >= deadline:
             raise RuntimeError(
-                runner.slots_message(conf, num_proc, slots, registered, coming, timeout)
+                pipeline.slots_message(conf, num_proc, slots, registered, coming, timeout)
             )
         time.sleep(_SLOT_POLL_S)
 
@@ -171,9 +171,9 @@ def link_host(spark: SparkSession) -> str:
 
 
 def stage_task(
-    task: runner.BarrierTask,
+    task: rank_task.BarrierTask,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """Wraps a barrier task (``runner.barrier_task``) as a ``mapInArrow`` function: its
+    """Wraps a barrier task (``rank_task.barrier_task``) as a ``mapInArrow`` function: its
     ``(rank, payload)`` comes back as rows of ``CHUNK_BYTES``-sized chunks."""
 
     def run_rank(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -221,13 +221,13 @@ class ConnectBackend:
         wait_for_slots(self.spark, self.conf, num_proc, deadline, timeout)
 
     def stage_attempts(self) -> int:
-        return runner.stage_attempts(self.conf)
+        return pipeline.stage_attempts(self.conf)
 
     def link_host(self) -> str:
         return link_host(self.spark)
 
     def run_stage(
-        self, task: runner.BarrierTask, num_proc: int, retried: bool, tag: str
+        self, task: rank_task.BarrierTask, num_proc: int, retried: bool, tag: str
     ) -> list[tuple[int, bytes]]:
         self.spark.addTag(tag)
         try:

@@ -1,7 +1,7 @@
 """``run``/``launch`` on whichever kind of SparkSession is active.
 
 A classic session (with a ``SparkContext``) runs the ranks in an RDD barrier stage
-(``runner``); a Spark Connect session, which has no ``SparkContext``, in the same barrier stage
+(``rdd_stage``); a Spark Connect session, which has no ``SparkContext``, in the same barrier stage
 launched through the DataFrame API (``dataframe_stage``). Both give the same results, output,
 errors, retries and cancellation.
 """
@@ -16,7 +16,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeAlias
 from flyte_hvd.core.log import get_logger, warn_once
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch.environment import driver_env
-from flyte_hvd.spark import dataframe_stage, pipeline, runner
+from flyte_hvd.spark import dataframe_stage, pipeline, rdd_stage
 
 if TYPE_CHECKING:
     import threading
@@ -90,7 +90,7 @@ def task_slots(spark: AnySparkSession) -> int:
     """How many tasks the cluster of ``spark`` can run at once now."""
     if is_connect_session(spark):
         return dataframe_stage.task_slots(spark)
-    return runner.task_slots(spark.sparkContext)
+    return rdd_stage.task_slots(spark.sparkContext)
 
 
 def default_parallelism(spark: AnySparkSession) -> int:
@@ -224,7 +224,7 @@ def backend_of(spark: AnySparkSession) -> pipeline.StageBackend:
     """The stage backend of a session of either kind."""
     if is_connect_session(spark):
         return dataframe_stage.ConnectBackend(spark)
-    return runner.ClassicBackend(spark.sparkContext)
+    return rdd_stage.ClassicBackend(spark.sparkContext)
 
 
 def launch(
@@ -240,7 +240,7 @@ def launch(
     prefix_output_with_timestamp: bool = False,
     preload: tuple[str, ...] = (),
     max_result_bytes: int | None = None,
-) -> runner.RunReport:
+) -> pipeline.RunReport:
     """``run``, returning the full ``RunReport`` (used by benchmarks and the estimators):
     each rank's result and start-up timeline. ``preload`` names modules that spare rank
     processes import ahead of the next run (``flyte_hvd.launch.spare``); the estimators pass
@@ -274,7 +274,7 @@ def check_slots(num_proc: int | None, start_timeout: float | None = None) -> Non
         RuntimeError: the cluster cannot hold the ranks (what to change is in the message).
     """
     backend = backend_of(active_session())
-    count = runner.check_num_proc(backend.default_parallelism() if num_proc is None else num_proc)
+    count = pipeline.check_num_proc(backend.default_parallelism() if num_proc is None else num_proc)
     timeout = pipeline.start_timeout_of(start_timeout)
     backend.wait_for_slots(count, time.monotonic() + timeout, timeout)
 
@@ -283,9 +283,9 @@ def start_spares(
     num_proc: int, env: dict[str, str] | None, preload: tuple[str, ...]
 ) -> threading.Thread | None:
     """Spare rank processes started ahead of a run, on a classic session
-    (``runner.start_spares``); nothing on Spark Connect, whose runs start their ranks as
+    (``rdd_stage.start_spares``); nothing on Spark Connect, whose runs start their ranks as
     usual."""
     spark = active_session()
     if is_connect_session(spark):
         return None
-    return runner.start_spares(spark.sparkContext, num_proc, env, preload)
+    return rdd_stage.start_spares(spark.sparkContext, num_proc, env, preload)

@@ -1,0 +1,192 @@
+"""A classic session's barrier stage (``ClassicBackend``, an RDD barrier stage, what
+``pipeline.launch`` runs on a ``SparkContext``): its task slots and the wait for executors that
+are still registering, and the spare rank processes started ahead of an estimator's run.
+
+The driver checks that the cluster can hold the stage (free slots, no dynamic allocation)
+before submitting, so a job that cannot start fails in seconds with what to change, not after
+Horovod's 600 s "Timed out waiting for Spark tasks".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from flyte_hvd.core.log import get_logger
+from flyte_hvd.spark.pipeline import (
+    expected_executors,
+    first_line,
+    is_local,
+    ranks_env,
+    slots_message,
+    stage_attempts,
+)
+from flyte_hvd.spark.rank_task import BarrierTask, task_rank_env
+
+if TYPE_CHECKING:
+    from pyspark import SparkContext
+
+logger = get_logger(__name__)
+
+_SLOT_POLL_S = 1.0
+
+
+def task_slots(sc: SparkContext) -> int:
+    """How many tasks of the default resource profile the cluster can run at once now
+    (what Spark's own barrier check counts: cores and accelerators per executor)."""
+    jsc = sc._jsc.sc()
+    profile = jsc.resourceProfileManager().defaultResourceProfile()
+    return int(jsc.maxNumConcurrentTasks(profile))
+
+
+def _registered_executors(sc: SparkContext) -> int:
+    return max(0, int(sc._jsc.sc().getExecutorMemoryStatus().size()) - 1)  # minus the driver
+
+
+def wait_for_slots(sc: SparkContext, num_proc: int, deadline: float, timeout: float) -> None:
+    """Fail fast when the stage can never be scheduled; wait (up to the deadline) only while
+    executors the application asked for are still registering."""
+    conf = sc.getConf()
+    if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true":
+        raise RuntimeError(
+            "Spark barrier stages cannot run with dynamic allocation: set "
+            f"spark.dynamicAllocation.enabled=false and spark.executor.instances so the "
+            f"cluster has {num_proc} task slots."
+        )
+    while True:
+        slots = task_slots(sc)
+        if slots >= num_proc:
+            return
+        expected = expected_executors(sc)
+        registered = _registered_executors(sc)
+        coming = expected is not None and registered < expected
+        if not coming or time.monotonic() >= deadline:
+            raise RuntimeError(slots_message(sc, num_proc, slots, registered, coming, timeout))
+        time.sleep(_SLOT_POLL_S)
+
+
+def start_spares(
+    sc: SparkContext, num_proc: int, env: dict[str, str] | None, preload: tuple[str, ...]
+) -> threading.Thread | None:
+    """Starts, in a background thread, a short Spark job of ``num_proc`` tasks that each
+    start a spare rank process importing ``preload`` in their Python worker, unless one is
+    idle there (``flyte_hvd.launch.spare``). An estimator calls it once ``prepare_data`` has
+    checked the data, before Spark writes it: the ranks' framework imports then run during
+    the write, and the barrier tasks that follow in those workers hand their ranks to the
+    spares (Spark gives a task the Python worker idle longest; in a new session these are
+    the only ones). A task that lands in another worker starts its rank as usual; the spare
+    left idle exits with its worker or after ``FLYTE_HVD_SPARE_IDLE_S``. Returns the thread
+    (None when spares are off); failures are logged, never raised: the run does not depend
+    on it."""
+    from flyte_hvd.launch import spare
+
+    if not preload or not spare.enabled():
+        return None
+    master = str(sc.master)
+    rank_env = ranks_env(master, num_proc, env)
+    task = _spare_task(rank_env, tuple(preload), is_local(master))
+
+    def submit() -> None:
+        try:
+            sc.setLocalProperty("spark.job.description", "flyte-hvd: spare rank processes")
+            started = sc.parallelize(range(num_proc), num_proc).mapPartitions(task).sum()
+            logger.debug("started %d spare rank process(es) ahead of the run", started)
+        except Exception as error:  # e.g. the session stopped: the run starts its own ranks
+            logger.debug("no spare rank processes ahead of the run: %s", first_line(error))
+
+    thread = threading.Thread(target=submit, name="flyte-hvd-spares", daemon=True)
+    thread.start()
+    return thread
+
+
+def _spare_task(
+    rank_env: dict[str, str], preload: tuple[str, ...], single_host: bool
+) -> Callable[[object], Iterator[int]]:
+    def task(_: object) -> Iterator[int]:
+        from pyspark import TaskContext
+
+        from flyte_hvd.launch.supervisor import start_spare_ahead
+
+        ctx = TaskContext.get()
+        assert ctx is not None  # inside a Spark task
+        env = task_rank_env(rank_env, ctx)
+        yield int(start_spare_ahead(env, preload, single_host))
+
+    return task
+
+
+# How long a failed run waits for its stage's cancelled tasks to report their end.
+SETTLE_TIMEOUT_S = 5.0
+
+
+class ClassicBackend:
+    """A classic session's barrier stage (``pipeline.StageBackend``): an RDD stage, task slots
+    from the scheduler, cancelled by job tag."""
+
+    label = ""
+
+    def __init__(self, sc: SparkContext):
+        self.sc = sc
+        self.master = str(sc.master)
+
+    def default_parallelism(self) -> int:
+        return int(self.sc.defaultParallelism)
+
+    def wait_for_slots(self, num_proc: int, deadline: float, timeout: float) -> None:
+        wait_for_slots(self.sc, num_proc, deadline, timeout)
+
+    def stage_attempts(self) -> int:
+        return stage_attempts(self.sc)
+
+    def link_host(self) -> str:
+        """Loopback when every task runs on this host (``local``, ``local[N]``,
+        ``local-cluster``), whatever ``spark.driver.host`` says: there it is the host's
+        external address, and nothing beyond the host needs the link. Else the driver's
+        address, where executors reach the driver."""
+        if is_local(self.master) or self.master.startswith("local-cluster["):
+            return "127.0.0.1"
+        return self.sc.getConf().get("spark.driver.host") or "127.0.0.1"
+
+    def run_stage(
+        self, task: BarrierTask, num_proc: int, retried: bool, tag: str
+    ) -> list[tuple[int, bytes]]:
+        self.sc.addJobTag(tag)
+        try:
+            rdd = self.sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(task)
+            if retried:
+                # Spark retries a failed barrier stage only when it feeds a shuffle (a failed
+                # barrier result stage is aborted); the driver stops it after the last attempt.
+                rdd = rdd.partitionBy(1)
+            return sorted(rdd.collect())
+        finally:
+            self.sc.removeJobTag(tag)
+
+    def cancel(self, tag: str) -> None:
+        self.sc.cancelJobsWithTag(tag)
+
+    def settle(self, tag: str, timeout: float = SETTLE_TIMEOUT_S) -> None:
+        """Waits until the stages of the jobs tagged ``tag`` have no running task (at most
+        ``timeout``): a cancelled task reports its end after the job failed, and a
+        SparkContext stopped meanwhile (a script's ``spark.stop()`` right after our error)
+        logs a Java stack for it."""
+        tracker = self.sc._jsc.sc().statusTracker()
+        deadline = time.monotonic() + timeout
+        try:
+            stages = [
+                stage
+                for job in tracker.getJobIdsForTag(tag)
+                for stage in (
+                    tracker.getJobInfo(job).get().stageIds()
+                    if tracker.getJobInfo(job).isDefined()
+                    else []
+                )
+            ]
+            while time.monotonic() < deadline:
+                infos = [tracker.getStageInfo(stage) for stage in stages]
+                if not any(i.isDefined() and i.get().numActiveTasks() > 0 for i in infos):
+                    return
+                time.sleep(0.05)
+        except Exception as error:  # py4j or a stopped context: nothing to wait for
+            logger.debug("waiting for the stage's tasks to end: %s", error)

@@ -34,6 +34,9 @@ TIMEOUT_ENV = "FLYTE_HVD_STORE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 50.0  # below the stall check time (60 s): the error comes first
 # A transfer gets this much more per MiB moved: a large file on a slow link is not a hung store.
 SECONDS_PER_MIB = 1.0
+# How long an interrupted caller (Ctrl-C, SIGTERM) still waits for its store operation to end:
+# the caller's clean-up comes next, and a write still in flight would undo it.
+INTERRUPTED_GRACE_S = 3.0
 
 
 class StoreLike(Protocol):
@@ -114,7 +117,9 @@ def bounded(
     for up to the Store's timeout (plus ``SECONDS_PER_MIB`` per MiB of ``size``): on the
     driver (``Store.create``'s check, ``prepare_data``'s metadata) as on the ranks
     (``RemoteStore``). A hung store leaves that thread blocked, and the caller gets a
-    ``StoreTimeoutError`` naming the operation, the store and the setting."""
+    ``StoreTimeoutError`` naming the operation, the store and the setting. Interrupted while
+    it waits, it waits up to ``INTERRUPTED_GRACE_S`` more for the operation to end before the
+    interruption goes on, so that the caller's clean-up of what it wrote comes after it."""
     doing = describe(store, verb, path)
     base = getattr(store, "timeout", DEFAULT_TIMEOUT_S)
     limit = base + SECONDS_PER_MIB * size / (1 << 20)
@@ -130,8 +135,12 @@ def bounded(
             done.set()
 
     with stall.activity(doing):
-        threading.Thread(target=call, name="flyte-hvd-store", daemon=True).start()
-        finished = done.wait(limit)
+        try:
+            threading.Thread(target=call, name="flyte-hvd-store", daemon=True).start()
+            finished = done.wait(limit)
+        except BaseException:  # interrupted: the operation ends (briefly waited) before we do
+            done.wait(min(limit, INTERRUPTED_GRACE_S))
+            raise
     if not finished:
         raise StoreTimeoutError(
             f"{doing} did not finish within {round(limit, 1):g}s: the store does not answer "

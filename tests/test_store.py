@@ -1115,11 +1115,33 @@ def test_a_finished_run_is_returned_not_refused(lease_store, caplog):
     assert "fit again with `epochs` > 3 and the same `run_id`" in warned[0]
 
 
+def _interrupted(call) -> float:
+    """Runs ``call`` with one Ctrl-C (SIGINT) 0.1 s into it; asserts that the KeyboardInterrupt
+    reaches the caller and returns the seconds until it did."""
+    import signal
+
+    armed = {"on": True}
+
+    def handle(signum, frame):
+        if armed.pop("on", False):
+            raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGINT, handle)
+    presser = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        presser.start()
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            call()
+        return time.monotonic() - started
+    finally:
+        presser.join()
+        signal.signal(signal.SIGINT, before)
+
+
 def test_an_interrupted_store_operation_ends_before_the_interruption_goes_on(tmp_path):
     """Ctrl-C while ``bounded`` waits: the write in its thread finishes first, so that the
     caller's clean-up (``prepare_data`` deletes what it wrote) is not undone by it afterwards."""
-    import signal
-
     from flyte_hvd.data.store.bounded import bounded
 
     store = Store.create(str(tmp_path / "store"))
@@ -1129,50 +1151,18 @@ def test_an_interrupted_store_operation_ends_before_the_interruption_goes_on(tmp
         time.sleep(0.5)
         target.write_text("written")
 
-    armed = {"on": True}
-
-    def handle(signum, frame):
-        if armed.pop("on", False):
-            raise KeyboardInterrupt
-
-    before = signal.signal(signal.SIGINT, handle)
-    presser = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
-    try:
-        presser.start()
-        started = time.monotonic()
-        with pytest.raises(KeyboardInterrupt):
-            bounded(store, ("writing", "to"), str(target), 0, slow_write)
-        waited = time.monotonic() - started
-    finally:
-        presser.join()
-        signal.signal(signal.SIGINT, before)
+    waited = _interrupted(lambda: bounded(store, ("writing", "to"), str(target), 0, slow_write))
     assert target.read_text() == "written"  # before the interruption reached the caller
     assert 0.4 < waited < 2.5, waited
 
 
 def test_an_interrupted_store_operation_that_hangs_is_waited_for_a_bounded_time(tmp_path):
-    import signal
-
     from flyte_hvd.data.store.bounded import INTERRUPTED_GRACE_S, bounded
 
     store = Store.create(str(tmp_path / "store"))
     release = threading.Event()
-    armed = {"on": True}
-
-    def handle(signum, frame):
-        if armed.pop("on", False):
-            raise KeyboardInterrupt
-
-    before = signal.signal(signal.SIGINT, handle)
-    presser = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
     try:
-        presser.start()
-        started = time.monotonic()
-        with pytest.raises(KeyboardInterrupt):
-            bounded(store, ("reading", "from"), "x", 0, release.wait, 60)
-        waited = time.monotonic() - started
+        waited = _interrupted(lambda: bounded(store, ("reading", "from"), "x", 0, release.wait, 60))
     finally:
         release.set()
-        presser.join()
-        signal.signal(signal.SIGINT, before)
     assert INTERRUPTED_GRACE_S - 0.5 < waited < INTERRUPTED_GRACE_S + 2.0, waited

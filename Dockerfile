@@ -28,33 +28,6 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH
 
 
-# -- build: the virtual environment, from the lock file (the project itself is installed last,
-# in the runtime stage, so that a change to it rebuilds one small layer) ----------------------
-FROM base AS build
-ARG LOCK_FILE=lock/image.txt
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# A folder of wheels inside the build (a volume: `buildah bud -v DIR:/wheels:ro --build-arg
-# FIND_LINKS=/wheels`) that pip searches too; with it, TORCH_INDEX_URL may be empty (no index).
-ARG FIND_LINKS=
-# The installer: uv (lock/dev.txt's version), outside the venv; it installs the ~150 locked
-# packages in about a minute where pip takes several.
-ARG UV_VERSION=0.13.9
-RUN python -m venv /opt/venv \
-    && python -m pip install --no-cache-dir --target /opt/uv "uv==${UV_VERSION}"
-# Only the lock this build installs: a change to another lock keeps this layer.
-COPY ${LOCK_FILE} /src/${LOCK_FILE}
-# uv's cache is a cache mount: kept between builds on one machine, never in the image. Like pip,
-# it takes the best match across PyPI, TORCH_INDEX_URL and FIND_LINKS; a CA bundle that
-# scripts/build_image.sh mounts for a proxy reaches it as SSL_CERT_FILE.
-RUN --mount=type=cache,id=flyte-hvd-uv,target=/root/.cache/uv \
-    if [ -f /etc/ssl/flyte-hvd-build-ca.crt ]; then \
-        export SSL_CERT_FILE=/etc/ssl/flyte-hvd-build-ca.crt; \
-    fi \
-    && UV_LINK_MODE=copy /opt/uv/bin/uv pip install --python /opt/venv/bin/python \
-        --index-strategy unsafe-best-match ${FIND_LINKS:+--find-links "$FIND_LINKS"} \
-        ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} -r "/src/${LOCK_FILE}"
-
-
 # -- jars: the S3A connector for s3a:// paths ------------------------------------------------
 # hadoop-aws must be the version of the Hadoop client inside pyspark's jars
 # (hadoop-client-api-<version>.jar; pyspark 4.3 ships 3.5.0), with the AWS SDK v2 bundle that
@@ -92,7 +65,33 @@ RUN mkdir -p /usr/share/man/man1 \
     && apt-get update \
     && apt-get install -y --no-install-recommends openjdk-17-jre-headless tini procps \
     && rm -rf /var/lib/apt/lists/*
-COPY --from=build /opt/venv /opt/venv
+
+# The virtual environment, from the lock file, in one step of this stage: the venv (~4 GB:
+# TensorFlow, torch, Spark) is written once. A separate build stage would copy it into this
+# one (a second 4 GB while the image is committed), and a uv cache mount keeps every wheel
+# ever installed outside the image (13 GB after a few lock changes); uv's cache here is in
+# the step's /tmp, hard-linked into the venv and deleted before the layer is committed.
+ARG LOCK_FILE=lock/image.txt
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# A folder of wheels inside the build (a volume: `buildah bud -v DIR:/wheels:ro --build-arg
+# FIND_LINKS=/wheels`) that uv searches too; with it, TORCH_INDEX_URL may be empty (no index).
+ARG FIND_LINKS=
+# The installer: uv (lock/dev.txt's version), outside the venv and gone after the step; it
+# installs the ~150 locked packages in about a minute where pip takes several. Like pip, it
+# takes the best match across PyPI, TORCH_INDEX_URL and FIND_LINKS; a CA bundle that
+# scripts/build_image.sh mounts for a proxy reaches it as SSL_CERT_FILE.
+ARG UV_VERSION=0.13.9
+# Only the lock this build installs: a change to another lock keeps the installed layer.
+COPY ${LOCK_FILE} /src/${LOCK_FILE}
+RUN python -m venv /opt/venv \
+    && python -m pip install --no-cache-dir --target /tmp/uv "uv==${UV_VERSION}" \
+    && if [ -f /etc/ssl/flyte-hvd-build-ca.crt ]; then \
+        export SSL_CERT_FILE=/etc/ssl/flyte-hvd-build-ca.crt; \
+    fi \
+    && UV_CACHE_DIR=/tmp/uv-cache /tmp/uv/bin/uv pip install --python /opt/venv/bin/python \
+        --index-strategy unsafe-best-match ${FIND_LINKS:+--find-links "$FIND_LINKS"} \
+        ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} -r "/src/${LOCK_FILE}" \
+    && rm -rf /tmp/uv /tmp/uv-cache /src
 COPY --from=jars /jars/ /opt/venv/lib/python3.11/site-packages/pyspark/jars/
 COPY docker/entrypoint.sh /usr/local/bin/flyte-hvd-entrypoint
 COPY docker/gpu-discovery.sh /opt/spark/gpu-discovery.sh

@@ -28,7 +28,17 @@ lock:
 	UV=$(VENV)/bin/uv scripts/lock.sh $(LOCK_ARGS)
 
 # test-pythons first: the small suite on the other supported Pythons (scripts/test_pythons.sh).
-test: setup check docs test-pythons
+# As root, the container test's image is built beside it (scripts/build_image.sh --if-stale):
+# the build waits mostly on the disk and the network while those tests use the CPUs, and the
+# container test then finds the image current. The build's output goes to
+# .cache/image-build.log; if it failed, the container test builds again and says why.
+test: setup check docs
+	@mkdir -p .cache
+	@if [ "$$(id -u)" = 0 ]; then \
+	  { scripts/build_image.sh --if-stale > .cache/image-build.log 2>&1; \
+	    echo "make test: image build (beside test-pythons): $$(tail -n 1 .cache/image-build.log)"; } & \
+	fi; \
+	scripts/test_pythons.sh; status=$$?; wait; exit $$status
 	$(PY) -m pytest
 
 # The edit-test loop: every test that starts no Spark, no rank process and no Flyte execution

@@ -16,8 +16,11 @@
 # flyte-hvd.context, a hash of everything the Dockerfile copies): what the tests call.
 #
 # Cached between runs on one machine: the base's root file system (~/.cache/flyte-hvd-image,
-# or FLYTE_HVD_IMAGE_CACHE), buildah's layers and uv's cache (a cache mount). Needs root;
-# buildah, podman, runc and debootstrap are installed with apt-get when missing.
+# or FLYTE_HVD_IMAGE_CACHE) and buildah's layers. A build needs FLYTE_HVD_IMAGE_FREE_GB
+# (default 16) free in podman's storage, checked before it starts; it removes what it made
+# that nothing uses any more: the image IMAGE named before (and its build's layers) and, when
+# it fails, its working containers. Needs root; buildah, podman, runc and debootstrap are
+# installed with apt-get when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -118,6 +121,21 @@ case "$s3a" in
 esac
 args+=(--build-arg "S3A_JARS=$s3a")
 
+# The build's peak, measured on a cold build: 15 GB (the venv's 4 GB in its step, again in
+# the layer blob buildah writes to commit it, again as the stored layer, and uv's downloads).
+need_gb="${FLYTE_HVD_IMAGE_FREE_GB:-16}"
+[[ "$need_gb" =~ ^[0-9]+$ ]] || fail "FLYTE_HVD_IMAGE_FREE_GB must be a number of GB, not '$need_gb'"
+storage=$(podman info --format '{{.Store.GraphRoot}}' 2>/dev/null || true)
+storage="${storage:-/var/lib/containers}"
+mkdir -p "$storage"
+free_gb=$(($(df -Pk "$storage" | awk 'NR == 2 {print $4}') / 1000000))
+if [ "$free_gb" -lt "$need_gb" ]; then
+  fail "building $image needs about ${need_gb} GB free in $storage; ${free_gb} GB are free." \
+    "Free space there (podman image prune, podman system df shows what it holds)," \
+    "or set FLYTE_HVD_IMAGE_FREE_GB to a lower figure if the layers are already built."
+fi
+previous=$(podman image inspect --format '{{.Id}}' "$image" 2>/dev/null || true)
+
 started=$(date +%s)
 if [ -z "$base" ]; then
   base=localhost/flyte-hvd-base:bookworm
@@ -125,10 +143,19 @@ if [ -z "$base" ]; then
 fi
 args+=(--build-arg "BASE_IMAGE=$base")
 # chroot isolation: RUN steps need no user namespaces or cgroups of their own here.
-buildah bud --isolation chroot --format docker --layers \
+# --force-rm: a failed step's working container goes too (each holds what the step wrote).
+buildah bud --isolation chroot --format docker --layers --force-rm \
   --ignorefile Dockerfile.dockerignore \
   --label "flyte-hvd.context=$context" \
   "${args[@]}" -t "$image" -f Dockerfile . \
   || fail "buildah bud failed (see above)"
+# The image IMAGE named before, and the layers of the builds that made it, when nothing uses
+# them now (a lock change leaves a 4 GB venv layer behind otherwise); the layers of this
+# build stay, the cache of the next one.
+current=$(podman image inspect --format '{{.Id}}' "$image")
+if [ -n "$previous" ] && [ "$previous" != "$current" ]; then
+  podman rmi "$previous" >/dev/null 2>&1 || true
+fi
+podman image prune --force --filter "label=flyte-hvd.context" >/dev/null 2>&1 || true
 size=$(podman image inspect --format '{{.Size}}' "$image")
 echo "build_image: $image built in $(($(date +%s) - started)) s, $((size / 1000000)) MB" >&2

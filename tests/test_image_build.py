@@ -5,6 +5,7 @@ starts. The build itself runs in tests/test_container_cluster.py."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -107,8 +108,10 @@ def test_missing_tools_are_installed_with_apt_get(stub_tools, tmp_path):
          "readable"),
         ({"S3A_JARS": "yes"},
          "S3A_JARS must be true or false (or unset: true when Maven Central answers), not 'yes'"),
+        ({"S3A_JARS": "false", "FLYTE_HVD_IMAGE_FREE_GB": "16GB"},
+         "FLYTE_HVD_IMAGE_FREE_GB must be a number of GB, not '16GB'"),
     ],
-    ids=["cert", "s3a_jars"],
+    ids=["cert", "s3a_jars", "free_gb"],
 )  # fmt: skip
 def test_bad_settings_are_refused_before_anything_is_built(stub_tools, env, message):
     bin_dir, calls = stub_tools
@@ -119,6 +122,30 @@ def test_bad_settings_are_refused_before_anything_is_built(stub_tools, env, mess
     assert seconds < 20
     assert not calls.exists(), calls.read_text()  # no tool ran: nothing built, nothing installed
     assert set(Path(os.environ.get("TMPDIR", "/tmp")).glob("flyte-hvd-pip.*")) == before
+
+
+@needs_root
+def test_a_build_without_the_disk_space_it_needs_is_refused_before_it_starts(stub_tools):
+    """Where podman keeps images has less free space than a build needs: the build stops
+    before the base or any layer is built, saying how much is needed, how much is free, and
+    what to do."""
+    bin_dir, calls = stub_tools
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "S3A_JARS": "false",
+           "FLYTE_HVD_IMAGE_FREE_GB": "999999"}  # fmt: skip
+    result, seconds = run(BUILD, env=env)
+    assert result.returncode == 1
+    # The stub podman names no storage folder: podman's default is the one checked.
+    said = re.search(
+        r"build_image: building localhost/flyte-hvd:latest needs about 999999 GB free in "
+        r"/var/lib/containers; (\d+) GB are free\. Free space there", result.stderr
+    )  # fmt: skip
+    assert said, result.stderr
+    free = shutil.disk_usage("/var/lib/containers").free // 10**9
+    assert abs(int(said[1]) - free) <= 1, (said[1], free)
+    assert "FLYTE_HVD_IMAGE_FREE_GB" in result.stderr
+    called = calls.read_text().splitlines() if calls.exists() else []
+    assert called == ["podman info --format {{.Store.GraphRoot}}"], called
+    assert seconds < 20
 
 
 @pytest.mark.parametrize("has_s3a", [False, True], ids=["without", "with"])

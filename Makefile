@@ -108,6 +108,7 @@ format: setup
 
 bench: setup
 	$(PY) -m benchmarks.allreduce
+	$(PY) -m benchmarks.across_hosts
 	$(PY) -m benchmarks.startup
 	$(PY) -m benchmarks.keras_step
 	$(PY) -m benchmarks.data_path

@@ -55,7 +55,7 @@ ROUNDS = 3
 SAME_HOST_ROUNDS = 5
 
 
-def _timeit(fn, sync, agree=lambda n: n, repeats: int = 5) -> float:
+def time_per_call(fn, sync, agree=lambda n: n, repeats: int = 5) -> float:
     """Median seconds per call over ``repeats`` timed batches, sized to ~0.1 s each.
 
     ``agree`` makes every rank use the same iteration count (rank 0's), or they deadlock.
@@ -114,15 +114,17 @@ def measure_ours(sizes: list[int]) -> dict:
         recv = np.empty_like(x)
         ours, unchecked, raw, mpi_path = [], [], [], []
         for _ in range(2):  # interleaved, so drift in machine load hits all alike
-            ours.append(_timeit(lambda x=x: hvd.allreduce(x, op=hvd.Sum), hvd.barrier, agree))
+            ours.append(time_per_call(lambda x=x: hvd.allreduce(x, op=hvd.Sum), hvd.barrier, agree))
             state._state.check_collectives = False
-            unchecked.append(_timeit(lambda x=x: hvd.allreduce(x, op=hvd.Sum), hvd.barrier, agree))
+            unchecked.append(
+                time_per_call(lambda x=x: hvd.allreduce(x, op=hvd.Sum), hvd.barrier, agree)
+            )
             state._state.check_collectives = True
             raw.append(
-                _timeit(lambda x=x, r=recv: comm.Allreduce(x, r, MPI.SUM), hvd.barrier, agree)
+                time_per_call(lambda x=x, r=recv: comm.Allreduce(x, r, MPI.SUM), hvd.barrier, agree)
             )
             mpi_path.append(
-                _timeit(lambda x=x: allreduce_on(mpi_comm, x, hvd.Sum), hvd.barrier, agree)
+                time_per_call(lambda x=x: allreduce_on(mpi_comm, x, hvd.Sum), hvd.barrier, agree)
             )
         out["allreduce"][nbytes] = min(ours)
         out["unchecked"][nbytes] = min(unchecked)
@@ -148,7 +150,7 @@ def measure_ours(sizes: list[int]) -> dict:
         best: dict[str, list[float]] = {kind: [] for kind in calls}
         for _ in range(2):  # interleaved, as above
             for kind, call in calls.items():
-                best[kind].append(_timeit(call, hvd.barrier, agree))
+                best[kind].append(time_per_call(call, hvd.barrier, agree))
         for kind in calls:
             out[kind][nbytes] = min(best[kind])
     shm.forget(mpi_comm)
@@ -158,10 +160,12 @@ def measure_ours(sizes: list[int]) -> dict:
     counts = np.maximum(1, (weights / weights.sum() * FUSION_BYTES / 4).astype(int))
     arrays = [np.ones(int(c), np.float32) for c in counts]
     single = np.ones(int(counts.sum()), np.float32)
-    out["fused_200"] = _timeit(
+    out["fused_200"] = time_per_call(
         lambda: hvd.grouped_allreduce(arrays, op=hvd.Sum), hvd.barrier, agree
     )
-    out["single_25mb"] = _timeit(lambda: hvd.allreduce(single, op=hvd.Sum), hvd.barrier, agree)
+    out["single_25mb"] = time_per_call(
+        lambda: hvd.allreduce(single, op=hvd.Sum), hvd.barrier, agree
+    )
     out["fusion_bytes"] = int(single.nbytes)
     return out
 
@@ -175,7 +179,7 @@ def measure_raw(sizes: list[int]) -> dict:
         send = np.ones(nbytes // 4, np.float32)
         recv = np.empty_like(send)
         out[nbytes] = min(
-            _timeit(
+            time_per_call(
                 lambda s=send, r=recv: comm.Allreduce(s, r, MPI.SUM),
                 comm.Barrier,
                 lambda n: comm.bcast(n, root=0),
@@ -196,7 +200,7 @@ def measure_ours_world(sizes: list[int]) -> dict:
     for nbytes in sizes:
         x = np.ones(nbytes // 4, np.float32)
         out[nbytes] = min(
-            _timeit(
+            time_per_call(
                 lambda x=x: hvd.allreduce(x, op=hvd.Sum),
                 comm.Barrier,
                 lambda n: comm.bcast(n, root=0),
@@ -211,7 +215,7 @@ def measure_copy(sizes: list[int]) -> dict:
     for nbytes in sizes:
         src = np.ones(nbytes // 4, np.float32)
         dst = np.empty_like(src)
-        out[nbytes] = _timeit(lambda s=src, d=dst: np.copyto(d, s), lambda: None)
+        out[nbytes] = time_per_call(lambda s=src, d=dst: np.copyto(d, s), lambda: None)
     return out
 
 
@@ -232,7 +236,7 @@ def _gloo_worker(rank: int, port: int, sizes: list[int], path: str) -> None:
     out = {}
     for nbytes in sizes:
         t = torch.ones(nbytes // 4, dtype=torch.float32)
-        out[nbytes] = _timeit(lambda t=t: dist.all_reduce(t), dist.barrier, _gloo_agree)
+        out[nbytes] = time_per_call(lambda t=t: dist.all_reduce(t), dist.barrier, _gloo_agree)
     if rank == 0:
         with open(path, "w") as f:
             json.dump(out, f)
@@ -328,7 +332,7 @@ def min_runs(runs: list[dict | None], sizes: list[int]) -> dict | None:
     return {b: min(run[b] for run in runs) for b in sizes}
 
 
-def _label(nbytes: int) -> str:
+def size_label(nbytes: int) -> str:
     return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
 
 
@@ -452,7 +456,7 @@ def main() -> None:
         rows.append(row)
         gloo_txt = f"{row['gloo_busbw']:11.2f}" if gloo else f"{'-':>11}"
         print(
-            f"{_label(nbytes):>8} {row['ours_busbw']:11.2f} {row['raw_busbw']:10.2f} "
+            f"{size_label(nbytes):>8} {row['ours_busbw']:11.2f} {row['raw_busbw']:10.2f} "
             f"{row['ratio_vs_raw']:6.2f} {row['raw_merged_busbw']:11.2f} {row['copy_gbps']:10.2f} "
             f"{gloo_txt} {row['ours_us']:9.1f} {row['unchecked_us']:9.1f} {row['raw_us']:9.1f}"
         )
@@ -467,7 +471,7 @@ def main() -> None:
 
     for row in rows:
         print(
-            f"{_label(row['bytes']):>8} {row['mpi_path_busbw']:9.2f} {row['raw_busbw']:10.2f} "
+            f"{size_label(row['bytes']):>8} {row['mpi_path_busbw']:9.2f} {row['raw_busbw']:10.2f} "
             f"{row['raw_tcp_same_host_busbw']:11.2f} {txt(row['raw_tcp_two_hosts_busbw'], 12)} "
             f"{txt(row['hosts_2x1_ours_busbw'], 9)} {txt(row['hosts_2x1_raw_busbw'], 8)} "
             f"{txt(row['hosts_2x2_ours_busbw'], 9)} {txt(row['hosts_2x2_flat_busbw'], 9)} "
@@ -489,7 +493,7 @@ def main() -> None:
             }
         )
         print(
-            f"{_label(nbytes):>8} {g['allgather']:19.1f} {g['allgather_mpi']:9.1f} "
+            f"{size_label(nbytes):>8} {g['allgather']:19.1f} {g['allgather_mpi']:9.1f} "
             f"{g['allgather_raw']:9.1f} {g['broadcast']:19.1f} {g['broadcast_mpi']:9.1f} "
             f"{g['broadcast_raw']:9.1f}"
         )

@@ -823,7 +823,13 @@ def allgather_on(comm: MPI.Comm, array: ArrayLike, name: str | None = None) -> n
     out = pool.empty((int(rows.sum()), *arr.shape[1:]), arr.dtype)
     counts = rows * row_items
     start = _begin()
-    comm.Allgatherv(arr, [out, counts, _displacements(counts), _mpi_type(arr.dtype)])
+    mpi_type = _mpi_type(arr.dtype)
+    if (rows == rows[0]).all():
+        # Equal parts (the common case): MPICH's Allgatherv over TCP took twice Allgather's
+        # time from 1 MB (2 ranks on 2 hosts: 16 MB 18.3-18.6 ms against 9.5-11.1 ms).
+        comm.Allgather([arr, mpi_type], [out, mpi_type])
+    else:
+        comm.Allgatherv(arr, [out, counts, _displacements(counts), mpi_type])
     _end("allgather", name, out.nbytes, start)
     return out
 

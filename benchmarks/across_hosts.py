@@ -1,0 +1,172 @@
+"""Where the time goes between hosts: ours against raw MPICH, one rank per host.
+
+    python -m benchmarks.across_hosts [--quick] [--rounds N]
+
+How Kubernetes runs us: every executor pod is a host of its own, so each rank is alone on its
+host and every collective crosses the network. Two ranks, each on a simulated host (its own
+UTS namespace, as tests/cluster_harness.py's ``mpiexec_on_hosts`` starts them), MPICH on
+libfabric's tcp provider over loopback. For allreduce (sum), allgather and broadcast of
+float32 buffers, 4 KB to 64 MB per rank, three sides in alternating launches:
+
+- raw: mpi4py's ``Allreduce``/``Allgather``/``Bcast`` on preallocated buffers;
+- ours: ``hvd.allreduce``/``hvd.allgather``/``hvd.broadcast`` with the defaults (the argument
+  check on: one agreement round before each call);
+- unchecked: ours with ``FLYTE_HVD_CHECK_COLLECTIVES=0`` (no agreement round).
+
+ours - unchecked is what the agreement costs; unchecked - raw is the rest of ours (the Python
+call, the argument handling, the output buffer and its copies). Each launch times each size
+as the median of 5 batches of calls (~0.1 s each), best of 2; the table shows each side's
+median over the launches. Needs root and ``unshare`` (without them it says so and measures
+nothing). Prints a table and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.allreduce import size_label, time_per_call
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from cluster_harness import MPI_TCP_ENV, mpiexec_on_hosts, namespaces_unavailable
+
+KINDS = ("allreduce", "allgather", "broadcast")
+SIDES = ("raw", "ours", "unchecked")
+SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+QUICK_SIZES = [4 << 10, 1 << 20]
+ROUNDS = 5
+
+
+def measure_on_rank(kind: str, side: str, sizes: list[int]) -> dict[int, float]:
+    """Seconds per call of ``kind`` at each size, on this rank (every rank runs it)."""
+    from mpi4py import MPI
+
+    if side == "raw":
+        comm = MPI.COMM_WORLD
+    else:
+        import flyte_hvd.core as hvd
+        from flyte_hvd.core import state
+
+        hvd.init()
+        comm = state.comm()
+    size = comm.Get_size()
+    out = {}
+    for nbytes in sizes:
+        x = np.ones(nbytes // 4, np.float32)
+        if side == "raw":
+            into = np.empty(x.size * (size if kind == "allgather" else 1), np.float32)
+            call = {
+                "allreduce": lambda x=x, r=into: comm.Allreduce(x, r, MPI.SUM),
+                "allgather": lambda x=x, r=into: comm.Allgather(x, r),
+                "broadcast": lambda x=x: comm.Bcast(x, root=0),
+            }[kind]
+        else:
+            call = {
+                "allreduce": lambda x=x: hvd.allreduce(x, op=hvd.Sum),
+                "allgather": lambda x=x: hvd.allgather(x),
+                "broadcast": lambda x=x: hvd.broadcast(x, root_rank=0),
+            }[kind]
+        out[nbytes] = min(
+            time_per_call(call, comm.Barrier, lambda n: comm.bcast(n, root=0)) for _ in range(2)
+        )
+    return out
+
+
+def launch(kind: str, side: str, sizes: list[int]) -> dict[int, float]:
+    """One launch of 2 ranks on 2 simulated hosts; rank 0's figures."""
+    env = {**os.environ, **MPI_TCP_ENV}
+    if side == "unchecked":
+        env["FLYTE_HVD_CHECK_COLLECTIVES"] = "0"
+    command = [sys.executable, "-m", "benchmarks.across_hosts", "--rank", kind, side]
+    command += ["--sizes", ",".join(map(str, sizes))]
+    with tempfile.TemporaryDirectory() as folder:
+        result = subprocess.run(
+            mpiexec_on_hosts(Path(folder), 2, 1, command),
+            env=env, cwd=str(Path(__file__).resolve().parent.parent),
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    if result.returncode != 0:
+        raise RuntimeError(f"{kind} ({side}) failed:\n{result.stderr[-3000:]}")
+    out = json.loads([x for x in result.stdout.splitlines() if x.startswith("{")][-1])
+    hosts = out.pop("hosts")
+    if len(set(hosts)) != 2:
+        raise RuntimeError(f"{kind} ({side}): the ranks ran on {hosts}, not two hosts")
+    return {int(k): v for k, v in out.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="two sizes, two rounds")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="launches per side")
+    parser.add_argument("--rank", nargs=2, help=argparse.SUPPRESS)  # KIND SIDE, on each rank
+    parser.add_argument("--sizes", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank:
+        from mpi4py import MPI
+
+        result = measure_on_rank(*args.rank, [int(s) for s in args.sizes.split(",")])
+        hosts = MPI.COMM_WORLD.gather(socket.gethostname(), root=0)
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(json.dumps({**result, "hosts": hosts}), flush=True)
+        return
+    if why := namespaces_unavailable():  # nothing measured: say why, in the JSON line too
+        print(f"benchmarks.across_hosts: skipped: {why}")
+        print(json.dumps({"benchmark": "across_hosts", "skipped": why}))
+        return
+    sizes = QUICK_SIZES if args.quick else SIZES
+    rounds = 2 if args.quick else args.rounds
+    runs: dict[tuple[str, str], list[dict[int, float]]] = {}
+    for kind in KINDS:
+        for _ in range(rounds):
+            for side in SIDES:  # alternating: the machine's load drifts within a minute
+                runs.setdefault((kind, side), []).append(launch(kind, side, sizes))
+    rows = []
+    print(f"2 hosts x 1 rank, MPICH over TCP, medians of {rounds} launches per side")
+    print(
+        f"{'kind':>10} {'size':>7} {'raw us':>9} {'ours us':>9} {'unchecked':>9} "
+        f"{'agreement':>9} {'rest':>8} {'ratio':>6} {'unchecked':>9}"
+    )
+    for kind in KINDS:
+        for nbytes in sizes:
+            t = {s: statistics.median(run[nbytes] for run in runs[(kind, s)]) for s in SIDES}
+            row = {
+                "kind": kind,
+                "bytes": nbytes,
+                **{f"{s}_us": round(t[s] * 1e6, 1) for s in SIDES},
+                "agreement_us": round((t["ours"] - t["unchecked"]) * 1e6, 1),
+                "rest_us": round((t["unchecked"] - t["raw"]) * 1e6, 1),
+                "ratio_vs_raw": round(t["raw"] / t["ours"], 3),
+                "unchecked_ratio_vs_raw": round(t["raw"] / t["unchecked"], 3),
+            }
+            rows.append(row)
+            print(
+                f"{kind:>10} {size_label(nbytes):>7} {row['raw_us']:9.1f} {row['ours_us']:9.1f} "
+                f"{row['unchecked_us']:9.1f} {row['agreement_us']:9.1f} {row['rest_us']:8.1f} "
+                f"{row['ratio_vs_raw']:6.2f} {row['unchecked_ratio_vs_raw']:9.2f}"
+            )
+    print("ratio: raw's time over ours (above 1: ours is faster); agreement = ours - unchecked")
+    summary = {
+        "benchmark": "across_hosts",
+        "hosts": 2,
+        "ranks_per_host": 1,
+        "rounds": rounds,
+        "rows": rows,
+        **{
+            f"{kind}_min_ratio": min(r["ratio_vs_raw"] for r in rows if r["kind"] == kind)
+            for kind in KINDS
+        },
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

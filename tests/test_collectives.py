@@ -195,7 +195,7 @@ def test_shared_memory_forced_on_where_it_cannot_serve_says_why():
 
 
 def test_bad_fusion_threshold(monkeypatch):
-    from flyte_hvd.core.collectives import fusion_threshold
+    from flyte_hvd.core.fusion import fusion_threshold
 
     monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "lots")
     with pytest.raises(ValueError, match="number of bytes"):
@@ -206,7 +206,7 @@ def test_bad_fusion_threshold(monkeypatch):
 
 
 def test_fusion_buckets_respect_threshold_and_dtype():
-    from flyte_hvd.core.collectives import fusion_buckets
+    from flyte_hvd.core.fusion import fusion_buckets
 
     # Five float32[4] (16 bytes each), one int64[2], one float32[100] (400 bytes).
     arrays = [np.zeros(4, np.float32)] * 5 + [np.zeros(2, np.int64), np.zeros(100, np.float32)]
@@ -217,7 +217,7 @@ def test_fusion_buckets_respect_threshold_and_dtype():
 
 
 def test_packed_offsets_start_every_part_on_64_bytes():
-    from flyte_hvd.core.collectives import packed_offsets
+    from flyte_hvd.core.fusion import packed_offsets
 
     assert packed_offsets([3, 16, 1], itemsize=4) == ([0, 16, 32], 48)
     assert packed_offsets([], itemsize=8) == ([], 0)

@@ -13,13 +13,6 @@ from flyte_hvd.core.build import (
     rocm_built,
 )
 from flyte_hvd.core.collectives import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    ReduceOp,
-    Sum,
     add_process_set,
     allgather,
     allgather_async,
@@ -53,6 +46,7 @@ from flyte_hvd.core.errors import (
     RendezvousTimeoutError,
 )
 from flyte_hvd.core.process_sets import ProcessSet, global_process_set
+from flyte_hvd.core.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from flyte_hvd.core.state import (
     cross_rank,
     cross_size,

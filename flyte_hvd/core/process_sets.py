@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from flyte_hvd.core import shm, state
+from flyte_hvd.core import state, transport
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -149,7 +149,7 @@ def unregister(ps: ProcessSet) -> bool:
 def free(ps: ProcessSet) -> None:
     for comm in (ps.async_comm, ps.comm):
         if comm is not None:
-            shm.forget(comm)
+            transport.forget(comm)
             comm.Free()
     ps.comm = ps.async_comm = None
     ps.process_set_id = None

@@ -9,7 +9,7 @@ while they wait they look at whether the ranks they wait for are still alive: a 
 died ends the others' wait with an error naming it, instead of a hang.
 
 The same counters carry the ranks' agreement on each collective's arguments (see
-``collectives.check_same``): a rank writes its fingerprint beside its data before the first
+``agreement.py``): a rank writes its fingerprint beside its data before the first
 wait, so a checked reduction costs no extra round.
 
 Messages up to ``SMALL_BYTES`` take one wait: every rank reduces the whole message from
@@ -43,7 +43,7 @@ import os
 import platform
 import time
 import uuid
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -78,7 +78,7 @@ DEAD_PEER_GRACE_S = 5.0
 
 logger = get_logger(__name__)
 
-# ufuncs of the reduction ops (collectives.ReduceOp values): AVERAGE sums, then divides.
+# ufuncs of the reduction ops (reduce_ops.ReduceOp values): AVERAGE sums, then divides.
 UFUNCS: dict[int, np.ufunc] = {
     0: np.add,
     1: np.add,
@@ -105,45 +105,36 @@ def _start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
-class Channel:
-    """The shared segment of one communicator's ranks on one host (all of its ranks)."""
+class Steps:
+    """How the ranks of a segment wait for one another: a counter per rank at the start of
+    the segment (each rank posts its step, the others wait until it is there), and each
+    rank's agreement pair per step beside them."""
 
-    def __init__(self, comm: MPI.Comm, global_ranks: list[int], peers: list[tuple[int, int]]):
-        self.size = size = comm.Get_size()
-        self.rank = comm.Get_rank()
+    # Bytes at the start of a segment of ``size`` ranks that the counters and pairs take.
+    @staticmethod
+    def header_bytes(size: int) -> int:
+        return size * _LINE + 2 * size * _LINE
+
+    def __init__(
+        self,
+        mapped: mmap.mmap,
+        rank: int,
+        size: int,
+        global_ranks: list[int],
+        peers: list[tuple[int, int]],
+    ):
+        self.size = size
+        self.rank = rank
         self.global_ranks = global_ranks
-        self._peers = peers  # (pid, start time) per rank of ``comm``
+        self._peers = peers  # (pid, start time) per rank of the communicator
         self._epoch = 0
-        counters = size * _LINE
-        fingerprints = 2 * size * _LINE
-        small = 2 * size * SMALL_BYTES
-        total = counters + fingerprints + small + 2 * (size + 1) * CHUNK_BYTES
-        self._map = _shared_map(comm, total)
-        raw = np.frombuffer(self._map, np.uint8)
-        self._words = memoryview(self._map).cast("q")  # plain loads and stores, no numpy call
+        self._map = mapped
+        self._words = memoryview(mapped).cast("q")  # plain loads and stores, no numpy call
         self._counter = [r * _WORDS for r in range(size)]
-        base = counters // 8
+        base = size * _LINE // 8
         # fingerprint pair of rank r for epoch parity p at word base + (p * size + r) * _WORDS
         self._fp_base = base
         self._firsts = [[base + (p * size + r) * _WORDS for r in range(size)] for p in range(2)]
-        offset = counters + fingerprints
-        self._small = [
-            [raw[offset + (p * size + r) * SMALL_BYTES :][:SMALL_BYTES] for r in range(size)]
-            for p in range(2)
-        ]
-        offset += small
-        # Two sets (chunks alternate): each rank's slot, then the set's result area.
-        areas = [raw[offset + i * CHUNK_BYTES :][:CHUNK_BYTES] for i in range(2 * (size + 1))]
-        # Each set's slots as one area, for a broadcast (one writer: bigger chunks, fewer
-        # waits). Not the result areas: ranks copy the last result out after the last wait.
-        whole = size * CHUNK_BYTES
-        self._sets = [raw[offset + p * (whole + CHUNK_BYTES) :][:whole] for p in range(2)]
-        self._slots = [areas[: size + 1], areas[size + 1 :]]
-        self._results = [slots.pop() for slots in self._slots]
-        self._views: dict[tuple[int, np.dtype, int], list[np.ndarray]] = {}
-        # What callers work out once per kind of call on this channel (collectives' small
-        # allreduce: its agreement pair, ufunc, divisor), dropped with the channel.
-        self.plans: dict[Hashable, tuple] = {}
 
     # -- waiting ---------------------------------------------------------------------------
 
@@ -213,8 +204,8 @@ class Channel:
     def _max_pair(self, epoch: int, pair: tuple[int, int]) -> tuple[int, int] | None:
         """None when every rank wrote ``pair``; else the elementwise max over ranks.
 
-        Pairs are ``(fp, -fp)`` with ``fp >= 0``, or ``(_ABSENT, 1)`` from a joined rank
-        (collectives.py): equal first words mean equal pairs."""
+        Pairs are ``(fp, -fp)`` with ``fp >= 0``, or ``(ABSENT, 1)`` from a joined rank
+        (agreement.py): equal first words mean equal pairs."""
         words, at = self._words, self._fp_base + (epoch & 1) * self.size * _WORDS
         first = pair[0]
         if all(words[index] == first for index in self._firsts[epoch & 1]):
@@ -226,6 +217,33 @@ class Channel:
         """The elementwise max of every rank's ``pair`` (what one MPI MAX allreduce of it
         gives), in one wait."""
         return self._step(pair, what, first=True) or pair
+
+
+class Channel(Steps):
+    """The shared segment of one communicator's ranks on one host (all of its ranks): after
+    the counters, two small slots per rank, then two sets of chunk slots and result areas."""
+
+    def __init__(self, comm: MPI.Comm, global_ranks: list[int], peers: list[tuple[int, int]]):
+        size = comm.Get_size()
+        header = Steps.header_bytes(size)
+        small = 2 * size * SMALL_BYTES
+        mapped = _shared_map(comm, header + small + 2 * (size + 1) * CHUNK_BYTES)
+        super().__init__(mapped, comm.Get_rank(), size, global_ranks, peers)
+        raw = np.frombuffer(mapped, np.uint8)
+        self._small = [
+            [raw[header + (p * size + r) * SMALL_BYTES :][:SMALL_BYTES] for r in range(size)]
+            for p in range(2)
+        ]
+        offset = header + small
+        # Two sets (chunks alternate): each rank's slot, then the set's result area.
+        areas = [raw[offset + i * CHUNK_BYTES :][:CHUNK_BYTES] for i in range(2 * (size + 1))]
+        # Each set's slots as one area, for a broadcast (one writer: bigger chunks, fewer
+        # waits). Not the result areas: ranks copy the last result out after the last wait.
+        whole = size * CHUNK_BYTES
+        self._sets = [raw[offset + p * (whole + CHUNK_BYTES) :][:whole] for p in range(2)]
+        self._slots = [areas[: size + 1], areas[size + 1 :]]
+        self._results = [slots.pop() for slots in self._slots]
+        self._views: dict[tuple[int, np.dtype, int], list[np.ndarray]] = {}
 
     # -- broadcast and allgather -------------------------------------------------------------
 

@@ -49,6 +49,17 @@ def current() -> Timeline | None:
     return _active
 
 
+def begin() -> int:
+    """The start of a collective for ``end``: 0 (no clock read) when nothing records."""
+    return time.time_ns() if _active is not None else 0
+
+
+def end(kind: str, name: str | None, nbytes: int, start_ns: int) -> None:
+    """Record a collective that began at ``start_ns`` (``begin``), if a timeline records."""
+    if _active is not None:
+        _active.record(kind, name, nbytes, start_ns)
+
+
 def start(file_path: str, rank: int) -> None:
     """Begin recording this rank's collectives into ``file_path`` (written by rank 0)."""
     global _active

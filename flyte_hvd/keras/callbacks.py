@@ -10,6 +10,7 @@ import keras
 import numpy as np
 
 from flyte_hvd.core import collectives, state
+from flyte_hvd.core.reduce_ops import Average
 from flyte_hvd.launch import progress as run_progress
 from flyte_hvd.tensorflow.functions import broadcast_variables
 
@@ -97,7 +98,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
         keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and _is_number(v))
         if state.size() > 1:
             values = np.array([float(logs[k]) for k in keys], dtype=np.float64)
-            averaged = collectives.allreduce(values, op=collectives.Average, name="MetricAverage")
+            averaged = collectives.allreduce(values, op=Average, name="MetricAverage")
             for key, value in zip(keys, averaged, strict=True):
                 logs[key] = float(value)
         if self.progress and state.rank() == 0:

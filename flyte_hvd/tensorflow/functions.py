@@ -22,10 +22,10 @@ import numpy as np
 import tensorflow as tf
 
 from flyte_hvd.core import collectives, model_sync, state
-from flyte_hvd.core.collectives import Average, ReduceOp, Sum
 from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.core.errors import CollectiveMismatchError
 from flyte_hvd.core.process_sets import ProcessSet
+from flyte_hvd.core.reduce_ops import Average, ReduceOp, Sum
 from flyte_hvd.core.types import UserValue
 
 

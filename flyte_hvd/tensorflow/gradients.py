@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, TypeAlias
 import tensorflow as tf
 
 from flyte_hvd.core import collectives, state
-from flyte_hvd.core.collectives import Average, ReduceOp, Sum
 from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.core.process_sets import ProcessSet
+from flyte_hvd.core.reduce_ops import Average, ReduceOp, Sum
 from flyte_hvd.tensorflow.functions import check_process_set, numpy_call
 
 if TYPE_CHECKING:

@@ -21,9 +21,9 @@ import keras
 import tensorflow as tf
 
 from flyte_hvd.core import state
-from flyte_hvd.core.collectives import Average, ReduceOp
 from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.core.process_sets import ProcessSet
+from flyte_hvd.core.reduce_ops import Average, ReduceOp
 from flyte_hvd.tensorflow.functions import broadcast_variables
 from flyte_hvd.tensorflow.gradients import Groups, LocalLayers, Reduction, allreduce_gradients
 

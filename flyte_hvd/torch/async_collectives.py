@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from flyte_hvd.core import background, collectives
-from flyte_hvd.core.collectives import Average, ReduceOp, Sum
+from flyte_hvd.core import background, collectives, reduce_ops
 from flyte_hvd.core.compression import Compression
 from flyte_hvd.core.process_sets import (
     ProcessSet,
@@ -20,6 +19,7 @@ from flyte_hvd.core.process_sets import (
     global_process_set,
     translate_root,
 )
+from flyte_hvd.core.reduce_ops import Average, ReduceOp, Sum
 from flyte_hvd.torch.tensors import (
     Splits,
     as_array,
@@ -72,16 +72,16 @@ def allreduce_async_(
     if not tensor.is_contiguous():
         raise ValueError("`allreduce_async_` needs a contiguous tensor; call `.contiguous()`.")
     op = resolve_op(average, op)
-    collectives.mpi_op(op)  # a bad op fails here, not on the thread
+    reduce_ops.mpi_op(op)  # a bad op fails here, not on the thread
     flat = tensor.detach().view(-1).numpy()
     size = process_set.size()
-    op, pre, post = collectives.average_as_sum(op, 1.0, size, flat.dtype.kind in "fc")
+    op, pre, post = reduce_ops.average_as_sum(op, 1.0, size, flat.dtype.kind in "fc")
     pre *= prescale_factor
     post *= postscale_factor
     shape = tuple(tensor.shape)
 
     def run(comm: MPI.Comm) -> torch.Tensor:
-        collectives.scale_in_place(flat, pre)
+        reduce_ops.scale_in_place(flat, pre)
         collectives.reduce_in_place(
             comm,
             flat,
@@ -121,7 +121,7 @@ def grouped_allreduce_async(
 ) -> background.Handle:
     """``grouped_allreduce`` on the background thread; ``synchronize`` returns new tensors."""
     op = resolve_op(average, op)
-    collectives.mpi_op(op)
+    reduce_ops.mpi_op(op)
     arrays = [_copy(t, "grouped_allreduce_async") for t in tensors]
 
     def run(comm: MPI.Comm) -> list[np.ndarray]:
@@ -195,7 +195,7 @@ def broadcast_async(
 ) -> background.Handle:
     """``broadcast`` on the background thread; ``synchronize`` returns a new tensor."""
     array = _copy(tensor, "broadcast_async")
-    root = translate_root(process_set, collectives._check_root(root_rank, "broadcast_async"))
+    root = translate_root(process_set, collectives.check_root(root_rank, "broadcast_async"))
     return _submit(
         process_set,
         name,
@@ -232,7 +232,7 @@ def alltoall_async(
     would."""
     array = _copy(tensor, "alltoall_async")
     raw = raw_splits(splits)
-    collectives._send_rows(array, raw, process_set.size())  # bad splits fail here
+    collectives.alltoall_rows(array, raw, process_set.size())  # bad splits fail here
 
     def finish(
         result: tuple[np.ndarray, np.ndarray],
@@ -255,7 +255,7 @@ def reducescatter_async(
 ) -> background.Handle:
     """``reducescatter`` on the background thread; ``synchronize`` returns this rank's rows."""
     array = _copy(tensor, "reducescatter_async")
-    collectives.mpi_op(op)
+    reduce_ops.mpi_op(op)
 
     def run(comm: MPI.Comm) -> np.ndarray:
         return collectives.reducescatter_on(
@@ -276,7 +276,7 @@ def grouped_reducescatter_async(
     """``grouped_reducescatter`` on the background thread."""
     check_grouped_reducescatter(tensors)
     arrays = [_copy(t, "grouped_reducescatter_async") for t in tensors]
-    collectives.mpi_op(op)
+    reduce_ops.mpi_op(op)
 
     def run(comm: MPI.Comm) -> list[np.ndarray]:
         return [

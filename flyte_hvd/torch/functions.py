@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from flyte_hvd.core import collectives, state
-from flyte_hvd.core.collectives import Average, ReduceOp, Sum
 from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.core.process_sets import ProcessSet, global_process_set
+from flyte_hvd.core.reduce_ops import Average, ReduceOp, Sum
 from flyte_hvd.torch import process_group
 
 # Horovod's ``horovod.torch.functions`` and ``mpi_ops`` paths: the background and the state

@@ -28,10 +28,10 @@ import torch
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-from flyte_hvd.core import background, collectives, state
-from flyte_hvd.core.collectives import Average, ReduceOp
+from flyte_hvd.core import background, collectives, fusion, reduce_ops, state
 from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.core.process_sets import ProcessSet, async_comm_of, global_process_set
+from flyte_hvd.core.reduce_ops import Average, ReduceOp
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class _Bucket:
         self.names = names
         dtype = _wire_dtype(params[0].dtype)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        offsets, total = collectives.packed_offsets([p.numel() for p in params], itemsize)
+        offsets, total = fusion.packed_offsets([p.numel() for p in params], itemsize)
         self.buffer = torch.zeros(total, dtype=dtype)
         self.array = self.buffer.numpy()
         self.views = [
@@ -90,7 +90,7 @@ class _Reducer:
         ps = settings.process_set
         self.size = ps.size() if ps.included() else 1
         self.names = {p: n for n, p in named}
-        self.buckets = _layout(named, collectives.fusion_threshold())
+        self.buckets = _layout(named, fusion.fusion_threshold())
         self.where = {p: b for b in self.buckets for p in b.params}
         self.delay = dict.fromkeys(self.where, settings.backward_passes_per_step)
         self.next_submit = 0
@@ -147,7 +147,7 @@ class _Reducer:
         assert self.comm is not None  # only an optimizer over several ranks submits
         settings = self.settings
         floating = bucket.buffer.is_floating_point() or bucket.buffer.is_complex()
-        op, pre, post = collectives.average_as_sum(
+        op, pre, post = reduce_ops.average_as_sum(
             settings.op, settings.gradient_predivide_factor, self.size, floating
         )
         grads = [p.grad for p in bucket.params]
@@ -251,7 +251,7 @@ def _layout(named: list[tuple[str, torch.Tensor]], threshold: int) -> list[_Buck
         items.append((dtype, p.numel() * torch.empty((), dtype=dtype).element_size()))
     return [
         _Bucket(i, [ordered[k][1] for k in members], [ordered[k][0] for k in members])
-        for i, members in enumerate(collectives.fusion_buckets(items, threshold))
+        for i, members in enumerate(fusion.fusion_buckets(items, threshold))
     ]
 
 

@@ -38,10 +38,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flyte_hvd.core import collectives, state
-from flyte_hvd.core.collectives import ReduceOp
+from flyte_hvd.core import collectives, state, timeline
+from flyte_hvd.core.agreement import allreduce_call, compression_id
 from flyte_hvd.core.compression import Compression, Compressor
+from flyte_hvd.core.fusion import fusion_buckets, fusion_threshold
 from flyte_hvd.core.process_sets import ProcessSet
+from flyte_hvd.core.reduce_ops import ReduceOp, mpi_op
 
 ROUTE_ENV = "FLYTE_HVD_TORCH_COLLECTIVES"
 ROUTES = ("auto", "process_group", "mpi")
@@ -140,9 +142,9 @@ def _reduce(
 ) -> torch.Tensor:
     """Reduce the contiguous ``flat`` (this call's own copy) with ``op`` and the scales."""
     flat = _scaled(flat, pre)
-    start = collectives._begin()
+    start = timeline.begin()
     dist.all_reduce(flat, _TORCH_OPS[op])
-    collectives._end(kind, name, flat.nbytes, start)
+    timeline.end(kind, name, flat.nbytes, start)
     return _scaled(_finish_average(flat, op), post)
 
 
@@ -150,11 +152,11 @@ def allreduce(
     t: torch.Tensor, op: ReduceOp, name: str | None, pre: float, post: float
 ) -> torch.Tensor:
     """``functions.allreduce``'s plain form through the process group: a new tensor."""
-    op, _ = collectives.mpi_op(op)  # Adasum and unknown ops: the MPI route's errors
+    op, _ = mpi_op(op)  # Adasum and unknown ops: the MPI route's errors
     x = t.detach()
     shape, dtype = tuple(x.shape), _dtype(x)
     _agree(
-        (1, op, dtype.num, shape, collectives._compression_id(Compression.none)),
+        allreduce_call(op, dtype, shape)[0],  # the MPI route's fields, and this route's mark
         lambda: f"allreduce(op={op.name}, dtype={dtype}, shape={shape}, route=process group)",
     )
     flat = x.reshape(-1).clone()
@@ -166,14 +168,14 @@ def grouped_allreduce(
 ) -> list[torch.Tensor]:
     """``grouped_allreduce`` through the process group: the tensors of one dtype packed into
     buffers of at most ``HOROVOD_FUSION_THRESHOLD`` bytes, one reduction each, as on MPI."""
-    op, _ = collectives.mpi_op(op)
+    op, _ = mpi_op(op)
     xs = [t.detach() for t in ts]
     described = [(_dtype(x), tuple(x.shape)) for x in xs]
     _agree(
         (
             2,
             op,
-            collectives._compression_id(Compression.none),
+            compression_id(Compression.none),
             tuple((d.num, s) for d, s in described),
         ),
         lambda: (
@@ -181,8 +183,8 @@ def grouped_allreduce(
             f", route=process group)"
         ),
     )
-    buckets = collectives.fusion_buckets(
-        [(x.dtype, x.numel() * x.element_size()) for x in xs], collectives.fusion_threshold()
+    buckets = fusion_buckets(
+        [(x.dtype, x.numel() * x.element_size()) for x in xs], fusion_threshold()
     )
     results: list[torch.Tensor | None] = [None] * len(xs)
     for members in buckets:
@@ -214,16 +216,16 @@ def allgather(t: torch.Tensor, name: str | None) -> torch.Tensor:
     if x.shape[0] < most:
         x = torch.cat([x, x.new_zeros((most - x.shape[0], *row_shape))])
     parts = [torch.empty_like(x) for _ in rows]
-    start = collectives._begin()
+    start = timeline.begin()
     dist.all_gather(parts, x)
     out = torch.cat([part[:n] for part, n in zip(parts, rows, strict=True)])
-    collectives._end("allgather", name, out.nbytes, start)
+    timeline.end("allgather", name, out.nbytes, start)
     return out
 
 
 def broadcast(t: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
     """``broadcast`` through the process group: a new tensor, ``root_rank``'s values."""
-    root = collectives._check_root(root_rank, "broadcast")
+    root = collectives.check_root(root_rank, "broadcast")
     x = t.detach()
     shape, dtype = tuple(x.shape), _dtype(x)
     _agree(
@@ -231,7 +233,7 @@ def broadcast(t: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor
         lambda: f"broadcast(dtype={dtype}, shape={shape}, root_rank={root}, route=process group)",
     )
     out = x.clone(memory_format=torch.contiguous_format)
-    start = collectives._begin()
+    start = timeline.begin()
     dist.broadcast(out, src=root)
-    collectives._end("broadcast", name, out.nbytes, start)
+    timeline.end("broadcast", name, out.nbytes, start)
     return out

@@ -11,7 +11,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from flyte_hvd.core import state
-from flyte_hvd.core.collectives import Sum
+from flyte_hvd.core.reduce_ops import Sum
 
 
 class SyncBatchNorm(_BatchNorm):

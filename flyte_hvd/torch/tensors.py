@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import numpy as np
 import torch
 
-from flyte_hvd.core.collectives import Average, ReduceOp, Sum
+from flyte_hvd.core.reduce_ops import Average, ReduceOp, Sum
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike

@@ -312,7 +312,7 @@ def main() -> None:
 
     from flyte_hvd.data.prepare import prepare_data
     from flyte_hvd.data.store import Store
-    from flyte_hvd.spark.flyte_task import PYTHON_WORKER_CONF
+    from flyte_hvd.stage.flyte_task import PYTHON_WORKER_CONF
 
     # The Python-worker settings a HorovodSpark task's session gets (see flyte_hvd.flyte.task).
     spark_conf = {} if args.spark_default_workers else dict(PYTHON_WORKER_CONF)

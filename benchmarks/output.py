@@ -83,7 +83,7 @@ def main() -> None:
     from pyspark.sql import SparkSession
 
     from flyte_hvd.spark import run
-    from flyte_hvd.spark.flyte_task import PYTHON_WORKER_CONF
+    from flyte_hvd.stage.flyte_task import PYTHON_WORKER_CONF
 
     builder = (
         SparkSession.builder.master("local[2]")

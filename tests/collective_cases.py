@@ -218,6 +218,7 @@ def long_gathers_and_broadcasts():
     empty = hvd.allgather(np.zeros((0, 2), np.int64))
     assert empty.shape == (0, 2), empty.shape
     assert hvd.allgather(np.zeros((2, 0))).shape == (2 * n, 0)
+    assert hvd.allgather(np.zeros((r + 1, 0))).shape == (n * (n + 1) // 2, 0)  # ragged
     for root in range(n):
         long = np.arange(2_100_003, dtype=np.int64) * (r == root) + root
         out = hvd.broadcast(long, root_rank=root)
@@ -314,6 +315,8 @@ def mismatched_shapes_raise_on_every_rank():
         ),
         lambda: hvd.broadcast(np.ones((2, 2 + r)), root_rank=0),
         lambda: hvd.allgather(np.ones((2, 1 + r))),
+        lambda: hvd.allgather(np.ones((2, r))),  # rank 0's rows hold no bytes
+        lambda: hvd.allgather(np.ones((1 + r, 2), np.float32 if r else np.float64)),  # ragged
         lambda: hvd.grouped_allreduce([np.ones(2), np.ones(2 + r)]),
         lambda: hvd.broadcast(np.ones(2), root_rank=r),
     ):

@@ -124,7 +124,7 @@ def _spark_session(kind: str, configure):
             _spark["session"].stop()
         from pyspark.sql import SparkSession
 
-        from flyte_hvd.spark.flyte_task import PYTHON_WORKER_CONF
+        from flyte_hvd.stage.flyte_task import PYTHON_WORKER_CONF
 
         builder = (
             SparkSession.builder.appName(f"flyte-hvd-tests-{kind}")

@@ -1072,7 +1072,7 @@ def test_gpu_node_selector_is_removed_or_replaced_through_spark_conf():
     sets the key to None (or "") and, where GPU nodes carry another label, names that one."""
     from flyte_hvd.flyte import HorovodSpark
     from flyte_hvd.flyte.task import HorovodSparkFunctionTask
-    from flyte_hvd.spark.flyte_task import GPU_NODE_SELECTOR
+    from flyte_hvd.stage.flyte_task import GPU_NODE_SELECTOR
 
     def body() -> None:
         return None
@@ -1106,8 +1106,8 @@ def test_slots_timeout_names_the_node_selector_of_pending_executors():
     from pyspark import SparkConf
 
     from flyte_hvd.flyte import HorovodSpark
-    from flyte_hvd.spark import pipeline
-    from flyte_hvd.spark.flyte_task import GPU_NODE_SELECTOR
+    from flyte_hvd.stage import pipeline
+    from flyte_hvd.stage.flyte_task import GPU_NODE_SELECTOR
 
     def message(config: HorovodSpark) -> str:
         conf = SparkConf(loadDefaults=False).setAll(list(config.effective_spark_conf.items()))

@@ -68,7 +68,7 @@ def _run_examples(obj, globs):
 @pytest.mark.mpi
 def test_launch_examples_run(spark_local2):
     from flyte_hvd.spark import HorovodRunner, TorchDistributor
-    from flyte_hvd.spark.dispatch import run
+    from flyte_hvd.stage.dispatch import run
 
     _run_examples(run, {})
     _run_examples(HorovodRunner, {})

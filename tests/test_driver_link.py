@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from flyte_hvd.launch import messages
-from flyte_hvd.spark import driver_link
-from flyte_hvd.spark.driver_link import (
+from flyte_hvd.stage import driver_link
+from flyte_hvd.stage.driver_link import (
     HELLO_TIMEOUT_S,
     TASK_ROLE,
     DriverLink,
@@ -26,7 +26,7 @@ from flyte_hvd.spark.driver_link import (
     _proof,
     max_connections,
 )
-from flyte_hvd.spark.rdd_stage import ClassicBackend
+from flyte_hvd.stage.rdd_stage import ClassicBackend
 
 SECRET = "s3cret"
 

@@ -1135,7 +1135,7 @@ def test_spark_run_signalled_cancels_the_stage_and_stops_every_rank(
     that, uncaught, prints no traceback (Python then exits 130), SIGTERM exits 143; the
     process's own handlers come back."""
     from flyte_hvd.spark import run
-    from flyte_hvd.spark.pipeline import logged_interrupt
+    from flyte_hvd.stage.pipeline import logged_interrupt
 
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
     mark = uuid.uuid4().hex
@@ -1338,7 +1338,7 @@ def test_a_second_signal_stops_waiting_for_the_stage(monkeypatch, caplog):
     """The first SIGINT starts the stage's cancellation and lets the run wait for it; a
     second one raises at once (a stage that does not end must not trap the user). A signal
     the process ignores stays ignored."""
-    from flyte_hvd.spark.pipeline import logged_interrupt, stopped_by_signals
+    from flyte_hvd.stage.pipeline import logged_interrupt, stopped_by_signals
 
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     stops = []

@@ -23,7 +23,7 @@ from flytekitplugins.spark import Spark
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.flyte import HorovodSpark, HorovodSparkFunctionTask
 from flyte_hvd.flyte.rank import RankSpec, _to_literal_map
-from flyte_hvd.spark.flyte_task import GPU_EXECUTOR_CONF, PYTHON_WORKER_CONF, pickle_body
+from flyte_hvd.stage.flyte_task import GPU_EXECUTOR_CONF, PYTHON_WORKER_CONF, pickle_body
 
 from test_output import assert_shown, printer
 
@@ -426,7 +426,7 @@ LOCAL_UI_SCRIPT = """
 import json, os, socket, sys, urllib.parse
 from pyspark.sql import SparkSession
 from flyte_hvd.flyte import HorovodSpark
-from flyte_hvd.spark.flyte_task import start_local_session
+from flyte_hvd.stage.flyte_task import start_local_session
 
 with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
     probe.connect(("192.0.2.123", 9))  # UDP: picks the host's outward address, sends nothing

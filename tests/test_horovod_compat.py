@@ -189,7 +189,7 @@ def test_driver_env_leaves_out_what_describes_the_driver(monkeypatch):
 
 
 def test_nics_must_be_interface_names():
-    from flyte_hvd.spark.dispatch import horovod_run_args
+    from flyte_hvd.stage.dispatch import horovod_run_args
 
     env = horovod_run_args({"A": "1"}, nics={"eth1", "eth0"})
     assert env == {"A": "1", "FI_TCP_IFACE": "eth0", "UCX_NET_DEVICES": "eth0,eth1"}

@@ -502,7 +502,7 @@ def test_transform_merges_small_partitions_and_each_row_keeps_its_prediction(spa
     from pyspark.sql import functions as F
 
     from flyte_hvd.estimators.keras import model_to_bytes
-    from flyte_hvd.spark.dispatch import estimated_bytes
+    from flyte_hvd.stage.dispatch import estimated_bytes
 
     network = _mlp()
     model = KerasModel(
@@ -549,7 +549,7 @@ def test_transform_partition_bytes_must_be_a_positive_int_or_none(spark_local2):
 def test_size_estimate_is_read_from_the_cost_plan():
     """Connect sessions read the optimizer's estimate from the plan's text (Spark's rounded
     units); a plan without statistics gives none."""
-    from flyte_hvd.spark import dataframe_stage
+    from flyte_hvd.stage import dataframe_stage
 
     class Plan:
         def __init__(self, text):

@@ -308,7 +308,7 @@ def test_horovod_runner_on_spark_forwards_any_bytes(spark_local2, capfd):
 def test_spare_rank_processes_forward_any_bytes(spark_local2):
     """A run with preloaded modules leaves spares; the next run's ranks are those spares, and
     their output takes the same path."""
-    from flyte_hvd.spark.dispatch import launch
+    from flyte_hvd.stage.dispatch import launch
 
     def first():
         import flyte_hvd.core as hvd

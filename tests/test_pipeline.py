@@ -11,7 +11,7 @@ import pytest
 from flyte_hvd.launch import messages
 from flyte_hvd.launch.job import ResultError, write_result
 from flyte_hvd.launch.messages import LinkKind, RankOp
-from flyte_hvd.spark.pipeline import LaunchSpec
+from flyte_hvd.stage.pipeline import LaunchSpec
 
 
 def test_a_spec_is_checked_once_with_each_default_resolved(monkeypatch):

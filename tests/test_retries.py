@@ -150,7 +150,7 @@ def test_flyte2s_error_document_has_the_kind(tmp_path, failure, kind, code):
 
 
 def test_a_user_error_gets_no_second_spark_attempt_and_a_death_gets_one():
-    from flyte_hvd.spark.pipeline import on_rank_failure
+    from flyte_hvd.stage.pipeline import on_rank_failure
 
     cancels: list[float] = []
     handle = on_rank_failure(max_attempts=4, cancel=lambda: cancels.append(1.0), grace=0)

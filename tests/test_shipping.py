@@ -1,5 +1,5 @@
 """How a workflow's code and data reach Spark executors that share nothing with the driver:
-its package as a shipped zip (``flyte_hvd.spark.shipping``), its CSV files read on the driver
+its package as a shipped zip (``flyte_hvd.stage.shipping``), its CSV files read on the driver
 (``workflows.driver_csv``)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from flyte_hvd.spark.shipping import ship_package
+from flyte_hvd.stage.shipping import ship_package
 
 
 @pytest.fixture

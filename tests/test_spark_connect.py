@@ -16,8 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from flyte_hvd.data.store import Store
-from flyte_hvd.spark import dataframe_stage, run
-from flyte_hvd.spark.dispatch import active_session, is_connect_session, task_slots
+from flyte_hvd.spark import run
+from flyte_hvd.stage import dataframe_stage
+from flyte_hvd.stage.dispatch import active_session, is_connect_session, task_slots
 
 pytestmark = [pytest.mark.spark, pytest.mark.mpi]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

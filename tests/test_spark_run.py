@@ -15,7 +15,7 @@ import pytest
 
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.spark import HorovodRunner, get_available_devices, run
-from flyte_hvd.spark.dispatch import is_connect_session
+from flyte_hvd.stage.dispatch import is_connect_session
 
 pytestmark = [pytest.mark.spark, pytest.mark.mpi]
 
@@ -42,7 +42,7 @@ def test_the_rendezvous_does_not_wait_for_sparks_barrier_poll(spark):
     """The ranks meet over the driver link. Spark's ``BarrierTaskContext.allGather`` answers
     no sooner than a second (its task polls the barrier's RPC once a second), so a
     rendezvous through it took at least 1 s from the ranks' hello to their join."""
-    from flyte_hvd.spark.dispatch import launch
+    from flyte_hvd.stage.dispatch import launch
 
     report = launch(lambda: None, num_proc=2)
     assert sorted(report.events) == [0, 1]
@@ -163,7 +163,7 @@ def test_rank_output_reaches_driver_with_prefix(spark, caplog):
     out, err = io.StringIO(), io.StringIO()
     run(fn, num_proc=1, stdout=out, stderr=err, verbose=1, prefix_output_with_timestamp=True)
     connect = is_connect_session(spark)
-    launcher = [r for r in caplog.records if r.name == "flyte_hvd.spark.pipeline"]
+    launcher = [r for r in caplog.records if r.name == "flyte_hvd.stage.pipeline"]
     assert [r.levelno for r in launcher] == [logging.INFO, logging.INFO]
     assert launcher[0].getMessage() == "running 1 ranks in a Spark barrier stage" + (
         " (DataFrame API)" if connect else ""
@@ -253,7 +253,7 @@ def test_the_last_attempt_stops_at_once_for_a_killed_rank_and_waits_for_one_that
     """A peer's "connection closed" can reach the driver before the task of the rank the
     kernel killed reports the death: the stage is stopped only after a grace period then, so
     the killed rank's report still arrives and the error names it."""
-    from flyte_hvd.spark.pipeline import on_rank_failure
+    from flyte_hvd.stage.pipeline import on_rank_failure
 
     cancels = []
     handle = on_rank_failure(
@@ -363,7 +363,7 @@ def test_an_unpicklable_result_names_the_rank_and_its_type(spark_local2, no_left
 def test_the_link_is_on_loopback_and_no_secret_is_in_job_tags_or_logs(
     spark_local2, monkeypatch, caplog
 ):
-    from flyte_hvd.spark import pipeline, rdd_stage
+    from flyte_hvd.stage import pipeline, rdd_stage
 
     sc = spark_local2.sparkContext
     # Loopback on a local master, whatever `spark.driver.host` says (a session a user builds
@@ -454,7 +454,7 @@ def test_no_devices_outside_spark():
 SPARES_AHEAD_SCRIPT = """
 import json, os, sys, time
 from pyspark.sql import SparkSession
-from flyte_hvd.spark.dispatch import launch, start_spares
+from flyte_hvd.stage.dispatch import launch, start_spares
 
 spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
          .config("spark.ui.showConsoleProgress", "false").getOrCreate())

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from flyte_hvd.spark.worker_daemon import bundled_archives, installed_pyspark
+from flyte_hvd.stage.worker_daemon import bundled_archives, installed_pyspark
 
 
 def test_only_archives_inside_the_installed_pyspark_are_dropped(tmp_path):
@@ -48,6 +48,6 @@ def test_workers_import_pyspark_from_its_package(spark_local2):
     [(daemon, origin, zips)] = (
         spark_local2.sparkContext.parallelize([0], 1).mapPartitions(inspect).collect()
     )
-    assert "-m flyte_hvd.spark.worker_daemon" in daemon, daemon
+    assert "-m flyte_hvd.stage.worker_daemon" in daemon, daemon
     assert ".zip" not in origin and origin.endswith(os.path.join("pyspark", "__init__.py"))
     assert zips == []

@@ -25,7 +25,7 @@ from flytekit.types.file import FlyteFile
 from flytekit.types.structured import StructuredDataset
 from flytekitplugins.spark import Spark
 
-from flyte_hvd.spark.shipping import ship_package
+from flyte_hvd.spark import ship_package
 from workflows import rossmann_steps as steps
 from workflows.rossmann_steps import (
     DEFAULT_HP,

@@ -29,7 +29,7 @@ from flyte.io import DataFrame, Dir, File
 from flyteplugins.spark import Spark
 
 from flyte_hvd.flyte2 import HorovodSpark
-from flyte_hvd.spark.shipping import ship_package
+from flyte_hvd.spark import ship_package
 from workflows import rossmann_steps as steps
 from workflows.rossmann_steps import (
     DEFAULT_HP,
@@ -291,7 +291,7 @@ def _local_session(num_proc: int) -> Iterator[None]:
     cluster each Spark task has its own SparkApplication."""
     from pyspark.sql import SparkSession
 
-    from flyte_hvd.spark.flyte_task import start_local_session
+    from flyte_hvd.stage.flyte_task import start_local_session
 
     if _on_cluster() or SparkSession.getActiveSession() is not None:
         yield

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from flyte_hvd.spark.dispatch import (
+from flyte_hvd.stage.dispatch import (
     active_session,
     check_slots,
     default_parallelism,
@@ -86,12 +86,12 @@ class SparkBackend:
         return self._num_proc
 
     def check_slots(self) -> None:
-        """The cluster has a task slot per rank (``flyte_hvd.spark.dispatch.check_slots``)."""
+        """The cluster has a task slot per rank (``flyte_hvd.stage.dispatch.check_slots``)."""
         check_slots(self.num_processes(), self._kwargs.get("start_timeout"))
 
     def start_spares(self) -> None:
         """Rank processes import the framework while ``prepare_data`` runs (classic
-        sessions; see ``flyte_hvd.spark.rdd_stage.start_spares``)."""
+        sessions; see ``flyte_hvd.stage.rdd_stage.start_spares``)."""
         start_spares(self.num_processes(), self._env, self.preload)
 
     def run(

@@ -32,7 +32,7 @@ from flyte_hvd.estimators.params import (
     with_params,
 )
 from flyte_hvd.estimators.persistence import PARAMS_FILE, Archived
-from flyte_hvd.spark.dispatch import default_parallelism, estimated_bytes, is_connect_session
+from flyte_hvd.stage.dispatch import default_parallelism, estimated_bytes, is_connect_session
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from flyte_hvd.data.dataset import DatasetMetadata
     from flyte_hvd.data.store import RemoteStore
     from flyte_hvd.estimators.training import TrainingSpec
-    from flyte_hvd.spark.dispatch import AnySparkSession
+    from flyte_hvd.stage.dispatch import AnySparkSession
 
 # The prepared dataset's metadata: the train split's, and the validation split's (or None).
 Metadata = tuple["DatasetMetadata", "DatasetMetadata | None"]

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from flytekit.models.core.identifier import Identifier, WorkflowExecutionIdentifier
 
 from flyte_hvd.estimators import tracking
-from flyte_hvd.spark.flyte_task import output_error, split_outputs
+from flyte_hvd.stage.flyte_task import output_error, split_outputs
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ Kubernetes it becomes a SparkApplication (the Spark operator reads ``get_custom`
 driver starts ``num_proc`` ranks in one Spark barrier stage (``flyte_hvd.spark.run``), each
 rank calls ``flyte_hvd.core.init()`` and then the body, and the task's outputs are rank 0's
 return values. This module is the driver half; ``rank.py`` turns rank 0's value into the
-outputs, and ``flyte_hvd.spark.flyte_task`` holds what the flytekit and Flyte 2 plugins share.
+outputs, and ``flyte_hvd.stage.flyte_task`` holds what the flytekit and Flyte 2 plugins share.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from flyte_hvd.estimators import report, tracking
 from flyte_hvd.estimators.tracking import MlflowConfig
 from flyte_hvd.flyte.rank import RankSpec, literal_map_from_bytes
 from flyte_hvd.launch import failures
-from flyte_hvd.spark.flyte_task import (
+from flyte_hvd.stage.flyte_task import (
     BarrierTaskConfig,
     BodyResult,
     connect_session,
@@ -44,7 +44,7 @@ class HorovodSpark(BarrierTaskConfig):
     ``@task(task_config=HorovodSpark(num_proc=2))``.
 
     The fields, the Spark settings derived from them and their checks are
-    ``flyte_hvd.spark.flyte_task.BarrierTaskConfig``'s; ``driver_pod`` and ``executor_pod``
+    ``flyte_hvd.stage.flyte_task.BarrierTaskConfig``'s; ``driver_pod`` and ``executor_pod``
     are ``flytekit.PodTemplate``s, as in ``flytekitplugins.spark.Spark``.
 
     With ``mlflow`` the task is an MLflow run: the driver opens it before any rank starts
@@ -118,7 +118,7 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
 
     def execute(self, **kwargs: UserValue) -> LiteralMap:  # the task's inputs
         """Run the body on every rank and return rank 0's outputs as Flyte literals."""
-        from flyte_hvd.spark.pipeline import logged_interrupt
+        from flyte_hvd.stage.pipeline import logged_interrupt
 
         ctx = FlyteContextManager.current_context()
         config = self.task_config

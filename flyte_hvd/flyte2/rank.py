@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from flyte_hvd.core.types import UserValue
-from flyte_hvd.spark.flyte_task import output_error, split_outputs
+from flyte_hvd.stage.flyte_task import output_error, split_outputs
 
 if TYPE_CHECKING:
     from flyte.extend import AsyncFunctionTaskTemplate

@@ -5,7 +5,7 @@
 with the barrier stage's settings), so Flyte 2's backend runs it with its Spark plugin. Its
 body does not run on the Spark driver: the driver starts ``num_proc`` ranks in one Spark
 barrier stage, each rank calls ``flyte_hvd.core.init()`` and then the body, and the task's
-outputs are rank 0's return values. ``flyte_hvd.spark.flyte_task`` holds what this plugin
+outputs are rank 0's return values. ``flyte_hvd.stage.flyte_task`` holds what this plugin
 shares with the flytekit one (``flyte_hvd.flyte``); ``rank.py`` is Flyte 2's rank half.
 """
 
@@ -32,7 +32,7 @@ except ImportError as error:  # pragma: no cover - depends on the install
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.flyte2.rank import RankSpec, outputs_from_bytes
 from flyte_hvd.launch import failures
-from flyte_hvd.spark import flyte_task
+from flyte_hvd.stage import flyte_task
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class HorovodSpark(flyte_task.BarrierTaskConfig):
     ``flyte.TaskEnvironment(name=..., plugin_config=HorovodSpark(num_proc=2))``.
 
     The fields, the Spark settings derived from them and their checks are
-    ``flyte_hvd.spark.flyte_task.BarrierTaskConfig``'s, the same as the flytekit
+    ``flyte_hvd.stage.flyte_task.BarrierTaskConfig``'s, the same as the flytekit
     ``flyte_hvd.flyte.HorovodSpark``; ``driver_pod`` and ``executor_pod`` are
     ``flyte.PodTemplate``s, as in ``flyteplugins.spark.Spark``.
 

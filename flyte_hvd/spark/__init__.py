@@ -1,17 +1,21 @@
-"""Run Horovod-style ranks inside Spark: ``run``, ``HorovodRunner``, ``get_available_devices``,
-and pyspark's ``TorchDistributor``, on a classic SparkSession or a Spark Connect one.
+"""Horovod's ``horovod.spark``: run Horovod-style ranks inside Spark (``run``,
+``HorovodRunner``, ``get_available_devices``, pyspark's ``TorchDistributor``) on a classic
+SparkSession or a Spark Connect one, and the Store and the estimators under the same names.
 
-pyspark is imported only when a function needs it.
+A facade on the top floor: the launch is ``flyte_hvd.stage``, the Store ``flyte_hvd.data``,
+the estimators ``flyte_hvd.estimators``. pyspark is imported only when a function needs it,
+and the Store and the estimators on first use.
 """
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from flyte_hvd.spark.dispatch import launch, run
-from flyte_hvd.spark.horovod_runner import HorovodRunner
-from flyte_hvd.spark.pipeline import RunReport
-from flyte_hvd.spark.rank_task import get_available_devices
-from flyte_hvd.spark.torch_distributor import TorchDistributor
+from flyte_hvd.stage.dispatch import launch, run
+from flyte_hvd.stage.horovod_runner import HorovodRunner
+from flyte_hvd.stage.pipeline import RunReport
+from flyte_hvd.stage.rank_task import get_available_devices
+from flyte_hvd.stage.shipping import ship_package
+from flyte_hvd.stage.torch_distributor import TorchDistributor
 
 __all__ = [
     "HorovodRunner",
@@ -20,11 +24,12 @@ __all__ = [
     "get_available_devices",
     "launch",
     "run",
+    "ship_package",
 ]
 
 # Horovod's `horovod.spark` also offers the Store and the estimators: the same names are
 # importable here, loaded on first use from the layers that define them (flyte_hvd.data,
-# flyte_hvd.estimators). The launcher itself imports neither.
+# flyte_hvd.estimators), so that `from flyte_hvd.spark import run` loads neither.
 _COMPAT_PACKAGES = ("flyte_hvd.data", "flyte_hvd.estimators")
 
 # The same names' real types, for type checkers (names they re-export).

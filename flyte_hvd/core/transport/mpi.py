@@ -151,10 +151,11 @@ class MpiTransport:
         self, arr: np.ndarray, fields: tuple, describe: Callable[[], str], name: str | None
     ) -> np.ndarray:
         """Every rank's rows of the C-contiguous ``arr`` (at least 1-D), in rank order."""
-        self.check_same(fields, describe)
+        rows = self._agree_rows(arr.shape[0], fields, describe)
         comm = self.comm
-        rows = np.empty(self.size, dtype=np.int64)
-        comm.Allgather(np.array([arr.shape[0]], dtype=np.int64), rows)
+        if rows is None:  # no agreement to carry them: the counts are exchanged
+            rows = np.empty(self.size, dtype=np.int64)
+            comm.Allgather(np.array([arr.shape[0]], dtype=np.int64), rows)
         out = pool.empty((int(rows.sum()), *arr.shape[1:]), arr.dtype)
         start = timeline.begin()
         dtype = mpi_type(arr.dtype)
@@ -167,6 +168,26 @@ class MpiTransport:
             comm.Allgatherv(arr, [out, counts, displacements(counts), dtype])
         timeline.end("allgather", name, out.nbytes, start)
         return out
+
+    def _agree_rows(
+        self, count: int, fields: tuple, describe: Callable[[], str]
+    ) -> np.ndarray | None:
+        """Every rank's row count, learnt in the agreement's round: the fingerprint carries
+        this rank's count, so when all agree (equal counts, the common case) nothing more
+        travels before the data; ragged counts cost the round that tells them apart from a
+        real mismatch. None where there is no agreement (size 1 or the check off)."""
+        if self.size == 1 or not state.checks_collectives():
+            return None
+        fp = agreement.fingerprint((*fields, count))
+        agreed = self.exchange((fp, -fp), describe)
+        if agreed == (fp, -fp):
+            return np.full(self.size, count, dtype=np.int64)
+        if agreed[1] > 0:  # ranks inside join(): raises on every rank
+            agreement.settle(self.comm, fp, agreed, describe, None)
+        entries = self.comm.allgather((agreement.fingerprint(fields), count))
+        if len({fingerprint for fingerprint, _ in entries}) > 1:
+            agreement.raise_mismatch(self.comm.allgather(describe()))
+        return np.array([rows for _, rows in entries], dtype=np.int64)
 
     def broadcast(
         self,

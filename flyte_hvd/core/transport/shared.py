@@ -146,19 +146,27 @@ class SharedMemoryTransport(MpiTransport):
     def allgather(
         self, arr: np.ndarray, fields: tuple, describe: Callable[[], str], name: str | None
     ) -> np.ndarray:
-        row_items = math.prod(arr.shape[1:])
-        if not row_items:  # rows of no bytes
-            return super().allgather(arr, fields, describe, name)
-        row_bytes = row_items * arr.itemsize
+        row_bytes = math.prod(arr.shape[1:]) * arr.itemsize
+        if row_bytes:
+            mine = arr.reshape(-1).view(np.uint8)
 
-        def allocate(lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
-            out = pool.empty((sum(lengths) // row_bytes, *arr.shape[1:]), arr.dtype)
-            return out, out.reshape(-1).view(np.uint8)
+            def allocate(lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+                out = pool.empty((sum(lengths) // row_bytes, *arr.shape[1:]), arr.dtype)
+                return out, out.reshape(-1).view(np.uint8)
+
+        else:  # rows of no bytes: their counts are what travels (every rank on this path)
+            mine = np.array([arr.shape[0]], dtype=np.int64).view(np.uint8)
+
+            def allocate(lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+                counts = np.empty(sum(lengths) // 8, dtype=np.int64)
+                return counts, counts.view(np.uint8)
 
         fp = agreement.fingerprint(fields) if state.checks_collectives() else 0
         start = timeline.begin()
-        got = self.channel.allgather(arr.reshape(-1).view(np.uint8), (fp, -fp), describe, allocate)
+        got = self.channel.allgather(mine, (fp, -fp), describe, allocate)
         if isinstance(got, np.ndarray):
+            if not row_bytes:
+                got = np.empty((int(got.sum()), *arr.shape[1:]), arr.dtype)
             timeline.end("allgather", name, got.nbytes, start)
             return got
         agreement.settle(self.comm, fp, got, describe, None)  # raises: a mismatch, or joined

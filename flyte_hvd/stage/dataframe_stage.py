@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, overload
 
 from flyte_hvd.core.log import get_logger
-from flyte_hvd.spark import pipeline, rank_task
+from flyte_hvd.stage import pipeline, rank_task
 
 if TYPE_CHECKING:
     import pyarrow as pa

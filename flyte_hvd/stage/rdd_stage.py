@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from flyte_hvd.core.log import get_logger
-from flyte_hvd.spark.pipeline import (
+from flyte_hvd.stage.pipeline import (
     expected_executors,
     first_line,
     is_local,
@@ -23,7 +23,7 @@ from flyte_hvd.spark.pipeline import (
     slots_message,
     stage_attempts,
 )
-from flyte_hvd.spark.rank_task import BarrierTask, task_rank_env
+from flyte_hvd.stage.rank_task import BarrierTask, task_rank_env
 
 if TYPE_CHECKING:
     from pyspark import SparkContext

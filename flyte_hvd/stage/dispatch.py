@@ -16,7 +16,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeAlias
 from flyte_hvd.core.log import get_logger, warn_once
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch.environment import driver_env
-from flyte_hvd.spark import dataframe_stage, pipeline, rdd_stage
+from flyte_hvd.stage import dataframe_stage, pipeline, rdd_stage
 
 if TYPE_CHECKING:
     import threading

@@ -21,7 +21,7 @@ from flyte_hvd.launch.environment import DRIVER_VERSION_ENV, version_mismatch
 if TYPE_CHECKING:
     from pyspark import TaskContext
 
-    from flyte_hvd.spark.driver_link import DriverLink, DriverServer
+    from flyte_hvd.stage.driver_link import DriverLink, DriverServer
 
 
 # A barrier task: given its partition (unused: the task knows its rank), it yields its rank's
@@ -70,7 +70,7 @@ def barrier_task(
 
         from flyte_hvd.launch.stall import ForwardWatch
         from flyte_hvd.launch.supervisor import RankSupervisor
-        from flyte_hvd.spark.driver_link import DriverLink
+        from flyte_hvd.stage.driver_link import DriverLink
 
         ctx = BarrierTaskContext.get()
         rank = ctx.partitionId()

@@ -21,7 +21,7 @@ from flyte_hvd.launch.environment import driver_env
 from flyte_hvd.launch.job import FunctionJob, ProgramJob
 from flyte_hvd.launch.supervisor import launch_local
 from flyte_hvd.launch.torch_env import NODE_PER_RANK_ENV
-from flyte_hvd.spark import dispatch
+from flyte_hvd.stage import dispatch
 
 logger = get_logger(__name__)
 

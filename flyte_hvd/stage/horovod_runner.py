@@ -8,7 +8,7 @@ from typing import Any
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch.job import FunctionJob
 from flyte_hvd.launch.supervisor import launch_local
-from flyte_hvd.spark.dispatch import active_session, run, task_slots
+from flyte_hvd.stage.dispatch import active_session, run, task_slots
 
 
 class HorovodRunner:

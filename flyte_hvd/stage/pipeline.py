@@ -48,10 +48,10 @@ from flyte_hvd.launch.supervisor import (
     new_secret,
     start_timeout_from_env,
 )
-from flyte_hvd.spark import rank_task
+from flyte_hvd.stage import rank_task
 
 if TYPE_CHECKING:
-    from flyte_hvd.spark.driver_link import DriverServer
+    from flyte_hvd.stage.driver_link import DriverServer
 
 logger = get_logger(__name__)
 
@@ -417,7 +417,7 @@ def _check_max_result_bytes(value: object) -> int:
 
 def launch(spec: LaunchSpec, backend: StageBackend) -> RunReport:
     """Runs ``spec`` on ``backend``'s cluster: one barrier stage, one rank per task."""
-    from flyte_hvd.spark.driver_link import DriverServer
+    from flyte_hvd.stage.driver_link import DriverServer
 
     num_proc = spec.num_proc
     rank_env = ranks_env(backend.master, num_proc, spec.env)

@@ -64,7 +64,7 @@ GPU_EXECUTOR_CONF = {
 # puts first on their path, which cost 0.11 s of CPU per task (see `worker_daemon`).
 PYTHON_WORKER_CONF = {
     "spark.python.unix.domain.socket.enabled": "true",
-    "spark.python.daemon.module": "flyte_hvd.spark.worker_daemon",
+    "spark.python.daemon.module": "flyte_hvd.stage.worker_daemon",
 }
 
 
@@ -335,7 +335,7 @@ def launch_body(
 ) -> BodyResult:
     """Run ``fn(**kwargs)`` on ``config.num_proc`` ranks of the active session. ``session``,
     a Spark Connect session the task made active, stops being the active one afterwards."""
-    from flyte_hvd.spark.dispatch import run
+    from flyte_hvd.stage.dispatch import run
 
     try:
         payload = pickle_body(task_name, fn, kwargs, spec)

@@ -218,6 +218,22 @@ def test_local_session_has_a_task_slot_per_rank_and_no_gpu_settings():
     )
 
 
+def test_a_local_session_is_quiet_unless_the_caller_says_otherwise(monkeypatch):
+    options = HorovodSpark(2).local_spark_conf["spark.driver.extraJavaOptions"]
+    path = options.removeprefix("-Dlog4j2.configurationFile=file:")
+    with open(path) as f:
+        assert "rootLogger" in f.read()
+    own = {"spark.driver.extraJavaOptions": "-Dmine=1"}
+    assert (
+        HorovodSpark(2, spark_conf=own).local_spark_conf["spark.driver.extraJavaOptions"]
+        == "-Dmine=1"
+    )
+    monkeypatch.setenv("FLYTE_HVD_SPARK_LOG", "warn")
+    assert "spark.driver.extraJavaOptions" not in HorovodSpark(2).local_spark_conf
+    # Not in what a cluster's SparkApplication gets: its JVM does not see this machine's file.
+    assert "spark.driver.extraJavaOptions" not in HorovodSpark(2).effective_spark_conf
+
+
 def test_config_is_frozen_and_replace_derives_again():
     config = HorovodSpark(num_proc=2, spark_conf={"spark.executor.memory": "2g"})
     with pytest.raises(AttributeError):

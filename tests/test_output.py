@@ -24,6 +24,8 @@ from flyte_hvd.launch.output import (
     OutputLog,
     RankOutput,
     Spool,
+    copy_without_notices,
+    import_notices_dropped,
     render,
 )
 
@@ -227,6 +229,47 @@ def test_tensorflows_import_notices_stay_in_the_log_and_off_the_console():
     assert shown == [line.decode() for line in kept]
     assert logged_lines(path, 1, "stderr") == notices + kept
     os.remove(path)
+
+
+_NOTICES = [
+    b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    b"I0000 00:00:1795869725.453596   32408 port.cc:153] oneDNN custom operations are on. "
+    b"You may see slightly different numerical results due to floating-point round-off.",
+]
+
+
+def test_copying_a_stream_drops_the_notices_and_keeps_every_other_byte():
+    read_end, write_end = os.pipe()
+    out_read, out_write = os.pipe()
+    kept = b"first\n\xff not utf-8\nmy oneDNN custom operations are on. (quoted)\n" + b"x" * 70000
+    os.write(write_end, _NOTICES[0] + b"\nfirst\n\xff not utf-8\n" + _NOTICES[1] + b"\n")
+    writer = threading.Thread(
+        target=lambda: (
+            os.write(write_end, b"my oneDNN custom operations are on. (quoted)\n" + b"x" * 70000),
+            os.close(write_end),
+        )
+    )
+    writer.start()
+    copier = threading.Thread(target=copy_without_notices, args=(read_end, out_write))
+    got: list[bytes] = []
+    reader = threading.Thread(
+        target=lambda: got.extend(iter(lambda: os.read(out_read, 1 << 16), b""))
+    )
+    for thread in (copier, reader):
+        thread.start()
+    copier.join(10)
+    writer.join(10)
+    os.close(out_write)
+    reader.join(10)
+    assert not copier.is_alive() and not reader.is_alive()
+    assert b"".join(got) == kept  # the last line has no newline: passed on as it is
+
+
+def test_an_import_inside_the_block_prints_no_notices_and_the_rest_reaches_stderr(capfd):
+    with import_notices_dropped():
+        os.write(2, _NOTICES[0] + b"\n" + b"a line of the import\n" + _NOTICES[1] + b"\n")
+    os.write(2, b"after\n")
+    assert capfd.readouterr().err == "a line of the import\nafter\n"
 
 
 # -- every launch path -------------------------------------------------------------------------

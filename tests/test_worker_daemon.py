@@ -4,6 +4,8 @@ not from the archives Spark puts first on the workers' path."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -51,3 +53,59 @@ def test_workers_import_pyspark_from_its_package(spark_local2):
     assert "-m flyte_hvd.stage.worker_daemon" in daemon, daemon
     assert ".zip" not in origin and origin.endswith(os.path.join("pyspark", "__init__.py"))
     assert zips == []
+
+
+def test_the_daemons_workers_print_no_tensorflow_import_notices():
+    # The daemon's filter, then a forked worker: what both write to stderr, less the notices.
+    program = (
+        "import os, time\n"
+        "from flyte_hvd.stage.worker_daemon import filter_stderr\n"
+        "filter_stderr()\n"
+        "notice = b'WARNING: All log messages before absl::InitializeLog() is called are "
+        "written to STDERR\\n'\n"
+        "os.write(2, notice + b'daemon\\n')\n"
+        "if os.fork() == 0:\n"
+        "    os.write(2, notice + b'worker\\n')\n"
+        "    os._exit(0)\n"
+        "os.wait()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, timeout=60, env=_env()
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == b"daemon\nworker\n"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "FLYTE_HVD_SPARK_LOG"}
+    return {**env, **extra}
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("setting", ["error", "warn"])
+def test_a_local_session_logs_errors_only_unless_asked(setting):
+    from flyte_hvd.stage.flyte_task import BarrierTaskConfig
+
+    conf = BarrierTaskConfig(1).local_spark_conf if setting == "error" else {}
+    program = (
+        "import sys\n"
+        "from pyspark.sql import SparkSession\n"
+        "b = SparkSession.builder.master('local[1]')\n"
+        f"for k, v in {conf!r}.items():\n"
+        "    b = b.config(k, v)\n"
+        "s = b.getOrCreate()\n"
+        "s.sparkContext._jvm.org.apache.log4j.LogManager.getLogger('flyte-hvd-test')"
+        ".warn('a warning')\n"
+        "s.range(3).count()\n"
+        "s.stop()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=_env(FLYTE_HVD_SPARK_LOG=setting),
+    )
+    assert done.returncode == 0, done.stderr
+    quiet = "Setting default log level" not in done.stderr and "a warning" not in done.stderr
+    assert quiet == (setting == "error"), done.stderr

@@ -11,11 +11,14 @@ import os
 import sys
 import tempfile
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 from dataclasses_json import dataclass_json
+
+from flyte_hvd.spark import quiet_local_conf
 
 # Every module the tasks import, loaded with this one: `pyflyte run --remote` (`--copy auto`)
 # ships only the workflow's modules loaded when its file is imported, and the tasks, Spark's
@@ -68,6 +71,12 @@ def use_local_spark() -> None:
     # A local master runs the executors in the driver's JVM: it gets the memory of both.
     os.environ.setdefault("SPARK_DRIVER_MEMORY", LOCAL_DRIVER_MEMORY)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    SPARK_CONF.update(quiet_local_conf())  # the console: Spark's errors, no import notices
+    # pyspark 4.x warns that it does not fully support pandas 3 at every conversion; this
+    # pipeline's conversions are tested on pandas 3 (lock/), so the notice says nothing here.
+    warnings.filterwarnings(
+        "ignore", "PySpark does not yet fully support pandas >= 3", FutureWarning
+    )
     if os.environ.get("SPARK_DRIVER_BIND_ADDRESS"):
         SPARK_CONF["spark.driver.bindAddress"] = os.environ["SPARK_DRIVER_BIND_ADDRESS"]
 

@@ -22,8 +22,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 import cloudpickle
 import numpy as np
 
+from flyte_hvd.launch.output import import_notices_dropped
+
 try:
-    import keras
+    with import_notices_dropped():  # TensorFlow's C++ notices, kept out as the ranks' are
+        import keras
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "KerasEstimator needs TensorFlow and Keras 3: install the extra "

@@ -19,11 +19,12 @@ import os
 import re
 import shutil
 import struct
+import sys
 import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, BinaryIO
 
 PIECE_BYTES = 1 << 20  # a line longer than this is shown (and logged) in pieces
@@ -37,6 +38,55 @@ IMPORT_NOTICES = re.compile(
     rb"|I\d{4} [\d:.]+ +\d+ port\.cc:\d+\] oneDNN custom operations are on\. "
 )
 STREAMS = ("stdout", "stderr")
+_PENDING_BYTES = 1 << 20  # a line longer than this is passed on in pieces
+
+
+def copy_without_notices(source: int, target: int) -> None:
+    """Copy the bytes read from the file descriptor ``source`` to ``target`` until the end of
+    the file, less the lines ``IMPORT_NOTICES`` matches (the stderr of Spark's Python workers:
+    ``flyte_hvd.stage.worker_daemon``)."""
+    pending = b""
+    while data := os.read(source, 65536):
+        *lines, pending = (pending + data).split(b"\n")
+        kept = b"".join(line + b"\n" for line in lines if not IMPORT_NOTICES.match(line))
+        if len(pending) > _PENDING_BYTES:
+            kept, pending = kept + pending, b""
+        _write_all(target, kept)
+    if not IMPORT_NOTICES.match(pending):
+        _write_all(target, pending)
+
+
+@contextlib.contextmanager
+def import_notices_dropped() -> Iterator[None]:
+    """Within the block this process's stderr (file descriptor 2) passes through
+    ``copy_without_notices``: around an import of TensorFlow, whose C++ libraries print the
+    ``IMPORT_NOTICES`` that ``TF_CPP_MIN_LOG_LEVEL`` does not reach."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to filter
+        yield
+        return
+    read_end, write_end = os.pipe()
+    sys.stderr.flush()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    copier = threading.Thread(target=copy_without_notices, args=(read_end, saved), daemon=True)
+    copier.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last write end closes: the copier reads to its end
+        copier.join(timeout=5.0)
+        os.close(read_end)
+        os.close(saved)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
 
 OutputSink = Callable[[int, str, str], None]
 """``sink(rank, stream, line)``: where a rank's display lines go (``stream`` is stdout/stderr)."""

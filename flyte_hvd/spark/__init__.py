@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from flyte_hvd.stage.dispatch import launch, run
+from flyte_hvd.stage.flyte_task import quiet_local_conf
 from flyte_hvd.stage.horovod_runner import HorovodRunner
 from flyte_hvd.stage.pipeline import RunReport
 from flyte_hvd.stage.rank_task import get_available_devices
@@ -23,6 +24,7 @@ __all__ = [
     "TorchDistributor",
     "get_available_devices",
     "launch",
+    "quiet_local_conf",
     "run",
     "ship_package",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import importlib.resources
 import inspect
 import os
 import reprlib
@@ -31,6 +32,7 @@ from flyte_hvd.core.checks import require_int
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch import progress
 from flyte_hvd.launch.supervisor import check_start_timeout
+from flyte_hvd.stage import worker_daemon
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -66,6 +68,25 @@ PYTHON_WORKER_CONF = {
     "spark.python.unix.domain.socket.enabled": "true",
     "spark.python.daemon.module": "flyte_hvd.stage.worker_daemon",
 }
+
+SPARK_LOG_ENV = worker_daemon.SPARK_LOG_ENV  # "warn" (any value but "error"): Spark as it is
+
+
+def quiet_local_conf() -> dict[str, str]:
+    """Settings that keep the console of a local session (one whose JVM starts here) to what
+    matters: Spark's own log at errors (``log4j2-quiet.properties``, in this package: Spark's
+    default WARN prints a start-up banner, truncated plans and task-size advice around every
+    run), and Spark's Python workers started by ``worker_daemon``, which keeps TensorFlow's
+    import notices out of their stderr. Not for a cluster's sessions, whose JVMs do not see
+    this file. ``FLYTE_HVD_SPARK_LOG=warn`` keeps Spark's default; a
+    ``spark.driver.extraJavaOptions`` of the caller's replaces it."""
+    if os.environ.get(SPARK_LOG_ENV, "error").strip().lower() != "error":
+        return {}
+    path = importlib.resources.files("flyte_hvd.stage") / "log4j2-quiet.properties"
+    return {
+        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{path}",
+        **PYTHON_WORKER_CONF,
+    }
 
 
 @dataclass(frozen=True)
@@ -193,8 +214,9 @@ class BarrierTaskConfig:
     @property
     def local_spark_conf(self) -> dict[str, str]:
         """Settings for a local SparkSession: GPU settings only where ``spark_conf`` names
-        them, and a ``local[N]`` master with a task slot per rank unless it names one."""
-        conf = self._overlay(self.derived_spark_conf(gpus=False))
+        them, a ``local[N]`` master with a task slot per rank unless it names one, and Spark's
+        console at errors (``quiet_local_conf``)."""
+        conf = self._overlay({**self.derived_spark_conf(gpus=False), **quiet_local_conf()})
         task_cpus = int(conf["spark.task.cpus"])
         conf.setdefault("spark.master", f"local[{self.num_proc * task_cpus}]")
         return conf

@@ -11,6 +11,12 @@ it (measured: 0.11 s of CPU per task on 2 cores, a fifth of the Python side of a
 off ``sys.path``, then runs PySpark's own daemon. Where pyspark is not installed beside them
 (a Spark distribution's ``$SPARK_HOME``), nothing changes.
 
+The workers it forks write to its stderr, which the executor copies to its log (locally: the
+console). TensorFlow's C++ libraries print notices there when a worker imports them (a Keras
+model's ``transform``) that ``TF_CPP_MIN_LOG_LEVEL`` does not reach; a filter process between
+the workers and that stderr drops those lines (``launch.output.IMPORT_NOTICES``) and passes the
+rest, as the ranks' output is passed (``FLYTE_HVD_SPARK_LOG=warn`` keeps them).
+
 Spark starts it for ``spark.python.daemon.module`` (see ``flyte_hvd.flyte.task``). Before
 PySpark it imports only this package's launcher modules (no pyspark, no threads started:
 PySpark's daemon forks its workers), which the workers' tasks then find already loaded.
@@ -20,7 +26,11 @@ from __future__ import annotations
 
 import importlib.machinery
 import os
+import subprocess
 import sys
+
+SPARK_LOG_ENV = "FLYTE_HVD_SPARK_LOG"
+_FILTER = "from flyte_hvd.launch.output import copy_without_notices; copy_without_notices(0, 2)"
 
 
 def installed_pyspark(path: list[str]) -> str | None:
@@ -40,7 +50,19 @@ def bundled_archives(path: list[str]) -> list[str]:
     return [p for p in path if os.path.isfile(p) and os.path.realpath(p).startswith(home + os.sep)]
 
 
+def filter_stderr() -> None:
+    """From now on, this process's stderr (and that of the processes it forks) goes through a
+    filter process that drops TensorFlow's import notices on its way to the stderr it had."""
+    read_end, write_end = os.pipe()
+    subprocess.Popen([sys.executable, "-c", _FILTER], stdin=read_end, stdout=subprocess.DEVNULL)
+    os.close(read_end)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+
 def main() -> None:
+    if os.environ.get(SPARK_LOG_ENV, "error").strip().lower() == "error":
+        filter_stderr()
     archives = bundled_archives(sys.path)
     for entry in archives:
         sys.path.remove(entry)

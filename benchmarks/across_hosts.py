@@ -103,6 +103,26 @@ def launch(kind: str, side: str, sizes: list[int]) -> dict[int, float]:
     return {int(k): v for k, v in out.items()}
 
 
+def mermaid_chart(rows: list[dict]) -> str:
+    """The ratios as a Mermaid chart for the performance page: one bar per kind and size
+    (ours with the check, raw's time over ours), and raw's level (1.0) as a line."""
+    labels = [f"{r['kind']} {size_label(r['bytes'])}" for r in rows]
+    ratios = [r["ratio_vs_raw"] for r in rows]
+    top = max(1.2, round(max(ratios) + 0.1, 1))
+    return "\n".join(
+        [
+            "```mermaid",
+            "xychart-beta",
+            '    title "Across hosts: raw MPICH time / ours (above 1: ours faster)"',
+            f"    x-axis [{', '.join(repr(label) for label in labels)}]".replace("'", '"'),
+            f'    y-axis "ratio" 0 --> {top}',
+            f"    bar {ratios}",
+            f"    line {[1.0] * len(rows)}",
+            "```",
+        ]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="two sizes, two rounds")
@@ -154,6 +174,7 @@ def main() -> None:
                 f"{row['ratio_vs_raw']:6.2f} {row['unchecked_ratio_vs_raw']:9.2f}"
             )
     print("ratio: raw's time over ours (above 1: ours is faster); agreement = ours - unchecked")
+    print(mermaid_chart(rows))  # for docs/performance.md
     summary = {
         "benchmark": "across_hosts",
         "hosts": 2,

@@ -23,7 +23,12 @@ from flytekitplugins.spark import Spark
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.flyte import HorovodSpark, HorovodSparkFunctionTask
 from flyte_hvd.flyte.rank import RankSpec, _to_literal_map
-from flyte_hvd.stage.flyte_task import GPU_EXECUTOR_CONF, PYTHON_WORKER_CONF, pickle_body
+from flyte_hvd.stage.flyte_task import (
+    GPU_EXECUTOR_CONF,
+    PYTHON_WORKER_CONF,
+    pickle_body,
+    quiet_local_conf,
+)
 
 from test_output import assert_shown, printer
 
@@ -230,6 +235,9 @@ def test_a_local_session_is_quiet_unless_the_caller_says_otherwise(monkeypatch):
     )
     monkeypatch.setenv("FLYTE_HVD_SPARK_LOG", "warn")
     assert "spark.driver.extraJavaOptions" not in HorovodSpark(2).local_spark_conf
+    monkeypatch.setenv("FLYTE_HVD_SPARK_LOG", "quiet")
+    with pytest.raises(ValueError, match="FLYTE_HVD_SPARK_LOG='quiet': expected 'error'"):
+        quiet_local_conf()
     # Not in what a cluster's SparkApplication gets: its JVM does not see this machine's file.
     assert "spark.driver.extraJavaOptions" not in HorovodSpark(2).effective_spark_conf
 

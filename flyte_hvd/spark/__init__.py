@@ -10,13 +10,16 @@ and the Store and the estimators on first use.
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from flyte_hvd.stage.dispatch import launch, run
+from flyte_hvd.stage import (
+    HorovodRunner,
+    RunReport,
+    TorchDistributor,
+    get_available_devices,
+    launch,
+    run,
+)
 from flyte_hvd.stage.flyte_task import quiet_local_conf
-from flyte_hvd.stage.horovod_runner import HorovodRunner
-from flyte_hvd.stage.pipeline import RunReport
-from flyte_hvd.stage.rank_task import get_available_devices
 from flyte_hvd.stage.shipping import ship_package
-from flyte_hvd.stage.torch_distributor import TorchDistributor
 
 __all__ = [
     "HorovodRunner",

@@ -80,7 +80,13 @@ def quiet_local_conf() -> dict[str, str]:
     import notices out of their stderr. Not for a cluster's sessions, whose JVMs do not see
     this file. ``FLYTE_HVD_SPARK_LOG=warn`` keeps Spark's default; a
     ``spark.driver.extraJavaOptions`` of the caller's replaces it."""
-    if os.environ.get(SPARK_LOG_ENV, "error").strip().lower() != "error":
+    setting = os.environ.get(SPARK_LOG_ENV, "").strip().lower() or "error"
+    if setting not in ("error", "warn"):
+        raise ValueError(
+            f"{SPARK_LOG_ENV}={os.environ[SPARK_LOG_ENV]!r}: expected 'error' (the default: "
+            f"Spark's errors only on a local session's console) or 'warn' (Spark's own default)."
+        )
+    if setting == "warn":
         return {}
     path = importlib.resources.files("flyte_hvd.stage") / "log4j2-quiet.properties"
     return {

@@ -68,6 +68,7 @@ def test_the_daemons_workers_print_no_tensorflow_import_notices():
         "    os.write(2, notice + b'worker\\n')\n"
         "    os._exit(0)\n"
         "os.wait()\n"
+        "time.sleep(1)  # a daemon outlives its workers' writes; the filter ends with it\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", program], capture_output=True, timeout=60, env=_env()
@@ -109,3 +110,27 @@ def test_a_local_session_logs_errors_only_unless_asked(setting):
     assert done.returncode == 0, done.stderr
     quiet = "Setting default log level" not in done.stderr and "a warning" not in done.stderr
     assert quiet == (setting == "error"), done.stderr
+
+
+def test_the_filter_ends_with_its_daemon_and_drops_what_orphaned_workers_write_later():
+    # Spark's shutdown ends the daemon first; its workers' tracebacks come after, and went
+    # nowhere before there was a filter (the daemon's stderr was gone): so they still do.
+    program = (
+        "import os, time\n"
+        "from flyte_hvd.stage.worker_daemon import filter_stderr\n"
+        "filter_stderr()\n"
+        "if os.fork() == 0:\n"
+        "    time.sleep(1.5)\n"
+        "    try:\n"
+        "        os.write(2, b'late\\n')\n"
+        "    except BrokenPipeError:\n"
+        "        pass\n"
+        "    os._exit(0)\n"
+        "os.write(2, b'daemon\\n')\n"
+        "time.sleep(0.5)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, timeout=60, env=_env()
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == b"daemon\n"

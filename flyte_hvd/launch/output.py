@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import select
 import shutil
 import struct
 import sys
@@ -41,12 +42,23 @@ STREAMS = ("stdout", "stderr")
 _PENDING_BYTES = 1 << 20  # a line longer than this is passed on in pieces
 
 
-def copy_without_notices(source: int, target: int) -> None:
+def copy_without_notices(source: int, target: int, parent: int | None = None) -> None:
     """Copy the bytes read from the file descriptor ``source`` to ``target`` until the end of
     the file, less the lines ``IMPORT_NOTICES`` matches (the stderr of Spark's Python workers:
-    ``flyte_hvd.stage.worker_daemon``)."""
+    ``flyte_hvd.stage.worker_daemon``). With ``parent``, stop as soon as that process (the
+    daemon this copy serves) has ended: what its orphaned workers write then is dropped, as it
+    was when they wrote straight to the daemon's stderr."""
     pending = b""
-    while data := os.read(source, 65536):
+    while True:
+        if parent is not None:
+            while not select.select([source], [], [], 0.2)[0]:
+                if os.getppid() != parent:
+                    return
+            if os.getppid() != parent:
+                return
+        data = os.read(source, 65536)
+        if not data:
+            break
         *lines, pending = (pending + data).split(b"\n")
         kept = b"".join(line + b"\n" for line in lines if not IMPORT_NOTICES.match(line))
         if len(pending) > _PENDING_BYTES:

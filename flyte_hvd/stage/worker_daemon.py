@@ -30,7 +30,10 @@ import subprocess
 import sys
 
 SPARK_LOG_ENV = "FLYTE_HVD_SPARK_LOG"
-_FILTER = "from flyte_hvd.launch.output import copy_without_notices; copy_without_notices(0, 2)"
+_FILTER = (
+    "import sys; from flyte_hvd.launch.output import copy_without_notices; "
+    "copy_without_notices(0, 2, int(sys.argv[1]))"
+)
 
 
 def installed_pyspark(path: list[str]) -> str | None:
@@ -54,7 +57,13 @@ def filter_stderr() -> None:
     """From now on, this process's stderr (and that of the processes it forks) goes through a
     filter process that drops TensorFlow's import notices on its way to the stderr it had."""
     read_end, write_end = os.pipe()
-    subprocess.Popen([sys.executable, "-c", _FILTER], stdin=read_end, stdout=subprocess.DEVNULL)
+    # It ends with this process: the orphaned workers' last words (tracebacks of sockets
+    # closed by Spark's shutdown) go nowhere, as they did without the filter.
+    subprocess.Popen(
+        [sys.executable, "-c", _FILTER, str(os.getpid())],
+        stdin=read_end,
+        stdout=subprocess.DEVNULL,
+    )
     os.close(read_end)
     os.dup2(write_end, 2)
     os.close(write_end)

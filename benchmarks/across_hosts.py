@@ -1,6 +1,6 @@
 """Where the time goes between hosts: ours against raw MPICH, one rank per host.
 
-    python -m benchmarks.across_hosts [--quick] [--rounds N]
+    python -m benchmarks.across_hosts [--quick] [--rounds N] [--kinds allreduce,allgather,broadcast]
 
 How Kubernetes runs us: every executor pod is a host of its own, so each rank is alone on its
 host and every collective crosses the network. Two ranks, each on a simulated host (its own
@@ -127,6 +127,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="two sizes, two rounds")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="launches per side")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="e.g. broadcast,allgather")
     parser.add_argument("--rank", nargs=2, help=argparse.SUPPRESS)  # KIND SIDE, on each rank
     parser.add_argument("--sizes", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -144,8 +145,11 @@ def main() -> None:
         return
     sizes = QUICK_SIZES if args.quick else SIZES
     rounds = 2 if args.quick else args.rounds
+    kinds = [k for k in KINDS if k in args.kinds.split(",")]
+    if not kinds:
+        parser.error(f"--kinds {args.kinds!r} names none of {', '.join(KINDS)}")
     runs: dict[tuple[str, str], list[dict[int, float]]] = {}
-    for kind in KINDS:
+    for kind in kinds:
         for _ in range(rounds):
             for side in SIDES:  # alternating: the machine's load drifts within a minute
                 runs.setdefault((kind, side), []).append(launch(kind, side, sizes))
@@ -155,7 +159,7 @@ def main() -> None:
         f"{'kind':>10} {'size':>7} {'raw us':>9} {'ours us':>9} {'unchecked':>9} "
         f"{'agreement':>9} {'rest':>8} {'ratio':>6} {'unchecked':>9}"
     )
-    for kind in KINDS:
+    for kind in kinds:
         for nbytes in sizes:
             t = {s: statistics.median(run[nbytes] for run in runs[(kind, s)]) for s in SIDES}
             row = {
@@ -183,7 +187,7 @@ def main() -> None:
         "rows": rows,
         **{
             f"{kind}_min_ratio": min(r["ratio_vs_raw"] for r in rows if r["kind"] == kind)
-            for kind in KINDS
+            for kind in kinds
         },
     }
     print(json.dumps(summary))

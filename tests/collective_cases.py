@@ -226,6 +226,18 @@ def long_gathers_and_broadcasts():
         got = hvd.allreduce(np.full(700_000, float(r)), op=hvd.Max)
         np.testing.assert_array_equal(got, np.full(700_000, n - 1.0))
     assert hvd.broadcast(np.zeros((0, 3)), root_rank=0).shape == (0, 3)
+    # Long broadcasts from the caller's own array: the root's output is a copy of it (made
+    # while it is sent), a strided array is made contiguous once, async calls send their copy.
+    mine = np.full(600_000, float(r))
+    out = hvd.broadcast(mine, root_rank=0)
+    mine[:] = -1.0
+    np.testing.assert_array_equal(out, np.zeros(600_000))
+    base = np.arange(2_200_000, dtype=np.float64).reshape(-1, 2) * (r == n - 1)
+    out = hvd.broadcast(base[:, 0], root_rank=n - 1)
+    np.testing.assert_array_equal(out, np.arange(0, 2_200_000, 2, dtype=np.float64))
+    assert not np.shares_memory(out, base)
+    handle = hvd.broadcast_async(np.full(600_000, float(r)), root_rank=n - 1)
+    np.testing.assert_array_equal(hvd.synchronize(handle), np.full(600_000, n - 1.0))
     if n > 1:  # a mismatch on the long path raises on every rank, and the next call works
         try:
             hvd.broadcast(np.ones(2_000_000 + r), root_rank=0)

@@ -378,19 +378,30 @@ def check_root(root_rank: object, what: str) -> int:
 
 
 def broadcast_on(
-    comm: MPI.Comm, array: ArrayLike, root: int, name: str | None = None
+    comm: MPI.Comm, array: ArrayLike, root: int, name: str | None = None, owned: bool = False
 ) -> np.ndarray:
-    """``broadcast`` on the given communicator (``root`` is a rank of ``comm``)."""
-    arr = _as_array(array, "broadcast", _SUPPORTED_KINDS + "b")  # a copy: booleans too
-    out = pool.empty(arr.shape, arr.dtype)
-    if comm.Get_rank() == root:
-        out[...] = arr
+    """``broadcast`` on the given communicator (``root`` is a rank of ``comm``). ``owned``:
+    ``array`` is the caller's own C-contiguous copy (the async calls make one), sent from and
+    received into with no other buffer."""
+    arr = _as_array(array, "broadcast", _SUPPORTED_KINDS + "b")  # booleans too
+    at_root = comm.Get_rank() == root
+    source = None
+    if owned and arr.flags.c_contiguous and arr.flags.writeable:
+        out = arr
+    elif at_root and not arr.flags.c_contiguous:
+        out = np.ascontiguousarray(arr)  # a copy already: it is the output
+    else:
+        out = pool.empty(arr.shape, arr.dtype)
+        # The root's values reach `out` as the transport sees fit: over MPI, copied while
+        # they are sent from `arr` itself.
+        source = arr if at_root else None
     transport.of(comm).broadcast(
         out,
         root,
         (4, arr.dtype.num, arr.shape, root),
         lambda: f"broadcast(dtype={arr.dtype}, shape={arr.shape}, root_rank={root})",
         name,
+        source,
     )
     return out
 
@@ -682,7 +693,7 @@ def broadcast_async(
     """``broadcast`` on the background thread (see ``allreduce_async``)."""
     arr = _copy(array, "broadcast_async")
     root = translate_root(process_set, check_root(root_rank, "broadcast_async"))
-    return _submit(process_set, name, lambda c: broadcast_on(c, arr, root, name))
+    return _submit(process_set, name, lambda c: broadcast_on(c, arr, root, name, owned=True))
 
 
 def alltoall_async(

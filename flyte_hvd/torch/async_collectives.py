@@ -199,7 +199,7 @@ def broadcast_async(
     return _submit(
         process_set,
         name,
-        lambda c: collectives.broadcast_on(c, array, root, name),
+        lambda c: collectives.broadcast_on(c, array, root, name, owned=True),
         lambda out: as_tensor(out, tensor),
     )
 

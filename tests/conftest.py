@@ -208,10 +208,34 @@ def pytest_collection_modifyitems(items):
 # -- where the suite's time goes ---------------------------------------------------------------
 # Each test's set-up, call and tear-down seconds, summed per marker (a test with several
 # markers counts under each) and per file at the end of the run, and the skipped tests with
-# their reasons: `make test`'s log says what the suite costs and what it left out.
+# their reasons: `make test`'s log says what the suite costs and what it left out. Per file,
+# also how many of the machine's cores were busy on average while its tests ran (from
+# /proc/stat, every process counted): a file far below the core count waits more than it
+# computes (deadlines, sleeps, start-up on one core), where a parallel run could pay.
 _MARKERS = ("spark", "mpi", "flyte", "e2e", "cluster", "container")
 _heavy_markers: dict[str, tuple[str, ...]] = {}
 _seconds: dict[str, float] = {}
+_busy_core_seconds: dict[str, float] = {}
+
+
+def _busy_seconds() -> float | None:
+    """Core-seconds the whole machine has spent busy since boot (None without /proc/stat)."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = _busy_seconds()
+    yield
+    after = _busy_seconds()
+    if before is not None and after is not None:
+        _busy_core_seconds[item.nodeid] = after - before
 
 
 def pytest_runtest_logreport(report):
@@ -224,18 +248,23 @@ def pytest_terminal_summary(terminalreporter):
     write = terminalreporter.write_line
     groups: dict[str, list[float]] = {}
     files: dict[str, list[float]] = {}
+    busy: dict[str, float] = {}
     for nodeid, seconds in _seconds.items():
         for marker in _heavy_markers.get(nodeid) or ("(none: the fast tests)",):
             groups.setdefault(marker, []).append(seconds)
-        files.setdefault(nodeid.split("::")[0], []).append(seconds)
+        name = nodeid.split("::")[0]
+        files.setdefault(name, []).append(seconds)
+        busy[name] = busy.get(name, 0.0) + _busy_core_seconds.get(nodeid, 0.0)
     terminalreporter.section("time per marker (set-up, call and tear-down)")
     write(f"{'marker':<24}{'tests':>7}{'seconds':>10}")
     for marker, times in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
         write(f"{marker:<24}{len(times):>7}{sum(times):>10.0f}")
     write(f"{'all':<24}{len(_seconds):>7}{sum(_seconds.values()):>10.0f}")
     terminalreporter.section("time per file (the 15 slowest)")
+    write(f"{'file':<44}{'tests':>7}{'seconds':>10}{f'busy cores of {os.cpu_count()}':>22}")
     for name, times in sorted(files.items(), key=lambda kv: -sum(kv[1]))[:15]:
-        write(f"{name:<44}{len(times):>7}{sum(times):>10.0f}")
+        cores = f"{busy[name] / sum(times):.2f}" if _busy_core_seconds and sum(times) else "?"
+        write(f"{name:<44}{len(times):>7}{sum(times):>10.0f}{cores:>22}")
     skipped = terminalreporter.stats.get("skipped", [])
     if skipped:
         reasons: dict[str, int] = {}

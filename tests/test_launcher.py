@@ -77,6 +77,15 @@ def test_cli_rejects_bad_np(cli):
     assert "-np must be >= 1" in result.stderr
 
 
+def test_cli_refuses_a_start_timeout_that_is_not_seconds(cli, monkeypatch):
+    monkeypatch.setenv("HOROVOD_START_TIMEOUT", "soon")
+    result = cli("-np", "2", "python", "-c", "pass")
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "flyte-hvd-run: HOROVOD_START_TIMEOUT='soon': expected seconds > 0, e.g. 120."
+    )
+
+
 def test_launch_local_returns_values_in_rank_order(no_leftover_ranks):
     def fn(offset):
         import flyte_hvd.core as hvd

@@ -376,10 +376,10 @@ def test_the_link_is_on_loopback_and_no_secret_is_in_job_tags_or_logs(
         secrets_.append(new_secret())
         return secrets_[-1]
 
-    def recording_stage(self, task, num_proc, retried, tag):
+    def recording_stage(self, task, num_proc, retried, tag, data=None):
         tags.append(tag)
         hosts.append(self.link_host())
-        return run_stage(self, task, num_proc, retried, tag)
+        return run_stage(self, task, num_proc, retried, tag, data)
 
     monkeypatch.setattr(pipeline, "new_secret", recording_secret)
     monkeypatch.setattr(rdd_stage.ClassicBackend, "run_stage", recording_stage)
@@ -519,3 +519,67 @@ def test_executors_with_another_flyte_hvd_than_the_drivers_fail_naming_both(
     assert "but flyte_hvd 0.0.1.dev0 on the Spark driver" in message
     assert "run both from one image" in message and "--copy all" in message
     assert elapsed < 20, f"{elapsed:.1f}s to the error"
+
+
+# -- a DataFrame's rows shared by the ranks (`data=`) -------------------------------------------
+
+
+def _own_partition():
+    """On a rank: its rank, its partition's columns and rows, and where its file was."""
+    import flyte_hvd.core as hvd
+    from flyte_hvd.spark import get_partition
+    from flyte_hvd.stage.partition import PARTITION_ENV
+
+    hvd.init()
+    table = get_partition()
+    return hvd.rank(), table.column_names, table.to_pylist(), os.environ[PARTITION_ENV]
+
+
+def test_each_rank_reads_its_own_share_of_the_data(spark, no_leftover_ranks):
+    rows = [(i, i / 2, [float(i), -float(i)]) for i in range(11)]
+    df = spark.createDataFrame(rows, ["id", "x", "pair"])
+    results = run(_own_partition, num_proc=2, data=df)
+    assert [rank for rank, *_ in results] == [0, 1]
+    shares = [[(r["id"], r["x"], r["pair"]) for r in table] for _, _, table, _ in results]
+    assert sorted(shares[0] + shares[1]) == rows  # every row once, values as given
+    assert sorted(len(share) for share in shares) == [5, 6]  # balanced by rows
+    assert all(columns == ["id", "x", "pair"] for _, columns, _, _ in results)
+    for *_, path in results:  # each task's file went with its rank
+        assert not os.path.exists(os.path.dirname(path)), path
+
+
+def test_a_rank_without_rows_gets_the_columns(spark, no_leftover_ranks):
+    df = spark.createDataFrame([(7, "only")], ["id", "name"])
+    results = run(_own_partition, num_proc=2, data=df)
+    assert sorted(len(table) for _, _, table, _ in results) == [0, 1]
+    assert all(columns == ["id", "name"] for _, columns, _, _ in results)
+
+
+def test_a_failing_rank_leaves_no_partition_file(spark, tmp_path, no_leftover_ranks):
+    seen = tmp_path / "seen"
+    seen.mkdir()
+
+    def fails():
+        from flyte_hvd.stage.partition import PARTITION_ENV
+
+        path = os.environ[PARTITION_ENV]
+        (seen / os.path.basename(os.path.dirname(path))).write_text(path)
+        raise ValueError("the rank fails after reading nothing")
+
+    df = spark.createDataFrame([(i,) for i in range(4)], ["id"])
+    with pytest.raises(RanksFailedError, match="the rank fails after reading nothing"):
+        run(fails, num_proc=2, data=df)
+    paths = [p.read_text() for p in seen.iterdir()]
+    assert len(paths) == 2 and not any(os.path.exists(os.path.dirname(p)) for p in paths)
+
+
+def test_data_of_another_kind_is_refused_before_any_rank_starts(spark):
+    import pandas as pd
+
+    kind = "Spark Connect" if is_connect_session(spark) else "classic"
+    with pytest.raises(ValueError) as caught:
+        run(_own_partition, num_proc=2, data=pd.DataFrame({"id": [1, 2]}))
+    assert str(caught.value).startswith(
+        f"`data` must be a Spark DataFrame of the active {kind} session, whose rows the "
+        "ranks share; found pandas.DataFrame."
+    )

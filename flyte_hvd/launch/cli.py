@@ -24,7 +24,7 @@ def _default_start_timeout() -> float:
     try:
         return start_timeout_from_env(START_TIMEOUT_ENV, 60.0)
     except ValueError as error:
-        sys.exit(f"flyte-hvd-run: ${error}")
+        sys.exit(f"flyte-hvd-run: {error}")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -1,6 +1,7 @@
 """Horovod's ``horovod.spark``: run Horovod-style ranks inside Spark (``run``,
-``HorovodRunner``, ``get_available_devices``, pyspark's ``TorchDistributor``) on a classic
-SparkSession or a Spark Connect one, and the Store and the estimators under the same names.
+``HorovodRunner``, ``get_available_devices``, pyspark's ``TorchDistributor``; a run's ranks may
+share a DataFrame's rows, ``get_partition``) on a classic SparkSession or a Spark Connect one,
+and the Store and the estimators under the same names.
 
 A facade on the top floor: the launch is ``flyte_hvd.stage``, the Store ``flyte_hvd.data``,
 the estimators ``flyte_hvd.estimators``. pyspark is imported only when a function needs it,
@@ -15,6 +16,7 @@ from flyte_hvd.stage import (
     RunReport,
     TorchDistributor,
     get_available_devices,
+    get_partition,
     launch,
     run,
 )
@@ -26,6 +28,7 @@ __all__ = [
     "RunReport",
     "TorchDistributor",
     "get_available_devices",
+    "get_partition",
     "launch",
     "quiet_local_conf",
     "run",

@@ -9,6 +9,7 @@ loads the launch modules and no pyspark: Spark's Python worker daemon
 
 from flyte_hvd.stage.dispatch import launch, run
 from flyte_hvd.stage.horovod_runner import HorovodRunner
+from flyte_hvd.stage.partition import get_partition
 from flyte_hvd.stage.pipeline import RunReport
 from flyte_hvd.stage.rank_task import get_available_devices
 from flyte_hvd.stage.torch_distributor import TorchDistributor
@@ -18,6 +19,7 @@ __all__ = [
     "RunReport",
     "TorchDistributor",
     "get_available_devices",
+    "get_partition",
     "launch",
     "run",
 ]

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, overload
 
 from flyte_hvd.core.log import get_logger
-from flyte_hvd.stage import pipeline, rank_task
+from flyte_hvd.stage import partition, pipeline, rank_task
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -171,27 +171,48 @@ def link_host(spark: SparkSession) -> str:
 
 
 def stage_task(
-    task: rank_task.BarrierTask,
+    task: rank_task.BarrierTask, data_schema: bytes | None = None
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """Wraps a barrier task (``rank_task.barrier_task``) as a ``mapInArrow`` function: its
-    ``(rank, payload)`` comes back as rows of ``CHUNK_BYTES``-sized chunks."""
+    ``(rank, payload)`` comes back as rows of ``CHUNK_BYTES``-sized chunks. With
+    ``data_schema`` (a run given ``data``), the input batches are the rank's partition: they
+    go to a local file first (``partition.spilled``), which the rank reads."""
 
     def run_rank(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        import pyarrow as pa
-
-        for _ in batches:  # the one input row: the partition index, which the task knows
-            pass
-        for rank, payload in task(None):
-            chunks = [payload[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)]
-            for index, chunk in enumerate(chunks or [b""]):
-                yield pa.RecordBatch.from_pydict(
-                    {"rank": [rank], "chunk": [index], "data": [chunk]},
-                    schema=pa.schema(
-                        [("rank", pa.int32()), ("chunk", pa.int32()), ("data", pa.binary())]
-                    ),
-                )
+        if data_schema is None:
+            for _ in batches:  # the one input row: the partition index, which the task knows
+                pass
+            yield from as_rows(task(None))
+            return
+        with partition.spilled(batches, data_schema) as (path, _):
+            yield from as_rows(task(path))
 
     return run_rank
+
+
+def as_rows(results: Iterator[tuple[int, bytes]]) -> Iterator[pa.RecordBatch]:
+    """A barrier task's ``(rank, payload)`` as Arrow rows of ``CHUNK_BYTES``-sized chunks."""
+    import pyarrow as pa
+
+    schema = pa.schema([("rank", pa.int32()), ("chunk", pa.int32()), ("data", pa.binary())])
+    for rank, payload in results:
+        chunks = [payload[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)]
+        for index, chunk in enumerate(chunks or [b""]):
+            yield pa.RecordBatch.from_pydict(
+                {"rank": [rank], "chunk": [index], "data": [chunk]}, schema=schema
+            )
+
+
+def run_dataframe_stage(
+    source: DataFrame, task: rank_task.BarrierTask, retried: bool, data_schema: bytes | None
+) -> list[tuple[int, bytes]]:
+    """``task`` in a barrier stage over ``source``'s partitions, one task per partition
+    (with ``data_schema``: each gets its partition's rows); each rank's ``(rank, payload)``."""
+    stage = source.mapInArrow(stage_task(task, data_schema), _SCHEMA, barrier=True)
+    if retried:
+        # As on the RDD path: a barrier stage is retried only when it feeds a shuffle.
+        stage = stage.repartition(1)
+    return join_chunks(stage.collect())
 
 
 def join_chunks(rows: list[Row]) -> list[tuple[int, bytes]]:
@@ -227,17 +248,20 @@ class ConnectBackend:
         return link_host(self.spark)
 
     def run_stage(
-        self, task: rank_task.BarrierTask, num_proc: int, retried: bool, tag: str
+        self,
+        task: rank_task.BarrierTask,
+        num_proc: int,
+        retried: bool,
+        tag: str,
+        data: DataFrame | None = None,
     ) -> list[tuple[int, bytes]]:
         self.spark.addTag(tag)
         try:
-            stage = self.spark.range(0, num_proc, 1, num_proc).mapInArrow(
-                stage_task(task), _SCHEMA, barrier=True
-            )
-            if retried:
-                # As on the RDD path: a barrier stage is retried only when it feeds a shuffle.
-                stage = stage.repartition(1)
-            return join_chunks(stage.collect())
+            if data is not None:  # one partition per rank, balanced by rows
+                schema = partition.arrow_schema(data)
+                return run_dataframe_stage(data.repartition(num_proc), task, retried, schema)
+            source = self.spark.range(0, num_proc, 1, num_proc)
+            return run_dataframe_stage(source, task, retried, None)
         finally:
             self.spark.removeTag(tag)
 

@@ -16,7 +16,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeAlias
 from flyte_hvd.core.log import get_logger, warn_once
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch.environment import driver_env
-from flyte_hvd.stage import dataframe_stage, pipeline, rdd_stage
+from flyte_hvd.stage import dataframe_stage, partition, pipeline, rdd_stage
 
 if TYPE_CHECKING:
     import threading
@@ -117,6 +117,7 @@ def run(
     prefix_output_with_timestamp: bool = False,
     executable: str | None = None,
     max_result_bytes: int | None = None,
+    data: DataFrame | None = None,
 ) -> list[UserValue]:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` ranks of the active SparkSession (classic
     or Spark Connect): one Spark barrier stage, one task per rank, one rank process per task.
@@ -128,26 +129,24 @@ def run(
         num_proc: number of ranks; defaults to ``spark.default.parallelism``.
         start_timeout: seconds for scheduling plus rendezvous; defaults to
             ``HOROVOD_SPARK_START_TIMEOUT``, then 600.
-        use_mpi: Horovod's launcher choice, accepted and without effect (ranks always run
-            under MPICH); says so once.
-        use_gloo: as ``use_mpi``.
-        extra_mpi_args: accepted and without effect: each rank runs under its own
-            ``mpiexec -n 1``.
+        use_mpi, use_gloo, extra_mpi_args, executable: Horovod's launcher choices, accepted
+            and without effect (ranks run under MPICH, each under its own ``mpiexec -n 1``,
+            with the Python of Spark's workers); each says so once.
         env: environment variables for the ranks; by default the driver's environment as it
             is at the call, less what describes the driver's own host (``PATH``, ``HOME``,
             ``PYTHONPATH``, ``JAVA_HOME``, ``SPARK_*``, ``CUDA_VISIBLE_DEVICES``, thread
             counts; see ``flyte_hvd.launch.environment.driver_env``), as Horovod's ``run``.
-        stdout: where rank stdout goes on the driver (default: ``sys.stdout``).
-        stderr: where rank stderr goes on the driver (default: ``sys.stderr``).
+        stdout, stderr: where rank output goes on the driver (``sys.stdout``, ``sys.stderr``).
         verbose: the level of the launcher's own messages on the `flyte_hvd` logger: INFO
             when >= 1 (shown by default), DEBUG when 0.
         nics: network interfaces the ranks' MPI traffic uses (``{'eth0'}``).
         prefix_output_with_timestamp: prefix every rank line with the time it arrived.
-        executable: accepted and without effect: ranks run the Python of Spark's workers.
         max_result_bytes: the largest pickled return value a rank may give back; above it
             the run fails, naming the rank and the size. Defaults to
             ``FLYTE_HVD_MAX_RESULT_BYTES``, then 2 GiB. A result above 1 MiB goes to the
             driver over the task's link into a temporary file, never through a JVM's heap.
+        data: a DataFrame of the session, whose rows the ranks share with no Store: one
+            partition per rank, balanced by rows (``flyte_hvd.spark.get_partition()``).
 
     Returns:
         Each rank's return value, in rank order.
@@ -179,6 +178,7 @@ def run(
         verbose=verbose,
         prefix_output_with_timestamp=prefix_output_with_timestamp,
         max_result_bytes=max_result_bytes,
+        data=data,
     ).results
 
 
@@ -240,12 +240,16 @@ def launch(
     prefix_output_with_timestamp: bool = False,
     preload: tuple[str, ...] = (),
     max_result_bytes: int | None = None,
+    data: DataFrame | None = None,
 ) -> pipeline.RunReport:
     """``run``, returning the full ``RunReport`` (used by benchmarks and the estimators):
     each rank's result and start-up timeline. ``preload`` names modules that spare rank
     processes import ahead of the next run (``flyte_hvd.launch.spare``); the estimators pass
     their framework's."""
-    backend = backend_of(active_session())
+    spark = active_session()
+    backend = backend_of(spark)
+    if data is not None:
+        data = partition.check_data(data, is_connect_session(spark))
     spec = pipeline.LaunchSpec.of(
         fn,
         args,
@@ -261,7 +265,7 @@ def launch(
         default_num_proc=backend.default_parallelism,
         max_result_bytes=max_result_bytes,
     )
-    return pipeline.launch(spec, backend)
+    return pipeline.launch(spec, backend, data)
 
 
 def check_slots(num_proc: int | None, start_timeout: float | None = None) -> None:

@@ -51,6 +51,8 @@ from flyte_hvd.launch.supervisor import (
 from flyte_hvd.stage import rank_task
 
 if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
     from flyte_hvd.stage.driver_link import DriverServer
 
 logger = get_logger(__name__)
@@ -333,11 +335,17 @@ class StageBackend(Protocol):
         """The driver-side address the stage's tasks reach the driver link at."""
 
     def run_stage(
-        self, task: rank_task.BarrierTask, num_proc: int, retried: bool, tag: str
+        self,
+        task: rank_task.BarrierTask,
+        num_proc: int,
+        retried: bool,
+        tag: str,
+        data: DataFrame | None = None,
     ) -> list[tuple[int, bytes]]:
         """Runs ``task`` in a barrier stage of ``num_proc`` tasks, tagged ``tag`` (so that
         ``cancel`` reaches it), retried as a whole when ``retried``; returns each task's
-        ``(rank, payload)`` in rank order."""
+        ``(rank, payload)`` in rank order. With ``data``, the stage runs over its rows, one
+        partition per task (``partition``)."""
 
     def cancel(self, tag: str) -> None: ...
 
@@ -415,8 +423,9 @@ def _check_max_result_bytes(value: object) -> int:
     return value
 
 
-def launch(spec: LaunchSpec, backend: StageBackend) -> RunReport:
-    """Runs ``spec`` on ``backend``'s cluster: one barrier stage, one rank per task."""
+def launch(spec: LaunchSpec, backend: StageBackend, data: DataFrame | None = None) -> RunReport:
+    """Runs ``spec`` on ``backend``'s cluster: one barrier stage, one rank per task; with
+    ``data`` (checked), each rank gets its partition of it (``partition.get_partition``)."""
     from flyte_hvd.stage.driver_link import DriverServer
 
     num_proc = spec.num_proc
@@ -471,7 +480,7 @@ def launch(spec: LaunchSpec, backend: StageBackend) -> RunReport:
     try:
         with stopped_by_signals(stop) as received:
             try:
-                collected = backend.run_stage(task, num_proc, max_attempts > 1, tag)
+                collected = backend.run_stage(task, num_proc, max_attempts > 1, tag, data)
             except Exception as error:
                 if received:
                     raise interrupted(received[0]) from None

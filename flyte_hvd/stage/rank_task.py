@@ -17,6 +17,7 @@ import cloudpickle
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch.environment import DRIVER_VERSION_ENV, version_mismatch
+from flyte_hvd.stage.partition import PARTITION_ENV
 
 if TYPE_CHECKING:
     from pyspark import TaskContext
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
     from flyte_hvd.stage.driver_link import DriverLink, DriverServer
 
 
-# A barrier task: given its partition (unused: the task knows its rank), it yields its rank's
+# A barrier task: given its partition (unused: the task knows its rank) or, in a run given
+# ``data``, the path of the file its partition's rows were written to, it yields its rank's
 # ``(rank, pickled result)``.
 BarrierTask: TypeAlias = Callable[[object], Iterator[tuple[int, bytes]]]
 
@@ -65,7 +67,7 @@ def barrier_task(
 ) -> BarrierTask:
     """The closure each barrier task runs: plain values only, no driver objects."""
 
-    def task(_: object) -> Iterator[tuple[int, bytes]]:
+    def task(spilled: object) -> Iterator[tuple[int, bytes]]:
         from pyspark import BarrierTaskContext
 
         from flyte_hvd.launch.stall import ForwardWatch
@@ -85,6 +87,8 @@ def barrier_task(
             link.close()
             raise RuntimeError(mismatch)
         rank_env = task_rank_env(env, ctx)
+        if isinstance(spilled, str):  # the rank's partition of the run's data, in a file
+            rank_env[PARTITION_ENV] = spilled
         # "host:port" of the task's executor as the driver reaches it: rank 0's host part is
         # MASTER_ADDR when the ranks span hosts (``launch.torch_env``).
         address = ctx.getTaskInfos()[rank].address.rpartition(":")[0]

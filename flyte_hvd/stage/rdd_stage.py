@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from flyte_hvd.core.log import get_logger
+from flyte_hvd.stage.dataframe_stage import run_dataframe_stage
+from flyte_hvd.stage.partition import arrow_schema
 from flyte_hvd.stage.pipeline import (
     expected_executors,
     first_line,
@@ -27,6 +29,7 @@ from flyte_hvd.stage.rank_task import BarrierTask, task_rank_env
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
+    from pyspark.sql import DataFrame
 
 logger = get_logger(__name__)
 
@@ -150,10 +153,18 @@ class ClassicBackend:
         return self.sc.getConf().get("spark.driver.host") or "127.0.0.1"
 
     def run_stage(
-        self, task: BarrierTask, num_proc: int, retried: bool, tag: str
+        self,
+        task: BarrierTask,
+        num_proc: int,
+        retried: bool,
+        tag: str,
+        data: DataFrame | None = None,
     ) -> list[tuple[int, bytes]]:
         self.sc.addJobTag(tag)
         try:
+            if data is not None:  # the DataFrame's rows reach the tasks as Arrow batches
+                schema = arrow_schema(data)
+                return run_dataframe_stage(data.repartition(num_proc), task, retried, schema)
             rdd = self.sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(task)
             if retried:
                 # Spark retries a failed barrier stage only when it feeds a shuffle (a failed

@@ -263,7 +263,8 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("time per file (the 15 slowest)")
     write(f"{'file':<44}{'tests':>7}{'seconds':>10}{f'busy cores of {os.cpu_count()}':>22}")
     for name, times in sorted(files.items(), key=lambda kv: -sum(kv[1]))[:15]:
-        cores = f"{busy[name] / sum(times):.2f}" if _busy_core_seconds and sum(times) else "?"
+        # Below a second the clock ticks of /proc/stat (1/100 s) make the ratio meaningless.
+        cores = f"{busy[name] / sum(times):.2f}" if _busy_core_seconds and sum(times) >= 1 else "-"
         write(f"{name:<44}{len(times):>7}{sum(times):>10.0f}{cores:>22}")
     skipped = terminalreporter.stats.get("skipped", [])
     if skipped:

@@ -13,6 +13,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -248,9 +249,18 @@ print("survived")
 
 def _die_while_publishing(prefix: str, patch: str, options: dict | None = None):
     code = _DIE_WHILE_PUBLISHING.format(patch=textwrap.dedent(patch), options=options)
-    return subprocess.run(
-        [sys.executable, "-c", code, prefix], capture_output=True, text=True, timeout=60
-    )
+    # The writer dies with its local copy in its temporary folder: one of the test's own.
+    scratch = tempfile.mkdtemp(prefix="flyte-hvd-test-")
+    try:
+        return subprocess.run(
+            [sys.executable, "-c", code, prefix],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "TMPDIR": scratch},
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def test_local_checkpoint_survives_a_death_mid_write(tmp_path):
@@ -535,6 +545,7 @@ def test_missing_azurite_fails_the_abfs_tests_in_ci_saying_what_is_missing(
 
 _WITHOUT_PACKAGE = """
 import sys
+import tempfile
 sys.modules[sys.argv[1]] = None  # as if it were not installed
 from flyte_hvd.data.store import Store
 try:

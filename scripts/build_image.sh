@@ -128,7 +128,8 @@ need_gb="${FLYTE_HVD_IMAGE_FREE_GB:-16}"
 storage=$(podman info --format '{{.Store.GraphRoot}}' 2>/dev/null || true)
 storage="${storage:-/var/lib/containers}"
 mkdir -p "$storage"
-free_gb=$(($(df -Pk "$storage" | awk 'NR == 2 {print $4}') / 1000000))
+# df counts KiB (1024 bytes); GB here are 10^9 bytes, as the figures above.
+free_gb=$(($(df -Pk "$storage" | awk 'NR == 2 {print $4}') * 1024 / 1000000000))
 if [ "$free_gb" -lt "$need_gb" ]; then
   fail "building $image needs about ${need_gb} GB free in $storage; ${free_gb} GB are free." \
     "Free space there (podman image prune, podman system df shows what it holds)," \

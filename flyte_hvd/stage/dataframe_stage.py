@@ -215,6 +215,15 @@ def run_dataframe_stage(
     return join_chunks(stage.collect())
 
 
+def run_data_stage(
+    data: DataFrame, num_proc: int, task: rank_task.BarrierTask, retried: bool
+) -> list[tuple[int, bytes]]:
+    """``task`` in a barrier stage over ``data``, one partition per rank (balanced by rows),
+    each task's partition written for its rank (``partition``); on either kind of session."""
+    schema = partition.arrow_schema(data)
+    return run_dataframe_stage(data.repartition(num_proc), task, retried, schema)
+
+
 def join_chunks(rows: list[Row]) -> list[tuple[int, bytes]]:
     """``(rank, payload)`` per rank, in rank order, from the stage's rows."""
     parts: dict[int, list[tuple[int, bytes]]] = {}
@@ -257,9 +266,8 @@ class ConnectBackend:
     ) -> list[tuple[int, bytes]]:
         self.spark.addTag(tag)
         try:
-            if data is not None:  # one partition per rank, balanced by rows
-                schema = partition.arrow_schema(data)
-                return run_dataframe_stage(data.repartition(num_proc), task, retried, schema)
+            if data is not None:
+                return run_data_stage(data, num_proc, task, retried)
             source = self.spark.range(0, num_proc, 1, num_proc)
             return run_dataframe_stage(source, task, retried, None)
         finally:

@@ -15,8 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from flyte_hvd.core.log import get_logger
-from flyte_hvd.stage.dataframe_stage import run_dataframe_stage
-from flyte_hvd.stage.partition import arrow_schema
+from flyte_hvd.stage.dataframe_stage import run_data_stage
 from flyte_hvd.stage.pipeline import (
     expected_executors,
     first_line,
@@ -163,8 +162,7 @@ class ClassicBackend:
         self.sc.addJobTag(tag)
         try:
             if data is not None:  # the DataFrame's rows reach the tasks as Arrow batches
-                schema = arrow_schema(data)
-                return run_dataframe_stage(data.repartition(num_proc), task, retried, schema)
+                return run_data_stage(data, num_proc, task, retried)
             rdd = self.sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(task)
             if retried:
                 # Spark retries a failed barrier stage only when it feeds a shuffle (a failed

@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks import local_session, planned_features
+
 SIZE = 2
 BATCH = 1024
 
@@ -85,33 +87,13 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
-    from pyspark.sql import SparkSession
-    from pyspark.sql import functions as F
-
     from flyte_hvd.data.prepare import prepare_data
     from flyte_hvd.data.store import Store
     from flyte_hvd.spark import run
 
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.memory", "2g")
-        .config("spark.sql.shuffle.partitions", "4")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_session()
     features = [f"f{i}" for i in range(args.features)]
-    groups = spark.range(100).select(F.col("id").alias("group"), (F.col("id") / 100).alias("w"))
-    df = (
-        spark.range(args.rows, numPartitions=4)
-        .withColumn("group", F.col("id") % 100)
-        .join(F.broadcast(groups), "group")
-        .select(
-            *[(F.rand(seed=i) * F.col("w")).alias(c) for i, c in enumerate(features)],
-            F.rand(seed=999).alias("label"),
-        )
-    )
+    df = planned_features(spark, args.rows, features)
     sides: dict[str, list[dict]] = {"streamed": [], "stored": []}
     run(lambda: None, num_proc=SIZE, verbose=0)  # the ranks' first start, paid by neither side
     for _ in range(args.rounds):

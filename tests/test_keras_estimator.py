@@ -26,6 +26,7 @@ import cloudpickle  # noqa: E402
 from flyte_hvd.data.loader import ArrowDataLoader  # noqa: E402
 from flyte_hvd.data.store import Store  # noqa: E402
 from flyte_hvd.estimators.keras import KerasEstimator, KerasModel  # noqa: E402
+from flyte_hvd.stage.dispatch import is_connect_session  # noqa: E402
 
 # Functions and callbacks of this module travel to the ranks by value (tests/ is not a package
 # the rank processes can import).
@@ -65,6 +66,16 @@ def _mlp(inputs=3, outputs=1, activation=None):
             keras.layers.Dense(outputs, activation=activation),
         ]
     )
+
+
+class _OwnBackend:
+    """A user's backend (Horovod's interface), which cannot run over a DataFrame."""
+
+    def num_processes(self):
+        return 2
+
+    def run(self, fn, args=(), kwargs=None, env=None):
+        raise AssertionError("the fit must fail before it runs")
 
 
 @pytest.fixture
@@ -285,7 +296,8 @@ def test_inside_a_pipeline_with_vector_assembler_and_a_custom_loader(spark_local
 def test_a_killed_rank_resumes_and_finishes(spark_cluster, tmp_path, caplog):
     """local-cluster with spark.task.maxFailures=2: rank 1 dies in epoch 3 of 4; Spark
     retries the stage (the driver says so in one line), which resumes after the last
-    completed epoch."""
+    completed epoch. The fit streams its data (``materialize=False``): the retried stage
+    computes its partitions again from the DataFrame's plan."""
     caplog.set_level(logging.WARNING, logger="flyte_hvd")
     store = Store.create(str(tmp_path / "store"))
     marker = str(tmp_path / "killed-once")
@@ -302,7 +314,7 @@ def test_a_killed_rank_resumes_and_finishes(spark_cluster, tmp_path, caplog):
     fitted = KerasEstimator(
         num_proc=2, store=store, model=_mlp(), optimizer=keras.optimizers.Adam(0.02),
         loss="mse", feature_cols=["features"], label_cols=["label"], batch_size=32, epochs=4,
-        verbose=0, callbacks=[KillOnce()], run_id="killed",
+        verbose=0, callbacks=[KillOnce()], run_id="killed", materialize=False,
     ).fit(df)  # fmt: skip
     assert os.path.exists(marker)
     retries = [r.getMessage() for r in caplog.records if "Spark retries" in r.getMessage()]
@@ -411,12 +423,47 @@ def _estimator(store, **overrides):
         ({"model": "not a model"}, "must be a Keras 3 model"),
         ({"data_loader": object.__new__(ArrowDataLoader)}, "must be a BaseDataLoader subclass"),
         ({"inmemory_cache_all": "yes"}, "`inmemory_cache_all` must be True"),
+        ({"materialize": "no"}, "`materialize` must be True"),
+        ({"num_proc": None, "backend": _OwnBackend(), "materialize": False},
+         "`materialize=False` .* a SparkBackend"),
     ],
 )  # fmt: skip
 def test_bad_input_fails_before_ranks_start(spark_local2, store, overrides, match):
     df = _regression_df(spark_local2, rows=20)
     with pytest.raises(ValueError, match=match):
         _estimator(store, **overrides).fit(df)
+
+
+def test_streamed_fit_trains_as_the_materialized_one_and_leaves_only_the_run(spark, store):
+    """``materialize=False``: each rank trains on its partition of the DataFrame (classic and
+    Connect), to the loss of the materialized fit within the noise of a different shard
+    composition; the store then holds the run only (no prepared data), and the executors'
+    scratch space no partition file."""
+    import glob
+
+    df = _regression_df(spark, rows=400)
+
+    def fit(materialize):
+        return KerasEstimator(
+            num_proc=2, store=store, model=_mlp(), optimizer=keras.optimizers.Adam(0.02),
+            loss="mse", feature_cols=["features"], label_cols=["label"], validation="is_val",
+            batch_size=16, epochs=4, verbose=0, random_seed=1, materialize=materialize,
+        ).fit(df)  # fmt: skip
+
+    streamed = fit(False)
+    written = sorted(os.listdir(store.prefix_path))
+    history = streamed.getHistory()
+    assert len(history["loss"]) == len(history["val_loss"]) == 4
+    assert history["loss"][-1] < 0.3 * history["loss"][0]
+    assert written == ["runs"], f"a streamed fit wrote {written} into the store"
+    if not is_connect_session(spark):  # the same fit, materialized (one session suffices)
+        reference = fit(True).getHistory()
+        np.testing.assert_allclose(history["val_loss"][-1], reference["val_loss"][-1], rtol=0.5)
+    predicted = streamed.transform(df).select("label", "label__output").toPandas()
+    assert np.mean(np.abs(predicted["label"] - predicted["label__output"])) < 0.5
+    pattern = os.path.join(tempfile.gettempdir(), "**", "flyte-hvd-partition-*")
+    leftovers = [p for p in glob.glob(pattern, recursive=True) if "pytest-of-" not in p]
+    assert leftovers == []  # (other tests keep copies of such folders in their tmp_path)
 
 
 def test_unwritable_store_fails_before_ranks_start(spark_local2, store):

@@ -425,3 +425,124 @@ def test_rank_side_modules_import_neither_spark_nor_tensorflow():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# -- a streamed fit's rank: its partition of the DataFrame, in memory (``table=``) --------------
+
+
+def _partition(ids, is_val=None):
+    """A partition as a rank of ``materialize=False`` receives it: ``x`` a Spark vector struct
+    (dense rows), ``y`` a scalar, and the validation flag."""
+    ids = np.asarray(ids, dtype=np.float64)
+    vectors = [{"type": 1, "size": None, "indices": None, "values": [i, -i]} for i in ids]
+    columns = {
+        "x": pa.array(vectors, type=pa.struct([
+            ("type", pa.int8()), ("size", pa.int32()), ("indices", pa.list_(pa.int32())),
+            ("values", pa.list_(pa.float64()))])),
+        "y": pa.array(ids),
+    }  # fmt: skip
+    if is_val is not None:
+        from flyte_hvd.data.split import SPLIT_COL
+
+        columns[SPLIT_COL] = pa.array(is_val, type=pa.bool_())
+    return pa.table(columns)
+
+
+def _stream_infos():
+    from flyte_hvd.data.dataset import ColumnInfo
+
+    return (
+        ColumnInfo("x", "dense_vector", "float64", (2,), "list"),
+        ColumnInfo("y", "scalar", "float64"),
+    )
+
+
+def _stream_meta(rows):
+    from flyte_hvd.data.dataset import DatasetMetadata
+
+    return DatasetMetadata(columns=_stream_infos(), rows=rows, bytes=0, files=0, row_groups=0)
+
+
+@pytest.mark.parametrize("in_files", [False, True])
+def test_partition_splits_by_the_flag_into_the_stored_layout(tmp_path, in_files):
+    """In memory, or written batch by batch to files in the partition's folder and read back
+    memory-mapped (what a rank does: its memory then holds a batch at a time)."""
+    from flyte_hvd.data.dataset import partition_splits
+
+    table = pa.concat_tables(
+        [_partition(range(3), [False, True, False]), _partition(range(3, 5), [False, True])]
+    )
+    folder = str(tmp_path) if in_files else None
+    train, val = partition_splits(table, _stream_infos(), True, folder)
+    assert train.column("y").to_pylist() == [0.0, 2.0, 3.0]
+    assert val.column("y").to_pylist() == [1.0, 4.0]
+    assert train.column("x").to_pylist()[1] == [2.0, -2.0] and train.column_names == ["x", "y"]
+    expected = ["training.arrow", "validation.arrow"] if in_files else []
+    assert sorted(os.listdir(tmp_path)) == expected
+    alone, none = partition_splits(_partition(range(3)), _stream_infos(), False)
+    assert alone.num_rows == 3 and none is None
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_unequal_partitions_give_every_rank_the_same_steps_and_all_its_rows(cached):
+    """Ranks of a streamed fit hold partitions of any sizes: each takes the steps given (from
+    the split's rows over all ranks), cycling through its own rows, every row each pass."""
+    from flyte_hvd.data.dataset import partition_splits
+
+    sizes = {0: 23, 1: 5}
+    steps = math.ceil(sum(sizes.values()) / (2 * 4))
+    seen = {}
+    for rank, rows in sizes.items():
+        table, _ = partition_splits(_partition(range(rows)), _stream_infos(), False)
+        loader = ArrowDataLoader(
+            f"partition {rank}", 4, rank=rank, size=2, metadata=_stream_meta(28), table=table,
+            steps_per_epoch=steps, inmemory_cache_all=cached, float64_as="float32",
+        )  # fmt: skip
+        batches = list(loader)
+        assert len(batches) == len(loader) == steps
+        assert all(b["x"].shape == (4, 2) and b["x"].dtype == np.float32 for b in batches)
+        seen[rank] = Counter(float(y) for b in batches for y in b["y"])
+        np.testing.assert_array_equal(batches[0]["x"][:, 0], -batches[0]["x"][:, 1])
+    assert set(seen[1]) == {0.0, 1.0, 2.0, 3.0, 4.0}  # the small partition, wrapped around
+    assert set(seen[0]) <= set(map(float, range(23))) and sum(seen[0].values()) == steps * 4
+
+
+def test_a_loader_over_a_table_refuses_no_rows_and_no_metadata():
+    from flyte_hvd.data.dataset import partition_splits
+
+    empty, _ = partition_splits(_partition([]), _stream_infos(), False)
+    with pytest.raises(ValueError, match=r"rank 1 has no rows of `p`; every rank needs"):
+        ArrowDataLoader("p", 4, rank=1, size=2, metadata=_stream_meta(8), table=empty)
+    with pytest.raises(ValueError, match=r"a loader over a `table` \(p\) needs its `metadata`"):
+        ArrowDataLoader("p", 4, table=empty)
+
+
+def test_a_rank_whose_partition_has_no_training_rows_says_so(tmp_path, monkeypatch):
+    """A streamed fit's rank with only validation rows fails before its first step, naming
+    itself, the split and what to do."""
+    from flyte_hvd.estimators.training import TrainingSpec, make_loaders
+    from flyte_hvd.launch.rendezvous import PARTITION_ENV
+
+    path = str(tmp_path / "partition.arrow")
+    table = _partition([1.0, 2.0], [True, True])
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    monkeypatch.setenv(PARTITION_ENV, path)
+    spec = TrainingSpec(
+        store=None, model_bytes=b"", features=["x"], labels=["y"], sample_weight_col=None,
+        metadata=(_stream_meta(6), _stream_meta(4)), batch_size=2, val_batch_size=2, epochs=1,
+        verbose=0, shuffle=True, shuffle_buffer_size=None, random_seed=None,
+        train_steps_per_epoch=None, validation_steps_per_epoch=None, materialize=False,
+    )  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"rank 1 received no training rows: .*\(6 training rows in all\)"
+    ):
+        make_loaders(spec, 1, 2)
+    table = _partition([1.0, 2.0, 3.0], [False, True, False])
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    train, val = make_loaders(spec, 1, 2)
+    assert len(train) == 2 and len(val) == 1  # 6 and 4 rows over 2 ranks, batches of 2
+    assert sorted(float(y) for b in train for y in b["y"]) == [1.0, 1.0, 3.0, 3.0]
+    # The splits are files beside the partition's, which its task removes with its folder.
+    assert sorted(os.listdir(tmp_path)) == ["partition.arrow", "training.arrow", "validation.arrow"]

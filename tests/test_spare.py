@@ -88,6 +88,26 @@ def test_the_next_run_gets_spares_that_run_one_job_each(no_leftover_ranks):
     assert {s.proc.pid for s in spare._SPARES}.isdisjoint(spares)
 
 
+def _partition_path():
+    import os
+
+    from flyte_hvd.launch.rendezvous import PARTITION_ENV
+
+    return os.getpid(), os.environ.get(PARTITION_ENV)
+
+
+def test_a_spare_takes_a_rank_of_a_data_run_with_the_ranks_own_partition(no_leftover_ranks):
+    """A run given data (``run(fn, data=df)``) names each rank's partition file in the rank's
+    environment: the path travels with the rank's assignment, not in the spare's key, so
+    spares started before the run (with no path) stand in for its ranks."""
+    from flyte_hvd.launch.rendezvous import PARTITION_ENV
+
+    _run(size=1)  # leaves a spare
+    results, times = _run(_partition_path, size=1, env={PARTITION_ENV: "/scratch/p0.arrow"})
+    assert "spare_claimed" in times[0]
+    assert results[0][1] == "/scratch/p0.arrow"
+
+
 def _collector():
     import gc
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -274,7 +275,8 @@ def encode_batch(batch: pa.RecordBatch, infos: Sequence[ColumnInfo]) -> pa.Recor
     arrays = []
     for i in infos:
         arr = batch.column(i.name)
-        if i.kind in VECTOR_KINDS and i.encoding == "list":
+        # (A vector column may arrive as an array already: ``prepare.stream_data``'s.)
+        if i.kind in VECTOR_KINDS and i.encoding == "list" and pa.types.is_struct(arr.type):
             dense = vector_struct_to_dense(arr, i.size)
             offsets = pa.array(np.arange(0, dense.size + 1, i.size, dtype=np.int32))
             arr = pa.ListArray.from_arrays(offsets, pa.array(dense.reshape(-1)))
@@ -283,7 +285,44 @@ def encode_batch(batch: pa.RecordBatch, infos: Sequence[ColumnInfo]) -> pa.Recor
                 [arr.field("indices"), arr.field("values")], names=["indices", "values"]
             )
         arrays.append(arr)
-    return pa.RecordBatch.from_arrays(arrays, schema=arrow_storage_schema(list(infos)))
+    schema = arrow_storage_schema(list(infos))
+    arrays = [
+        a if a.type == f.type else a.cast(f.type) for a, f in zip(arrays, schema, strict=True)
+    ]
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def partition_splits(
+    table: pa.Table, infos: Sequence[ColumnInfo], with_validation: bool, folder: str | None = None
+) -> tuple[pa.Table, pa.Table | None]:
+    """A rank's partition of a streamed DataFrame (``prepare.stream_data``) in the stored
+    layout of ``infos``, as a loader reads Parquet: its training rows, and its validation
+    rows (None without a validation split). With ``folder``, each split is written there
+    batch by batch as an Arrow file and comes back memory-mapped, so that the rank's memory
+    holds one batch of it at a time (the page cache the rest, the disk what does not fit)."""
+    from flyte_hvd.data.split import SPLIT_COL
+
+    schema = arrow_storage_schema(list(infos))
+
+    def rows(validation: bool | None) -> Iterator[pa.RecordBatch]:
+        for batch in table.to_batches():
+            if validation is not None:
+                is_val = batch.column(SPLIT_COL)
+                batch = batch.filter(is_val if validation else pc.invert(is_val))
+            yield encode_batch(batch, infos)
+
+    def stored(validation: bool | None) -> pa.Table:
+        if folder is None:
+            return pa.Table.from_batches(list(rows(validation)), schema)
+        path = os.path.join(folder, f"{'validation' if validation else 'training'}.arrow")
+        with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            for batch in rows(validation):
+                writer.write_batch(batch)
+        return pa.ipc.open_file(pa.memory_map(path)).read_all()
+
+    if not with_validation:
+        return stored(None), None
+    return stored(False), stored(True)
 
 
 # -- reading metadata ------------------------------------------------------------------------

@@ -40,8 +40,10 @@ if TYPE_CHECKING:
     from numpy.typing import DTypeLike
 
 Batch = dict[str, np.ndarray]
-# (row-group fragment, first row, end row): the part of a row group a rank reads.
-Piece = tuple["ds.ParquetFileFragment", int, int]
+# (row-group fragment or in-memory table, first row, end row): the part a rank reads.
+Piece = tuple["ds.ParquetFileFragment | pa.Table", int, int]
+# Rows per piece of a loader over a table (``table=``): as a row group of prepared Parquet.
+_TABLE_PIECE_ROWS = 65_536
 T = TypeVar("T")
 # Pipeline of an epoch: a reader thread decodes pieces (pyarrow, without the GIL) up to
 # _READ_AHEAD ahead; a shuffling thread joins and permutes them (Arrow's take, without the
@@ -280,6 +282,11 @@ class ArrowDataLoader(BaseDataLoader):
             ``None`` does so when the shard decodes to at most ``AUTO_CACHE_MAX_BYTES``
             (256 MiB), as the estimators do by default.
         steps_per_epoch: override the batches per epoch (it must be equal on every rank).
+        table: this rank's rows already in memory, in the stored layout (a streamed fit's
+            partition, ``dataset.partition_splits``): read instead of ``path``, which then
+            only names them; needs ``metadata``. Its batches per epoch default to the
+            table's rows over ``batch_size``: ranks of unequal tables pass
+            ``steps_per_epoch``.
         float64_as: decode float64 columns as this floating-point dtype (the estimators pass
             ``"float32"``, what the models compute in: the in-memory shard then holds half the
             bytes, and batches go to the model without a conversion each step).
@@ -302,6 +309,7 @@ class ArrowDataLoader(BaseDataLoader):
         inmemory_cache_all: bool | None = False,
         steps_per_epoch: int | None = None,
         float64_as: str | None = None,
+        table: pa.Table | None = None,
     ):
         super().__init__()
         require_int("batch_size", batch_size, 1)
@@ -319,8 +327,13 @@ class ArrowDataLoader(BaseDataLoader):
         self.shuffle = bool(shuffle)
         self.shuffle_buffer_size = shuffle_buffer_size if self.shuffle else 0
         self.seed = seed
-        fs, fs_path = _resolve_filesystem(path, store, filesystem)
-        self.metadata = metadata if metadata is not None else read_metadata_fs(fs, fs_path)
+        if table is not None and metadata is None:
+            raise ValueError(f"a loader over a `table` ({path}) needs its `metadata`.")
+        if metadata is not None:
+            self.metadata = metadata
+        else:
+            fs, fs_path = _resolve_filesystem(path, store, filesystem)
+            self.metadata = read_metadata_fs(fs, fs_path)
         names = list(columns) if columns is not None else self.metadata.column_names
         self._infos = {n: self.metadata.column(n) for n in names}
         self.columns = names
@@ -330,22 +343,37 @@ class ArrowDataLoader(BaseDataLoader):
             for n, i in self._infos.items()
         }
 
-        fragments = list(open_parquet_dataset(fs, fs_path).get_fragments())
-        self.total_rows = sum(f.metadata.num_rows for f in fragments)
-        if self.total_rows < size:
-            raise ValueError(
-                f"the dataset at `{path}` has {self.total_rows} rows, fewer than the {size} "
-                f"ranks; every rank needs at least one row. Use fewer ranks or more data."
-            )
-        lo, hi = rank * self.total_rows // size, (rank + 1) * self.total_rows // size
-        self.shard_rows = hi - lo
-        self._pieces = _shard_pieces(fragments, lo, hi)
-        self._steps = steps_per_epoch or math.ceil(self.total_rows / (size * batch_size))
+        if table is not None:
+            self._pieces, self.shard_rows = _table_pieces(table, path, rank), table.num_rows
+            self.total_rows = self.shard_rows  # all this rank knows of
+            default_steps = math.ceil(self.shard_rows / batch_size)
+        else:
+            fs, fs_path = _resolve_filesystem(path, store, filesystem)
+            self._pieces, self.total_rows = self._parquet_pieces(fs, fs_path)
+            self.shard_rows = self._pieces_rows()
+            default_steps = math.ceil(self.total_rows / (size * batch_size))
+        self._steps = steps_per_epoch or default_steps
         self._keep = min(self.shuffle_buffer_size, self.shard_rows // 2)
         self._cache: Batch | None = None
         if inmemory_cache_all is None:
             inmemory_cache_all = self.shard_bytes <= AUTO_CACHE_MAX_BYTES
         self.inmemory_cache_all = bool(inmemory_cache_all)
+
+    def _parquet_pieces(self, fs: pafs.FileSystem, fs_path: str) -> tuple[list[Piece], int]:
+        """This rank's pieces of the Parquet dataset, and the dataset's rows."""
+        fragments = list(open_parquet_dataset(fs, fs_path).get_fragments())
+        total = sum(f.metadata.num_rows for f in fragments)
+        size = self.size
+        if total < size:
+            raise ValueError(
+                f"the dataset at `{self.path}` has {total} rows, fewer than the {size} "
+                f"ranks; every rank needs at least one row. Use fewer ranks or more data."
+            )
+        lo, hi = self.rank * total // size, (self.rank + 1) * total // size
+        return _shard_pieces(fragments, lo, hi), total
+
+    def _pieces_rows(self) -> int:
+        return sum(stop - start for _, start, stop in self._pieces)
 
     @property
     def shard_bytes(self) -> int:
@@ -385,8 +413,10 @@ class ArrowDataLoader(BaseDataLoader):
             blocks.close()  # type: ignore[attr-defined]
 
     def _read_piece(self, piece: Piece) -> pa.Table:
-        fragment, start, stop = piece
-        return fragment.to_table(columns=self.columns).slice(start, stop - start)
+        source, start, stop = piece
+        if isinstance(source, pa.Table):
+            return source.select(self.columns).slice(start, stop - start)
+        return source.to_table(columns=self.columns).slice(start, stop - start)
 
     def _decode(self, table: pa.Table) -> Batch:
         batch = {}
@@ -668,6 +698,19 @@ def _shard_pieces(fragments: list[ds.ParquetFileFragment], lo: int, hi: int) -> 
             if offset >= hi:
                 return pieces
     return pieces
+
+
+def _table_pieces(table: pa.Table, path: str, rank: int) -> list[Piece]:
+    """An in-memory table cut into pieces of ``_TABLE_PIECE_ROWS`` rows."""
+    if table.num_rows == 0:
+        raise ValueError(
+            f"rank {rank} has no rows of `{path}`; every rank needs at least one row. Use "
+            f"fewer ranks or more data."
+        )
+    rows = table.num_rows
+    return [
+        (table, lo, min(lo + _TABLE_PIECE_ROWS, rows)) for lo in range(0, rows, _TABLE_PIECE_ROWS)
+    ]
 
 
 def _rows(batch: Batch) -> int:

@@ -35,6 +35,7 @@ from flyte_hvd.data.columns import (
 from flyte_hvd.data.dataset import (
     FORMAT,
     METADATA_FILENAME,
+    VECTOR_KINDS,
     ColumnInfo,
     DatasetMetadata,
     get_dataset_metadata,
@@ -75,6 +76,7 @@ __all__ = [
     "get_dataset_metadata",
     "prepare_data",
     "read_metadata",
+    "stream_data",
     "train_val_split",
     "validation_flag",
 ]
@@ -303,12 +305,7 @@ def _write_one(
         store.fs_path(path),
         tuple(infos),
     )
-    if meta.rows < job.num_processes:
-        raise ValueError(
-            f"the {split} split has {meta.rows} rows, fewer than `num_processes`="
-            f"{job.num_processes}; every process needs rows. Use more data, fewer "
-            f"processes, or a different `validation`."
-        )
+    _check_rows_per_process(split, meta.rows, job.num_processes)
     return DatasetMetadata(
         columns=tuple(infos),
         rows=meta.rows,
@@ -322,6 +319,86 @@ def _write_one(
         feature_columns=tuple(columns.features),
         sample_weight_col=columns.weight,
     )
+
+
+def _check_rows_per_process(split: str, rows: int, num_processes: int) -> None:
+    if rows < num_processes:
+        raise ValueError(
+            f"the {split} split has {rows} rows, fewer than `num_processes`="
+            f"{num_processes}; every process needs rows. Use more data, fewer "
+            f"processes, or a different `validation`."
+        )
+
+
+# -- streaming: the same checks, nothing written ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A DataFrame checked as ``prepare_data`` checks it, for the ranks to receive straight
+    from Spark (``run(fn, data=streamed.df)``) rather than from Parquet in a Store."""
+
+    df: DataFrame  # the stored columns (vectors as arrays), and SPLIT_COL with a validation
+    metadata: tuple[DatasetMetadata, DatasetMetadata | None]  # train, validation (or None)
+
+
+def stream_data(
+    num_processes: int,
+    df: DataFrame,
+    label_columns: Sequence[str],
+    feature_columns: Sequence[str] | None = None,
+    validation: float | str | None = None,
+    sample_weight_col: str | None = None,
+    compress_sparse: bool = False,
+    allow_non_finite_features: bool = False,
+    on_checked: Callable[[], object] | None = None,
+) -> Streamed:
+    """``prepare_data``'s arguments, checks and metadata without the write: one Spark
+    aggregation refuses bad data (with ``prepare_data``'s messages) and counts each split's
+    rows; the returned DataFrame is what the ranks then receive, a partition each, with the
+    validation flag for ``data.loader.partition_splits`` to split by.
+
+    Raises:
+        ValueError: as ``prepare_data``.
+    """
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.sql import functions as F
+
+    check_count("num_processes", num_processes)
+    check_spark_dataframe(df, "`df`")
+    columns = select_columns(df, label_columns, feature_columns, validation, sample_weight_col)
+    sel, stats, infos = _checked_selection(df, columns, allow_non_finite_features, compress_sparse)
+    check_split_rows(stats, columns.validation, num_processes)
+    splits = ["train"] if columns.validation is None else ["train", "val"]
+    metadata = {}
+    for split in splits:
+        rows = split_rows(stats, split, columns.validation)
+        _check_rows_per_process(split, rows, num_processes)
+        metadata[split] = DatasetMetadata(
+            columns=tuple(infos),
+            rows=rows,
+            bytes=0,
+            files=0,
+            row_groups=0,
+            split=split,
+            label_columns=tuple(columns.labels),
+            feature_columns=tuple(columns.features),
+            sample_weight_col=columns.weight,
+        )
+    if on_checked is not None:
+        on_checked()
+    # Dense vectors cross to the ranks as arrays: the JVM writes Spark's vector struct to
+    # Arrow several times slower than it runs vector_to_array (see `estimators.base`).
+    dense = {i.name for i in infos if i.kind in VECTOR_KINDS and i.encoding == "list"}
+    stage = sel.select(
+        *[
+            vector_to_array(F.col(quoted(c)), "float64").alias(c)
+            if c in dense
+            else F.col(quoted(c))
+            for c in sel.columns
+        ]
+    )
+    return Streamed(df=stage, metadata=(metadata["train"], metadata.get("val")))
 
 
 def dataframe_metadata(

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from flyte_hvd.stage.dispatch import (
     active_session,
@@ -14,6 +14,9 @@ from flyte_hvd.stage.dispatch import (
     launch,
     start_spares,
 )
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 # Horovod's `run` arguments a SparkBackend passes on (`horovod.spark.common.backend`).
 _RUN_ARGS = frozenset(
@@ -89,10 +92,11 @@ class SparkBackend:
         """The cluster has a task slot per rank (``flyte_hvd.stage.dispatch.check_slots``)."""
         check_slots(self.num_processes(), self._kwargs.get("start_timeout"))
 
-    def start_spares(self) -> None:
-        """Rank processes import the framework while ``prepare_data`` runs (classic
-        sessions; see ``flyte_hvd.stage.rdd_stage.start_spares``)."""
-        start_spares(self.num_processes(), self._env, self.preload)
+    def start_spares(self, data: bool = False) -> None:
+        """Rank processes import the framework while ``prepare_data`` runs, or, with
+        ``data``, while Spark computes the DataFrame a streamed fit's ranks receive
+        (``flyte_hvd.stage.dispatch.start_spares``)."""
+        start_spares(self.num_processes(), self._env, self.preload, data)
 
     def run(
         self,
@@ -100,8 +104,10 @@ class SparkBackend:
         args: tuple = (),
         kwargs: dict | None = None,
         env: dict[str, str] | None = None,
+        data: DataFrame | None = None,
     ) -> list[Any]:
-        """Runs ``fn`` on the ranks; ``env`` adds to the backend's environment."""
+        """Runs ``fn`` on the ranks; ``env`` adds to the backend's environment; ``data``, a
+        DataFrame whose partitions the ranks receive (``flyte_hvd.spark.run``'s)."""
         full_env = {**self._env, **(env or {})} if self._env is not None else (env or None)
         options = dict(self._kwargs)
         full_env = horovod_run_args(
@@ -118,5 +124,6 @@ class SparkBackend:
             num_proc=self.num_processes(),
             env=full_env,
             preload=self.preload,
+            data=data,
             **options,
         ).results

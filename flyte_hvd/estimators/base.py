@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from pyspark.sql.types import DataType
 
     from flyte_hvd.data.dataset import DatasetMetadata
+    from flyte_hvd.data.prepare import Streamed
     from flyte_hvd.data.store import RemoteStore
     from flyte_hvd.estimators.training import TrainingSpec
     from flyte_hvd.stage.dispatch import AnySparkSession
@@ -126,6 +127,7 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
             )
         require_int("batch_size", self.getBatchSize(), minimum=1)
         require_int("epochs", self.getEpochs(), minimum=1)
+        _check_materialize(self.getMaterialize(), self.getBackend())
         if self.getValBatchSize() is not None:
             require_int("val_batch_size", self.getValBatchSize(), minimum=1)
         if self.getInmemoryCacheAll() not in (None, True, False):
@@ -213,35 +215,20 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
 
     def _fit(self, df: DataFrame) -> Model:
         from flyte_hvd.data.columns import check_spark_dataframe
-        from flyte_hvd.data.prepare import prepare_data
 
         check_spark_dataframe(df, f"the DataFrame given to {type(self).__name__}.fit")
         self._check_params(df.columns)
-        self._check_model(self._feature_cols(df.columns), self.getLabelCols())
+        features = self._feature_cols(df.columns)
+        self._check_model(features, self.getLabelCols())
         backend = self._backend()
         self._check_slots(backend)
         with (
             self._run() as (run_id, finished),
             self._mlflow_run(backend, run_id) as mlflow_run,
-            prepare_data(
-                backend.num_processes(),
-                self.getStore(),
-                df,
-                label_columns=self.getLabelCols(),
-                feature_columns=self._feature_cols(df.columns),
-                validation=self.getValidation(),
-                sample_weight_col=self.getSampleWeightCol(),
-                partitions_per_process=self.getPartitionsPerProcess(),
-                compress_sparse=bool(self.getCompressSparseCols()),
-                verbose=self.getVerbose(),
-                # Good data: the ranks' framework imports run while Spark writes it.
-                on_checked=backend.start_spares
-                if isinstance(backend, SparkBackend) and not finished
-                else None,
-            ) as dataset_idx,
+            _training_data(self, backend, df, features, finished) as (dataset_idx, streamed),
         ):
             return self._fit_on_prepared(
-                backend, dataset_idx, self._feature_cols(df.columns), run_id, mlflow_run, finished
+                backend, dataset_idx, features, run_id, mlflow_run, finished, streamed
             )
 
     def fit_on_parquet(self, params: dict | None = None, dataset_idx: str | None = None) -> Model:
@@ -294,13 +281,15 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
         run_id: str,
         mlflow_run: tracking.MlflowRun | None = None,
         finished: bool = False,
+        streamed: Streamed | None = None,
     ) -> Model:
         from flyte_hvd.data.prepare import get_dataset_metadata
         from flyte_hvd.data.store import bounded
         from flyte_hvd.estimators.training import read_run_state
 
         store = self.getStore()
-        metadata = get_dataset_metadata(store, dataset_idx)  # (train, validation or None)
+        # (train, validation or None)
+        metadata = streamed.metadata if streamed else get_dataset_metadata(store, dataset_idx)
         model_params = self._check_data(features, metadata)
         remote_store = store.to_remote(run_id, dataset_idx)
         if finished:  # no rank starts: the run's model, from its checkpoint in the store
@@ -314,7 +303,11 @@ class HorovodEstimator(Estimator, EstimatorParams, Archived):
         else:
             spec = self._training_spec(remote_store, features, metadata, backend.num_processes())
             spec.mlflow_run = mlflow_run
-            results = backend.run(self._remote_trainer(), args=(spec,))
+            if streamed is not None:
+                assert isinstance(backend, SparkBackend)  # checked by `_fit_streamed`
+                results = backend.run(self._remote_trainer(), args=(spec,), data=streamed.df)
+            else:
+                results = backend.run(self._remote_trainer(), args=(spec,))
         result = results[0]
         report.add_fit_report(type(self).__name__, results, remote_store, run_id, mlflow_run)
         if not store.saving_runs:  # the trained model is in `result`; the run folder can go
@@ -562,6 +555,46 @@ class HorovodModel(Model, Archived):
         return cls(model_bytes=files[cls._model_file], **params)
 
 
+@contextlib.contextmanager
+def _training_data(
+    estimator: HorovodEstimator,
+    backend: Backend,
+    df: DataFrame,
+    features: list[str],
+    finished: bool,
+) -> Iterator[tuple[str | None, Streamed | None]]:
+    """What a fit trains on, checked: ``(dataset index, None)`` for Parquet that
+    ``prepare_data`` wrote to the store, or with ``materialize=False`` ``(None, streamed)``,
+    ``df``'s columns that the ranks receive straight from Spark (``prepare.stream_data``).
+    Once the data passed its checks, spare rank processes start importing the framework."""
+    from flyte_hvd.data.prepare import prepare_data, stream_data
+
+    spark_backend = backend if isinstance(backend, SparkBackend) else None
+    spares = spark_backend is not None and not finished
+    options = {
+        "label_columns": estimator.getLabelCols(),
+        "feature_columns": features,
+        "validation": estimator.getValidation(),
+        "sample_weight_col": estimator.getSampleWeightCol(),
+        "compress_sparse": bool(estimator.getCompressSparseCols()),
+    }
+    if not estimator.getMaterialize():
+        assert spark_backend is not None  # `_check_params` refuses any other
+        on_checked = (lambda: spark_backend.start_spares(data=True)) if spares else None
+        yield None, stream_data(backend.num_processes(), df, **options, on_checked=on_checked)
+        return
+    with prepare_data(
+        backend.num_processes(),
+        estimator.getStore(),
+        df,
+        partitions_per_process=estimator.getPartitionsPerProcess(),
+        verbose=estimator.getVerbose(),
+        on_checked=spark_backend.start_spares if spark_backend and spares else None,
+        **options,
+    ) as dataset_idx:
+        yield dataset_idx, None
+
+
 def _as_type(column: Column, target: DataType) -> Column:
     """A prediction column (double, or array of float) as ``target``."""
     from pyspark.ml.functions import array_to_vector
@@ -617,6 +650,20 @@ class _InlineBroadcast:
     @staticmethod
     def broadcast(value: bytes) -> _Inline:
         return _Inline(value)
+
+
+def _check_materialize(materialize: object, backend: object) -> None:
+    if not isinstance(materialize, bool):
+        raise ValueError(
+            f"`materialize` must be True (write the DataFrame to the store, train from there) "
+            f"or False (train on its partitions straight from Spark); found {materialize!r}."
+        )
+    if not materialize and backend is not None and not isinstance(backend, SparkBackend):
+        raise ValueError(
+            f"`materialize=False` trains on the DataFrame's partitions inside a Spark barrier "
+            f"stage, which a SparkBackend runs; found the backend {type(backend).__name__}. "
+            f"Use SparkBackend (or `num_proc`), or materialize=True."
+        )
 
 
 def _check_roles(roles: dict[str, list[str]]) -> None:

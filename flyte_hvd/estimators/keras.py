@@ -141,6 +141,7 @@ class KerasEstimator(HorovodEstimator):
         train_steps_per_epoch: int | None = None,
         validation_steps_per_epoch: int | None = None,
         partitions_per_process: int = 10,
+        materialize: bool = True,
         run_id: str | None = None,
         checkpoint_callback: keras.callbacks.ModelCheckpoint | None = None,
         gradient_compression: type[Compressor] | None = None,

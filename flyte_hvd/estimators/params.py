@@ -42,6 +42,11 @@ ESTIMATOR_PARAMS: dict[str, tuple[Any, str]] = {
     "train_steps_per_epoch": (None, "steps per epoch (default: rows / (batch_size * ranks))"),
     "validation_steps_per_epoch": (None, "validation steps per epoch"),
     "partitions_per_process": (10, "Parquet files per rank and split"),
+    "materialize": (
+        True,
+        "True: write the DataFrame to Parquet in the store, and train from there; False: "
+        "each rank trains on its partition of the DataFrame, received straight from Spark",
+    ),
     "run_id": (None, "name of the run in the store; an existing one resumes"),
     "checkpoint_callback": (None, "e.g. BestModelCheckpoint; the file path is set for you"),
     "gradient_compression": (None, "e.g. hvd.Compression.fp16"),

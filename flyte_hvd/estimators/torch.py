@@ -161,6 +161,7 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
         train_steps_per_epoch: int | None = None,
         validation_steps_per_epoch: int | None = None,
         partitions_per_process: int = 10,
+        materialize: bool = True,
         run_id: str | None = None,
         checkpoint_callback: object = None,  # refused: Keras' and Lightning's param
         gradient_compression: type[Compressor] | None = None,

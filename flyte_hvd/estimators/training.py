@@ -36,6 +36,8 @@ from flyte_hvd.estimators import tracking
 from flyte_hvd.launch import progress, spare
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from flyte_hvd.data.dataset import DatasetMetadata
     from flyte_hvd.data.loader import BaseDataLoader, Batch
     from flyte_hvd.data.store import RemoteStore
@@ -69,6 +71,9 @@ class TrainingSpec:
     use_gpu: bool = True
     distributed: str = "horovod"  # the PyTorch estimators' `distributed` ("horovod" or "ddp")
     terminate_on_nan: bool = True  # a NaN or infinite epoch loss ends the fit
+    # False: the rank's rows come from its partition of the DataFrame (``run(fn, data=df)``),
+    # not from Parquet in the store.
+    materialize: bool = True
     mlflow_run: tracking.MlflowRun | None = None  # opened by the driver; rank 0 logs to it
 
 
@@ -378,9 +383,22 @@ def make_loaders(
     if spec.sample_weight_col:
         columns.append(spec.sample_weight_col)
 
+    tables: tuple[pa.Table | None, pa.Table | None] = (None, None)
+    if not spec.materialize:
+        tables = _partition_tables(spec, rank, size)
+
     def make(
-        path: str, metadata: DatasetMetadata, batch_size: int, shuffle: bool, steps: int | None
+        path: str,
+        metadata: DatasetMetadata,
+        batch_size: int,
+        shuffle: bool,
+        steps: int | None,
+        table: pa.Table | None,
     ) -> BaseDataLoader:
+        source: dict[str, Any] = {}
+        if table is not None:  # ranks of unequal partitions take the same steps
+            steps = steps or math.ceil(metadata.rows / (size * batch_size))
+            source["table"] = table
         loader = build(
             path,
             batch_size,
@@ -395,25 +413,55 @@ def make_loaders(
             inmemory_cache_all=spec.inmemory_cache_all,
             steps_per_epoch=steps,
             **options,
+            **source,
         )
         if spec.transformation_fn is not None:
             loader = TransformedLoader(loader, spec.transformation_fn)
         return loader
 
+    streamed = "this rank's partition of the DataFrame ({} rows)"
     train = make(
-        spec.store.train_data_path,
+        spec.store.train_data_path if spec.materialize else streamed.format("training"),
         train_meta,
         batch_size=spec.batch_size,
         shuffle=spec.shuffle,
         steps=spec.train_steps_per_epoch,
+        table=tables[0],
     )
     val = None
     if val_meta is not None:
         val = make(
-            spec.store.val_data_path,
+            spec.store.val_data_path if spec.materialize else streamed.format("validation"),
             val_meta,
             batch_size=spec.val_batch_size,
             shuffle=False,
             steps=spec.validation_steps_per_epoch,
+            table=tables[1],
         )
+    return train, val
+
+
+def _partition_tables(spec: TrainingSpec, rank: int, size: int) -> tuple[pa.Table, pa.Table | None]:
+    """A streamed fit's rows of this rank: its partition of the DataFrame, split into
+    training and validation rows in the stored layout.
+
+    Raises:
+        ValueError: the rank's partition holds no row of a split (before the first step).
+    """
+    from flyte_hvd.data.dataset import partition_splits
+    from flyte_hvd.stage.partition import get_partition, partition_folder
+
+    train_meta, val_meta = spec.metadata
+    # Each split goes to a file beside the partition's, which its task removes with it.
+    train, val = partition_splits(
+        get_partition(), train_meta.columns, val_meta is not None, partition_folder()
+    )
+    for split, table, meta in (("training", train, train_meta), ("validation", val, val_meta)):
+        if table is not None and meta is not None and table.num_rows == 0:
+            raise ValueError(
+                f"rank {rank} received no {split} rows: Spark's repartition of the DataFrame "
+                f"into {size} partitions left this rank's without any ({meta.rows} {split} "
+                f"rows in all). Use fewer ranks, more data, or materialize=True (which "
+                f"spreads each split evenly)."
+            )
     return train, val

@@ -34,6 +34,8 @@ RANK_ENV = "FLYTE_HVD_RANK"
 SIZE_ENV = "FLYTE_HVD_SIZE"
 JOB_ENV = "FLYTE_HVD_JOB"
 RESULT_ENV = "FLYTE_HVD_RESULT"
+# A rank of `run(fn, data=df)`: its partition's local file (`flyte_hvd.stage.partition`).
+PARTITION_ENV = "FLYTE_HVD_PARTITION"
 
 # Exit status of a rank whose supervisor went away: it must not outlive its launcher.
 ORPHANED_EXIT = 97

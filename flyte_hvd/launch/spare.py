@@ -251,6 +251,7 @@ def rank_environment(assignment: messages.Message) -> dict[str, str]:
     """A rank's own environment entries: where its run is (a new rank gets them at start, a
     spare with its rank)."""
     limit = str(assignment.get("result_limit") or "")
+    partition = str(assignment.get("partition") or "")
     return {
         rendezvous.CONTROL_ENV: str(assignment["control"]),
         rendezvous.RANK_ENV: str(assignment["rank"]),
@@ -260,6 +261,7 @@ def rank_environment(assignment: messages.Message) -> dict[str, str]:
         "TMPDIR": str(assignment["tmpdir"]),
         torch_env.ADDRESS_ENV: str(assignment.get("address") or ""),
         **({MAX_RESULT_ENV: limit} if limit else {}),
+        **({rendezvous.PARTITION_ENV: partition} if partition else {}),
     }
 
 

@@ -269,6 +269,8 @@ class RankSupervisor:
         # The result limit is the run's, not the process's: it travels with the rank's
         # assignment, so a spare started before the run can take the rank.
         result_limit = env.pop(MAX_RESULT_ENV, "")
+        # So is the rank's partition of the run's data (``run(fn, data=df)``).
+        partition = env.pop(rendezvous.PARTITION_ENV, "")
         state.spare_env = dict(env)
         # The rank's own entries. Its temporary files live in the supervisor's folder, which
         # is removed on every path (see `_private_dir`).
@@ -281,6 +283,7 @@ class RankSupervisor:
             "tmpdir": os.path.join(workdir, "tmp"),
             "address": self.address or "",
             "result_limit": result_limit,
+            "partition": partition,
         }
         if self.preload:
             key = spare.key_of(env, self.preload, state.command)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, overload
@@ -222,6 +223,29 @@ def run_data_stage(
     each task's partition written for its rank (``partition``); on either kind of session."""
     schema = partition.arrow_schema(data)
     return run_dataframe_stage(data.repartition(num_proc), task, retried, schema)
+
+
+def start_spares(
+    spark: SparkSession, num_proc: int, env: dict[str, str] | None, preload: tuple[str, ...]
+) -> threading.Thread | None:
+    """Spare rank processes for a DataFrame barrier stage (``pipeline.start_spares``): a
+    short ``mapInArrow`` job, so that they start in the Python workers that run the stage's
+    Arrow tasks (measured: an RDD job's workers are other processes). On either kind of
+    session."""
+
+    def submit(task: rank_task.SpareTask) -> int:
+        def started(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+            import pyarrow as pa
+
+            for _ in batches:
+                pass
+            yield pa.RecordBatch.from_pydict({"started": [sum(task(None))]})
+
+        job = spark.range(0, num_proc, numPartitions=num_proc).mapInArrow(started, "started long")
+        return sum(row.started for row in job.collect())
+
+    master = str(spark.conf.get("spark.master", "") or "")
+    return pipeline.start_spares(master, num_proc, env, preload, submit)
 
 
 def join_chunks(rows: list[Row]) -> list[tuple[int, bytes]]:

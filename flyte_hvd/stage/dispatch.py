@@ -284,12 +284,15 @@ def check_slots(num_proc: int | None, start_timeout: float | None = None) -> Non
 
 
 def start_spares(
-    num_proc: int, env: dict[str, str] | None, preload: tuple[str, ...]
+    num_proc: int, env: dict[str, str] | None, preload: tuple[str, ...], data: bool = False
 ) -> threading.Thread | None:
-    """Spare rank processes started ahead of a run, on a classic session
-    (``rdd_stage.start_spares``); nothing on Spark Connect, whose runs start their ranks as
-    usual."""
+    """Spare rank processes started ahead of a run: for a run given ``data`` (a DataFrame
+    stage) on either kind of session (``dataframe_stage.start_spares``), otherwise on a
+    classic session (``rdd_stage.start_spares``); nothing for a Spark Connect run without
+    data, whose ranks start as usual."""
     spark = active_session()
+    if data:
+        return dataframe_stage.start_spares(spark, num_proc, env, preload)  # type: ignore[arg-type]
     if is_connect_session(spark):
         return None
     return rdd_stage.start_spares(spark.sparkContext, num_proc, env, preload)

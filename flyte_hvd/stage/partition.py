@@ -16,12 +16,12 @@ import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
+from flyte_hvd.launch.rendezvous import PARTITION_ENV
+
 if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark.sql import DataFrame
 
-# Where a rank finds its partition's file.
-PARTITION_ENV = "FLYTE_HVD_PARTITION"
 _FOLDER_PREFIX = "flyte-hvd-partition-"
 
 
@@ -82,6 +82,12 @@ def _scratch_folder() -> str | None:
     return folders[0] if folders else None
 
 
+def partition_folder() -> str:
+    """Inside a rank of ``run(fn, data=df)``: the private folder of its partition's file, where
+    the rank may keep files of its own until it ends (its task removes the folder then)."""
+    return os.path.dirname(_partition_path())
+
+
 def get_partition() -> pa.Table:
     """Inside a rank of ``run(fn, data=df)``: this rank's rows of ``df`` as a pyarrow Table
     (memory-mapped from its task's local file; vector columns as Arrow structs). Every rank
@@ -93,6 +99,10 @@ def get_partition() -> pa.Table:
     """
     import pyarrow as pa
 
+    return pa.ipc.open_file(pa.memory_map(_partition_path())).read_all()
+
+
+def _partition_path() -> str:
     path = os.environ.get(PARTITION_ENV)
     if not path:
         raise RuntimeError(
@@ -100,4 +110,4 @@ def get_partition() -> pa.Table:
             "given to `run(fn, data=df)`, and this process is not a rank of such a run. Pass "
             "the DataFrame as `data`, or read the data from a Store."
         )
-    return pa.ipc.open_file(pa.memory_map(path)).read_all()
+    return path

@@ -158,6 +158,41 @@ def _master(sc: ClusterConf) -> str:
     return str(sc.master)
 
 
+def start_spares(
+    master: str,
+    num_proc: int,
+    env: dict[str, str] | None,
+    preload: tuple[str, ...],
+    submit: Callable[[rank_task.SpareTask], int],
+) -> threading.Thread | None:
+    """Starts, in a background thread, a short Spark job (``submit`` runs it) of ``num_proc``
+    tasks that each start a spare rank process importing ``preload`` in their Python worker,
+    unless one is idle there (``flyte_hvd.launch.spare``). An estimator calls it once its data
+    is checked: the ranks' framework imports then run while Spark writes or computes the
+    data, and the barrier tasks that follow in those workers hand their ranks to the spares
+    (Spark gives a task the Python worker idle longest; in a new session these are the only
+    ones). The job must be of the stage's kind: RDD tasks and the DataFrame API's Arrow tasks
+    run in separate pools of Python workers. A task that lands in another worker starts its
+    rank as usual; the spare left idle exits with its worker or after
+    ``FLYTE_HVD_SPARE_IDLE_S``. Returns the thread (None when spares are off); failures are
+    logged, never raised: the run does not depend on it."""
+    from flyte_hvd.launch import spare
+
+    if not preload or not spare.enabled():
+        return None
+    task = rank_task.spare_task(ranks_env(master, num_proc, env), tuple(preload), is_local(master))
+
+    def run() -> None:
+        try:
+            logger.debug("started %d spare rank process(es) ahead of the run", submit(task))
+        except Exception as error:  # e.g. the session stopped: the run starts its own ranks
+            logger.debug("no spare rank processes ahead of the run: %s", first_line(error))
+
+    thread = threading.Thread(target=run, name="flyte-hvd-spares", daemon=True)
+    thread.start()
+    return thread
+
+
 def is_local(master: str) -> bool:
     """``local``/``local[N]``/``local[N,F]``: tasks run in the driver JVM."""
     return master == "local" or master.startswith("local[")

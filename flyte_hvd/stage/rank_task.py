@@ -17,7 +17,7 @@ import cloudpickle
 from flyte_hvd.core.errors import RanksFailedError
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch.environment import DRIVER_VERSION_ENV, version_mismatch
-from flyte_hvd.stage.partition import PARTITION_ENV
+from flyte_hvd.launch.rendezvous import PARTITION_ENV
 
 if TYPE_CHECKING:
     from pyspark import TaskContext
@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 # ``data``, the path of the file its partition's rows were written to, it yields its rank's
 # ``(rank, pickled result)``.
 BarrierTask: TypeAlias = Callable[[object], Iterator[tuple[int, bytes]]]
+
+# A spare-starting task: starts a spare rank process in its Python worker unless one is idle
+# there (``pipeline.start_spares``); yields 1 if it started one, else 0.
+SpareTask: TypeAlias = Callable[[object], Iterator[int]]
 
 # Inside a rank: the accelerator addresses Spark assigned to its task, comma-separated.
 DEVICES_ENV = "FLYTE_HVD_SPARK_DEVICES"
@@ -53,6 +57,22 @@ def task_rank_env(env: dict[str, str], ctx: TaskContext) -> dict[str, str]:
         rank_env[DEVICES_ENV] = ",".join(gpus.addresses)
         rank_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus.addresses)
     return rank_env
+
+
+def spare_task(rank_env: dict[str, str], preload: tuple[str, ...], single_host: bool) -> SpareTask:
+    """The closure each task of ``pipeline.start_spares``'s job runs."""
+
+    def task(_: object) -> Iterator[int]:
+        from pyspark import TaskContext
+
+        from flyte_hvd.launch.supervisor import start_spare_ahead
+
+        ctx = TaskContext.get()
+        assert ctx is not None  # inside a Spark task
+        env = task_rank_env(rank_env, ctx)
+        yield int(start_spare_ahead(env, preload, single_host))
+
+    return task
 
 
 def barrier_task(

@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from flyte_hvd.core.log import get_logger
 from flyte_hvd.stage.dataframe_stage import run_data_stage
 from flyte_hvd.stage.pipeline import (
     expected_executors,
-    first_line,
     is_local,
-    ranks_env,
     slots_message,
     stage_attempts,
 )
-from flyte_hvd.stage.rank_task import BarrierTask, task_rank_env
+from flyte_hvd.stage.pipeline import start_spares as pipeline_start_spares
+from flyte_hvd.stage.rank_task import BarrierTask, SpareTask
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
@@ -72,51 +70,15 @@ def wait_for_slots(sc: SparkContext, num_proc: int, deadline: float, timeout: fl
 def start_spares(
     sc: SparkContext, num_proc: int, env: dict[str, str] | None, preload: tuple[str, ...]
 ) -> threading.Thread | None:
-    """Starts, in a background thread, a short Spark job of ``num_proc`` tasks that each
-    start a spare rank process importing ``preload`` in their Python worker, unless one is
-    idle there (``flyte_hvd.launch.spare``). An estimator calls it once ``prepare_data`` has
-    checked the data, before Spark writes it: the ranks' framework imports then run during
-    the write, and the barrier tasks that follow in those workers hand their ranks to the
-    spares (Spark gives a task the Python worker idle longest; in a new session these are
-    the only ones). A task that lands in another worker starts its rank as usual; the spare
-    left idle exits with its worker or after ``FLYTE_HVD_SPARE_IDLE_S``. Returns the thread
-    (None when spares are off); failures are logged, never raised: the run does not depend
-    on it."""
-    from flyte_hvd.launch import spare
+    """Spare rank processes for the RDD barrier stage that follows
+    (``pipeline.start_spares``): a short RDD job, so that they start in the Python workers
+    that run RDD tasks."""
 
-    if not preload or not spare.enabled():
-        return None
-    master = str(sc.master)
-    rank_env = ranks_env(master, num_proc, env)
-    task = _spare_task(rank_env, tuple(preload), is_local(master))
+    def submit(task: SpareTask) -> int:
+        sc.setLocalProperty("spark.job.description", "flyte-hvd: spare rank processes")
+        return int(sc.parallelize(range(num_proc), num_proc).mapPartitions(task).sum())
 
-    def submit() -> None:
-        try:
-            sc.setLocalProperty("spark.job.description", "flyte-hvd: spare rank processes")
-            started = sc.parallelize(range(num_proc), num_proc).mapPartitions(task).sum()
-            logger.debug("started %d spare rank process(es) ahead of the run", started)
-        except Exception as error:  # e.g. the session stopped: the run starts its own ranks
-            logger.debug("no spare rank processes ahead of the run: %s", first_line(error))
-
-    thread = threading.Thread(target=submit, name="flyte-hvd-spares", daemon=True)
-    thread.start()
-    return thread
-
-
-def _spare_task(
-    rank_env: dict[str, str], preload: tuple[str, ...], single_host: bool
-) -> Callable[[object], Iterator[int]]:
-    def task(_: object) -> Iterator[int]:
-        from pyspark import TaskContext
-
-        from flyte_hvd.launch.supervisor import start_spare_ahead
-
-        ctx = TaskContext.get()
-        assert ctx is not None  # inside a Spark task
-        env = task_rank_env(rank_env, ctx)
-        yield int(start_spare_ahead(env, preload, single_host))
-
-    return task
+    return pipeline_start_spares(str(sc.master), num_proc, env, preload, submit)
 
 
 # How long a failed run waits for its stage's cancelled tasks to report their end.

@@ -79,7 +79,10 @@ ARG FIND_LINKS=
 # The installer: uv (lock/dev.txt's version), outside the venv and gone after the step; it
 # installs the ~150 locked packages in about a minute where pip takes several. Like pip, it
 # takes the best match across PyPI, TORCH_INDEX_URL and FIND_LINKS; a CA bundle that
-# scripts/build_image.sh mounts for a proxy reaches it as SSL_CERT_FILE.
+# scripts/build_image.sh mounts for a proxy reaches it as SSL_CERT_FILE. Unlike pip, uv writes
+# no bytecode unless asked (--compile-bytecode); without it every process of a pod (driver,
+# executors, each rank) compiles the TensorFlow, torch and pyspark sources it imports anew,
+# since the image sets PYTHONDONTWRITEBYTECODE and runs as a user who cannot write the venv.
 ARG UV_VERSION=0.13.9
 # Only the lock this build installs: a change to another lock keeps the installed layer.
 COPY ${LOCK_FILE} /src/${LOCK_FILE}
@@ -89,7 +92,7 @@ RUN python -m venv /opt/venv \
         export SSL_CERT_FILE=/etc/ssl/flyte-hvd-build-ca.crt; \
     fi \
     && UV_CACHE_DIR=/tmp/uv-cache /tmp/uv/bin/uv pip install --python /opt/venv/bin/python \
-        --index-strategy unsafe-best-match ${FIND_LINKS:+--find-links "$FIND_LINKS"} \
+        --compile-bytecode --index-strategy unsafe-best-match ${FIND_LINKS:+--find-links "$FIND_LINKS"} \
         ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} -r "/src/${LOCK_FILE}" \
     && rm -rf /tmp/uv /tmp/uv-cache /src
 COPY --from=jars /jars/ /opt/venv/lib/python3.11/site-packages/pyspark/jars/

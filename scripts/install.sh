@@ -48,7 +48,11 @@ else
   echo "install: $torch_pin from $TORCH_INDEX_URL" >&2
   commands+=("${install[1]} --no-deps --index-url $TORCH_INDEX_URL $torch_pin")
 fi
-commands+=("${install[1]} $sources -c lock/dev.txt -e .[$extras]")
+# uv, unlike pip, writes no bytecode unless asked: without it every process (each rank, each
+# Spark worker) compiles the sources of TensorFlow, torch and pyspark it imports, again and
+# again where PYTHONDONTWRITEBYTECODE is set (a rank's imports took 2-3x as long).
+compile=$([ "$INSTALLER" = uv ] && echo --compile-bytecode || true)
+commands+=("${install[1]} $compile $sources -c lock/dev.txt -e .[$extras]")
 
 for command in "${commands[@]}"; do
   if [ "$mode" = "--print" ]; then

@@ -65,7 +65,7 @@ install() {
     "$UV" venv -q --python "$python" "$venv"
     # Word splitting of the sources is intended: they hold no spaces inside an argument.
     # shellcheck disable=SC2046
-    "$UV" pip install -q --python "$venv/bin/python" $(scripts/pip_sources.sh "$pip_python") \
+    "$UV" pip install -q --compile-bytecode --python "$venv/bin/python" $(scripts/pip_sources.sh "$pip_python") \
       -c "$lock" "${requirements[@]}"
   else
     "$python" -m venv "$venv"

@@ -184,7 +184,8 @@ def test_make_setup_takes_torch_from_a_local_wheel_when_pip_finds_one(tmp_path):
     assert result.returncode == 0, result.stderr
     uv = uv_commands(result)
     assert uv[1:] == [
-        f"{UV} pip install -q --python {sys.executable} --index-strategy unsafe-best-match "
+        f"{UV} pip install -q --python {sys.executable} --compile-bytecode "
+        "--index-strategy unsafe-best-match "
         f"--find-links {tmp_path} --index-url http://127.0.0.1:9/simple "
         "-c lock/dev.txt -e .[tf-cpu,torch,dev]"
     ]
@@ -202,6 +203,8 @@ def test_make_setup_takes_torch_alone_from_the_pytorch_cpu_index_without_a_local
         f"https://download.pytorch.org/whl/cpu torch=={version}"
     )
     assert uv[2].endswith("-c lock/dev.txt -e .[tf-cpu,torch,dev]"), uv
+    # Bytecode once, after the last step, as pip writes it (see scripts/install.sh).
+    assert "--compile-bytecode" in uv[2] and "--compile-bytecode" not in uv[1], uv
     # INSTALLER=pip: the same two steps with pip, and no uv.
     pip = install_commands(tmp_path, INSTALLER="pip")
     assert pip.stdout.splitlines() == [

@@ -26,7 +26,6 @@ import cloudpickle  # noqa: E402
 from flyte_hvd.data.loader import ArrowDataLoader  # noqa: E402
 from flyte_hvd.data.store import Store  # noqa: E402
 from flyte_hvd.estimators.keras import KerasEstimator, KerasModel  # noqa: E402
-from flyte_hvd.stage.dispatch import is_connect_session  # noqa: E402
 
 # Functions and callbacks of this module travel to the ranks by value (tests/ is not a package
 # the rank processes can import).
@@ -434,14 +433,14 @@ def test_bad_input_fails_before_ranks_start(spark_local2, store, overrides, matc
         _estimator(store, **overrides).fit(df)
 
 
-def test_streamed_fit_trains_as_the_materialized_one_and_leaves_only_the_run(spark, store):
-    """``materialize=False``: each rank trains on its partition of the DataFrame (classic and
-    Connect), to the loss of the materialized fit within the noise of a different shard
-    composition; the store then holds the run only (no prepared data), and the executors'
-    scratch space no partition file."""
+def test_streamed_fit_trains_as_the_materialized_one_and_leaves_only_the_run(spark_local2, store):
+    """``materialize=False``: each rank trains on its partition of the DataFrame, to the loss
+    of the materialized fit within the noise of a different shard composition; the store then
+    holds the run only (no prepared data), and the executors' scratch space no partition file.
+    (On a Spark Connect session: the torch estimators' streamed test.)"""
     import glob
 
-    df = _regression_df(spark, rows=400)
+    df = _regression_df(spark_local2, rows=400)
 
     def fit(materialize):
         return KerasEstimator(
@@ -456,9 +455,8 @@ def test_streamed_fit_trains_as_the_materialized_one_and_leaves_only_the_run(spa
     assert len(history["loss"]) == len(history["val_loss"]) == 4
     assert history["loss"][-1] < 0.3 * history["loss"][0]
     assert written == ["runs"], f"a streamed fit wrote {written} into the store"
-    if not is_connect_session(spark):  # the same fit, materialized (one session suffices)
-        reference = fit(True).getHistory()
-        np.testing.assert_allclose(history["val_loss"][-1], reference["val_loss"][-1], rtol=0.5)
+    reference = fit(True).getHistory()
+    np.testing.assert_allclose(history["val_loss"][-1], reference["val_loss"][-1], rtol=0.5)
     predicted = streamed.transform(df).select("label", "label__output").toPandas()
     assert np.mean(np.abs(predicted["label"] - predicted["label__output"])) < 0.5
     pattern = os.path.join(tempfile.gettempdir(), "**", "flyte-hvd-partition-*")

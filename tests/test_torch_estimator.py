@@ -21,7 +21,6 @@ from conftest import rank_processes  # noqa: E402
 from flyte_hvd.data.store import Store  # noqa: E402
 from flyte_hvd.estimators.lightning import LightningEstimator  # noqa: E402
 from flyte_hvd.estimators.torch import TorchEstimator, TorchModel  # noqa: E402
-from flyte_hvd.stage.dispatch import is_connect_session  # noqa: E402
 
 # Models and functions of this module travel to the ranks by value (tests/ is not a package
 # the rank processes can import).
@@ -163,23 +162,23 @@ def test_resume_continues_after_the_last_epoch(spark_local2, store):
     }
 
 
-def test_streamed_fits_train_as_materialized_ones_and_resume(spark, store):
-    """``materialize=False`` for TorchEstimator and LightningEstimator (classic and Connect):
+def test_streamed_fits_train_as_materialized_ones_and_resume(spark_connect, store):
+    """``materialize=False`` for TorchEstimator and LightningEstimator, on a Spark Connect
+    session (the Keras estimator's streamed test runs on a classic one):
     each rank trains on its partition of the DataFrame, with validation rows split out by
     the `validation` column; nothing but the runs is written to the store; a second streamed
     fit of the torch run resumes it from its checkpoint, to the loss of the same fit
     materialized within the noise of a different shard composition. (The fits of one
     framework run in a row: each reuses the spare rank processes of the one before.)"""
-    df = _regression_df(spark, rows=400)
+    df = _regression_df(spark_connect, rows=400)
     first = _torch_estimator(store, epochs=2, run_id="streamed", materialize=False).fit(df)
     assert os.listdir(store.prefix_path) == ["runs"]
     resumed = _torch_estimator(store, epochs=4, run_id="streamed", materialize=False).fit(df)
     history = resumed.getHistory()["loss"]
     assert len(history) == 4 and history[:2] == first.getHistory()["loss"]
     assert history[-1] < 0.5 * history[0]
-    if not is_connect_session(spark):  # the same fit, materialized (one session suffices)
-        reference = _torch_estimator(store, epochs=4).fit(df).getHistory()["loss"]
-        np.testing.assert_allclose(history[-1], reference[-1], rtol=0.5)
+    reference = _torch_estimator(store, epochs=4).fit(df).getHistory()["loss"]
+    np.testing.assert_allclose(history[-1], reference[-1], rtol=0.5)
 
     fitted = LightningEstimator(
         num_proc=2, store=store, model=Regressor(), feature_cols=["features"],

@@ -3,9 +3,11 @@ each fit takes seconds."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -164,12 +166,13 @@ def test_resume_continues_after_the_last_epoch(spark_local2, store):
 
 def test_streamed_fits_train_as_materialized_ones_and_resume(spark_connect, store):
     """``materialize=False`` for TorchEstimator and LightningEstimator, on a Spark Connect
-    session (the Keras estimator's streamed test runs on a classic one):
-    each rank trains on its partition of the DataFrame, with validation rows split out by
-    the `validation` column; nothing but the runs is written to the store; a second streamed
-    fit of the torch run resumes it from its checkpoint, to the loss of the same fit
-    materialized within the noise of a different shard composition. (The fits of one
-    framework run in a row: each reuses the spare rank processes of the one before.)"""
+    session (the Keras estimator's streamed test runs on a classic one): each rank trains on
+    its partition of the DataFrame, with validation rows split out by the `validation`
+    column; nothing but the runs is written to the store, and no partition file stays on the
+    executors' disks; a second streamed fit of the torch run resumes it from its checkpoint,
+    to the loss of the same fit materialized within the noise of a different shard
+    composition. (The fits of one framework run in a row: each reuses the spare rank
+    processes of the one before.)"""
     df = _regression_df(spark_connect, rows=400)
     first = _torch_estimator(store, epochs=2, run_id="streamed", materialize=False).fit(df)
     assert os.listdir(store.prefix_path) == ["runs"]
@@ -187,6 +190,11 @@ def test_streamed_fits_train_as_materialized_ones_and_resume(spark_connect, stor
     ).fit(df)  # fmt: skip
     val_loss = fitted.getHistory()["val_loss"]
     assert len(val_loss) == 3 and val_loss[-1] < val_loss[0]
+    # The executors' scratch space keeps no partition file (other tests keep copies of such
+    # folders in their tmp_path).
+    pattern = os.path.join(tempfile.gettempdir(), "**", "flyte-hvd-partition-*")
+    leftovers = [p for p in glob.glob(pattern, recursive=True) if "pytest-of-" not in p]
+    assert leftovers == []
 
 
 class Regressor(pl.LightningModule):

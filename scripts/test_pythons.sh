@@ -65,8 +65,8 @@ install() {
     "$UV" venv -q --python "$python" "$venv"
     # Word splitting of the sources is intended: they hold no spaces inside an argument.
     # shellcheck disable=SC2046
-    "$UV" pip install -q --compile-bytecode --python "$venv/bin/python" $(scripts/pip_sources.sh "$pip_python") \
-      -c "$lock" "${requirements[@]}"
+    "$UV" pip install -q --compile-bytecode --python "$venv/bin/python" \
+      $(scripts/pip_sources.sh "$pip_python") -c "$lock" "${requirements[@]}"
   else
     "$python" -m venv "$venv"
     "$venv/bin/python" -m pip install -q -c "$lock" "${requirements[@]}"

@@ -81,6 +81,17 @@ def idle_spare(pid: str) -> bool:
     return bool(paths) and os.path.exists(paths[0])
 
 
+def partition_leftovers() -> list[str]:
+    """Partition folders of data stages (``flyte-hvd-partition-*``) left anywhere under the
+    temp folder, where executors keep their scratch space; copies that tests keep in their own
+    ``tmp_path`` do not count."""
+    import glob
+    import tempfile
+
+    pattern = os.path.join(tempfile.gettempdir(), "**", "flyte-hvd-partition-*")
+    return [p for p in glob.glob(pattern, recursive=True) if "pytest-of-" not in p]
+
+
 @pytest.fixture
 def no_leftover_ranks():
     """Fails the test if it leaves a rank process or mpiexec behind."""

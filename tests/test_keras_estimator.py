@@ -22,6 +22,7 @@ keras = pytest.importorskip("keras")
 import sys  # noqa: E402
 
 import cloudpickle  # noqa: E402
+from conftest import partition_leftovers  # noqa: E402
 
 from flyte_hvd.data.loader import ArrowDataLoader  # noqa: E402
 from flyte_hvd.data.store import Store  # noqa: E402
@@ -438,8 +439,6 @@ def test_streamed_fit_trains_as_the_materialized_one_and_leaves_only_the_run(spa
     of the materialized fit within the noise of a different shard composition; the store then
     holds the run only (no prepared data), and the executors' scratch space no partition file.
     (On a Spark Connect session: the torch estimators' streamed test.)"""
-    import glob
-
     df = _regression_df(spark_local2, rows=400)
 
     def fit(materialize):
@@ -459,9 +458,7 @@ def test_streamed_fit_trains_as_the_materialized_one_and_leaves_only_the_run(spa
     np.testing.assert_allclose(history["val_loss"][-1], reference["val_loss"][-1], rtol=0.5)
     predicted = streamed.transform(df).select("label", "label__output").toPandas()
     assert np.mean(np.abs(predicted["label"] - predicted["label__output"])) < 0.5
-    pattern = os.path.join(tempfile.gettempdir(), "**", "flyte-hvd-partition-*")
-    leftovers = [p for p in glob.glob(pattern, recursive=True) if "pytest-of-" not in p]
-    assert leftovers == []  # (other tests keep copies of such folders in their tmp_path)
+    assert partition_leftovers() == []
 
 
 def test_unwritable_store_fails_before_ranks_start(spark_local2, store):

@@ -3,11 +3,9 @@ each fit takes seconds."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ torch = pytest.importorskip("torch")
 pl = pytest.importorskip("lightning.pytorch")
 
 import cloudpickle  # noqa: E402
-from conftest import rank_processes  # noqa: E402
+from conftest import partition_leftovers, rank_processes  # noqa: E402
 
 from flyte_hvd.data.store import Store  # noqa: E402
 from flyte_hvd.estimators.lightning import LightningEstimator  # noqa: E402
@@ -190,11 +188,7 @@ def test_streamed_fits_train_as_materialized_ones_and_resume(spark_connect, stor
     ).fit(df)  # fmt: skip
     val_loss = fitted.getHistory()["val_loss"]
     assert len(val_loss) == 3 and val_loss[-1] < val_loss[0]
-    # The executors' scratch space keeps no partition file (other tests keep copies of such
-    # folders in their tmp_path).
-    pattern = os.path.join(tempfile.gettempdir(), "**", "flyte-hvd-partition-*")
-    leftovers = [p for p in glob.glob(pattern, recursive=True) if "pytest-of-" not in p]
-    assert leftovers == []
+    assert partition_leftovers() == []  # on the executors' disks
 
 
 class Regressor(pl.LightningModule):

@@ -121,6 +121,10 @@ bench: setup
 	$(PY) -m benchmarks.across_hosts
 	$(PY) -m benchmarks.startup
 	$(PY) -m benchmarks.keras_step
+	$(PY) -m benchmarks.keras_epochs
 	$(PY) -m benchmarks.data_path
+	$(PY) -m benchmarks.dataframe_to_ranks
+	$(PY) -m benchmarks.streamed_fit
 	$(PY) -m benchmarks.estimator
 	$(PY) -m benchmarks.torch_step
+	$(PY) -m benchmarks.output

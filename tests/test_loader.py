@@ -90,6 +90,18 @@ def test_short_shard_wraps_around(tmp_path):
             assert set(counts.values()) == {4}  # whole passes, each row once per pass
 
 
+def test_one_parquet_file_is_a_dataset_too(tmp_path):
+    """A path naming one Parquet file (not a folder of them) reads as a dataset of that file;
+    a missing path is still refused by name."""
+    path = str(tmp_path / "one.parquet")
+    pq.write_table(pa.table({"id": np.arange(20), "x": np.arange(20.0)}), path, row_group_size=6)
+    for rank, rows in enumerate([range(10), range(10, 20)]):
+        loader = ArrowDataLoader(path, 5, rank=rank, size=2, shuffle=False)
+        assert sorted(ids_of(loader)) == list(rows)
+    with pytest.raises(ValueError, match=r"no Parquet dataset at `.*missing\.parquet`"):
+        ArrowDataLoader(str(tmp_path / "missing.parquet"), 5)
+
+
 def test_each_row_once_per_epoch_in_a_new_order(tmp_path):
     path = write_dataset(tmp_path / "d", [16] * 8)  # 128 rows, shards of 64
     loader = ArrowDataLoader(path, 8, rank=1, size=2, shuffle_buffer_size=16, seed=7)
@@ -297,6 +309,9 @@ def test_tf_dataset_feeds_keras_one_epoch_per_pass(dataset):
     assert x_spec[1].shape == (8,) and x_spec[1].dtype == tf.int64
     assert y_spec.shape == (8,)
     assert int(ds.cardinality()) == len(loader) == math.ceil(TOTAL / 16)
+    # tf.data's tuning thread stalls each new iterator (Keras makes one per epoch) for seconds
+    # with nothing to tune: the buffers are fixed.
+    assert ds.options().autotune.enabled is False
 
     only_x = loader.to_tf_dataset("x")
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])

@@ -88,6 +88,16 @@ def test_the_next_run_gets_spares_that_run_one_job_each(no_leftover_ranks):
     assert {s.proc.pid for s in spare._SPARES}.isdisjoint(spares)
 
 
+def test_a_preload_module_that_is_missing_does_not_stop_the_spare(no_leftover_ranks):
+    """Optional modules (an fsspec backend Lightning checks its saves against) may be absent
+    where the spare runs: it imports the others and still takes the next run's rank."""
+    preload = ("no_such_module_for_a_spare", "json")
+    _run(preload=preload)
+    second, times = _run(preload=preload)
+    assert all("spare_claimed" in t for t in times.values())
+    assert [r[1:] for r in second.values()] == [(0, 2, [2.0], True), (1, 2, [2.0], True)]
+
+
 def _partition_path():
     import os
 

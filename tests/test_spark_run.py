@@ -59,14 +59,26 @@ def test_env_and_kwargs_reach_fn(spark):
 
 def test_ranks_share_a_local_masters_cores(spark):
     """Spark gives its Python workers OMP_NUM_THREADS = spark.task.cpus (1); on local[2] the
-    ranks divide the 2 cores instead, and `env` still has the last word."""
+    ranks divide the 2 cores instead, TensorFlow's intra-op pool takes the same share, and
+    `env` still has the last word."""
 
     def threads():
-        return os.environ["OMP_NUM_THREADS"]
+        return os.environ["OMP_NUM_THREADS"], os.environ.get("TF_NUM_INTRAOP_THREADS")
 
-    assert run(threads, num_proc=1) == ["2"]
-    assert run(threads, num_proc=2) == ["1", "1"]
-    assert run(threads, num_proc=1, env={"OMP_NUM_THREADS": "3"}) == ["3"]
+    assert run(threads, num_proc=1) == [("2", "2")]
+    assert run(threads, num_proc=2) == [("1", "1")] * 2
+    assert run(threads, num_proc=1, env={"OMP_NUM_THREADS": "3"}) == [("3", "3")]
+    assert run(threads, num_proc=1, env={"TF_NUM_INTRAOP_THREADS": "4"}) == [("2", "4")]
+
+
+def test_tensorflow_threads_follow_omp_num_threads_unless_set():
+    from flyte_hvd.launch.environment import rank_threads_env
+
+    assert rank_threads_env({"OMP_NUM_THREADS": "3"}) == {"TF_NUM_INTRAOP_THREADS": "3"}
+    assert rank_threads_env({"OMP_NUM_THREADS": "3", "TF_NUM_INTRAOP_THREADS": "8"}) == {}
+    for omp in (None, "0", "4,2", ""):
+        unusable = {} if omp is None else {"OMP_NUM_THREADS": omp}
+        assert rank_threads_env(unusable) == {}, unusable
 
 
 def test_local_thread_shares_by_master():

@@ -346,7 +346,7 @@ def read_metadata_fs(filesystem: FileSystem, path: str) -> DatasetMetadata:
     try:
         with fs.open_input_stream(sidecar) as f:
             return DatasetMetadata.from_json(f.read().decode("utf-8"))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no sidecar, or `path` is one file
         pass
     except OSError as error:  # some pyarrow filesystems raise OSError for a missing file
         if "not found" not in str(error).lower() and "no such file" not in str(error).lower():

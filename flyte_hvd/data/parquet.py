@@ -18,7 +18,8 @@ METADATA_FILENAME = "_flyte_hvd_metadata.json"
 
 
 def open_parquet_dataset(filesystem: FileSystem, path: str) -> ds.Dataset:
-    """A ``pyarrow.dataset.Dataset`` of the Parquet files under ``path``, files sorted by path.
+    """A ``pyarrow.dataset.Dataset`` of the Parquet files under ``path``, files sorted by path
+    (or of the one file ``path`` names).
 
     Hidden and ``_``-prefixed files (``_SUCCESS``, ``.crc``, the sidecar) are skipped; when
     some files end in ``.parquet``, only those are read, so stray files do not break reading.
@@ -30,6 +31,8 @@ def open_parquet_dataset(filesystem: FileSystem, path: str) -> ds.Dataset:
     import pyarrow.fs as pafs
 
     fs = as_arrow_filesystem(filesystem)
+    if fs.get_file_info(path).type == pafs.FileType.File:  # one file, not a folder of them
+        return ds.dataset([path], filesystem=fs, format="parquet")
     try:
         infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
     except (FileNotFoundError, OSError) as error:

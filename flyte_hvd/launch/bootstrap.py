@@ -21,7 +21,7 @@ from flyte_hvd.core.errors import ExplainedError
 from flyte_hvd.core.log import get_logger
 from flyte_hvd.launch import job as job_module
 from flyte_hvd.launch import messages, rendezvous, spare, stall, torch_env
-from flyte_hvd.launch.environment import DRIVER_VERSION_ENV, version_mismatch
+from flyte_hvd.launch.environment import DRIVER_VERSION_ENV, rank_threads_env, version_mismatch
 from flyte_hvd.launch.messages import RankOp
 from flyte_hvd.launch.output import adopt_rank_pipes
 
@@ -82,6 +82,7 @@ def main() -> None:
             HOROVOD_CROSS_SIZE=str(topo.cross_size),
         )
         env.update(torch_env.rank_env(rank, size, topo, gathered, env))
+        env.update(rank_threads_env(env))
         client.send(messages.rank_event(RankOp.JOINED))
         with open(job_path, "rb") as f, job_module.collector_paused():
             job = cloudpickle.load(f)  # imports the modules it names (the framework)

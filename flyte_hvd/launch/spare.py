@@ -221,7 +221,9 @@ def wait_for_rank() -> dict[str, str]:
     os.rename(f"{path}.new", path)
     with collector_paused():
         for name in filter(None, env.pop(_PRELOAD_ENV, "").split(",")):
-            importlib.import_module(name)
+            # Optional ones (an fsspec backend) may be missing: the job imports what it needs.
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
     server.settimeout(1.0)
     deadline = time.monotonic() + idle
     try:

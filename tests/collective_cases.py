@@ -148,7 +148,9 @@ def grouped_allreduce_matches_one_by_one():
     assert len(fused) == len(arrays)
     for a, b in zip(one_by_one, fused, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_allclose(a, b, rtol=1e-6)
+        # The routes may add in different orders (a small array in the agreement's records in
+        # rank order, a fused one by MPI's algorithm): float32 rounding, near zero too.
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
 @case
@@ -190,6 +192,19 @@ def allgather_ragged():
         assert out.dtype == dtype
         np.testing.assert_array_equal(out, expected)
     np.testing.assert_array_equal(hvd.allgather(np.int64(r)), np.arange(n))
+    # Parts of no bytes: rows of no width, no rows on any rank, rank 0's one row alone.
+    assert hvd.allgather(np.ones((2, 0))).shape == (2 * n, 0)
+    assert hvd.allgather(np.ones((0, 3))).shape == (0, 3)
+    np.testing.assert_array_equal(
+        hvd.allgather(np.full((0 if r else 1, 3), 7.0)), np.full((1, 3), 7.0)
+    )
+    # Parts on both sides of what the agreement's record carries over MPI (64 KB by default):
+    # in the records, some in and some not, none in.
+    for rows in ([1, 2, 3], [1, 20_000, 3], [20_000, 30_000, 15_000]):
+        mine = np.full((rows[r % 3], 2), r, np.float32)
+        out = hvd.allgather(mine)
+        expected = np.concatenate([np.full((rows[k % 3], 2), k, np.float32) for k in range(n)])
+        np.testing.assert_array_equal(out, expected)
 
 
 @case
@@ -331,6 +346,11 @@ def mismatched_shapes_raise_on_every_rank():
         lambda: hvd.allgather(np.ones((1 + r, 2), np.float32 if r else np.float64)),  # ragged
         lambda: hvd.grouped_allreduce([np.ones(2), np.ones(2 + r)]),
         lambda: hvd.broadcast(np.ones(2), root_rank=r),
+        # Over MPI, one rank's data fits the agreement's record (64 KB) and the other's not.
+        lambda: hvd.allreduce(np.ones(10_000 + 20_000 * r, np.float32)),
+        lambda: hvd.broadcast(np.ones(10_000 + 20_000 * r, np.float32), root_rank=0),
+        lambda: hvd.allgather(np.ones((10, 1000 + 2000 * r), np.float32)),
+        lambda: hvd.allreduce(np.ones(3), op=hvd.Sum if r else hvd.Max),
     ):
         try:
             call()
@@ -435,6 +455,58 @@ def small_allreduces_in_every_form():
         assert "unknown reduction op" in str(e), str(e)
     else:
         raise AssertionError("a float op was accepted")
+
+
+@case
+def every_rank_gets_the_same_bits():
+    """Float sums depend on the order of the additions; whatever route a reduction takes,
+    every rank must get the same result (a model's replicas must not drift apart)."""
+    rng = np.random.default_rng(hvd.rank())
+    for count in (1, 7, 1000, 5000, 300_000):
+        for op in (hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product):
+            got = hvd.allreduce(rng.normal(size=count).astype(np.float32), op=op)
+            every = hvd.allgather(got.reshape(1, -1))
+            assert (every == every[0]).all(), (count, op)
+
+
+@case
+def records_in_one_allgather_above_eight_ranks():
+    """Over MPI above ``P2P_MAX_RANKS`` ranks the records go in one Allgather of fixed-size
+    records: the same collectives and the same errors, here on a communicator of this run
+    that takes that way."""
+    from flyte_hvd.core import collectives, state, transport
+    from flyte_hvd.core.transport import mpi
+
+    comm = state.comm().Dup()
+    limit, mpi.P2P_MAX_RANKS = mpi.P2P_MAX_RANKS, 1
+    try:
+        route = transport.of(comm)
+        if type(route) is not mpi.MpiTransport or route.size == 1:
+            return  # shared memory or one rank: no records over MPI
+        assert not route._p2p and route.eager <= 65536 // route.size
+        r, n = hvd.rank(), hvd.size()
+        for count in (3, 5000, 100_000):  # in the records, then not
+            got = collectives.allreduce_on(comm, np.full(count, r + 1.0), hvd.Sum)
+            np.testing.assert_array_equal(got, np.full(count, n * (n + 1) / 2))
+            part = np.full((r + 1, count // 100 + 1), r, np.float32)
+            gathered = collectives.allgather_on(comm, part)
+            assert gathered.shape[0] == n * (n + 1) // 2
+            assert (gathered[-n:] == n - 1).all()
+            sent = np.arange(count, dtype=np.float32) + (r == n - 1)
+            np.testing.assert_array_equal(
+                collectives.broadcast_on(comm, sent, n - 1), np.arange(count) + 1.0
+            )
+        if state.checks_collectives():
+            try:
+                collectives.allreduce_on(comm, np.ones(3 + r), hvd.Sum)
+            except hvd.CollectiveMismatchError as e:
+                assert "rank 0:" in str(e) and "rank 1:" in str(e), str(e)
+            else:
+                raise AssertionError("mismatch was not detected")
+    finally:
+        mpi.P2P_MAX_RANKS = limit
+        transport.forget(comm)
+        comm.Free()
 
 
 @case

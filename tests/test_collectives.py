@@ -15,7 +15,7 @@ from cluster_harness import MPI_TCP_ENV, mpiexec_on_hosts, namespaces_unavailabl
 from needs import require
 
 import flyte_hvd.core as hvd
-from flyte_hvd.core import shm
+from flyte_hvd.core import shm, state
 from flyte_hvd.launch.job import FunctionJob
 from flyte_hvd.launch.supervisor import launch_local
 
@@ -24,9 +24,25 @@ import collective_cases
 cloudpickle.register_pickle_by_value(collective_cases)
 
 _results: dict[int | str, list[dict]] = {}
-# Ranks on one host reduce through shared memory by default; "2-mpi" runs the cases at size 2
-# with that path off (MPI carries everything), "3-shm" at size 3 with it forced on.
-_PATHS = {"2-mpi": "off", "3-shm": "on"}
+# Ranks on one host reduce through shared memory by default; "2-mpi" and "3-mpi" run the cases
+# with that path off (MPI carries everything: calls up to FLYTE_HVD_EAGER_BYTES in the
+# agreement's records), "2-mpi-eager-0" with no data in the records, "2-mpi-unchecked" with
+# the argument check off, "3-shm" at size 3 with shared memory forced on.
+_PATHS = {
+    "2-mpi": {shm.MODE_ENV: "off"},
+    "3-mpi": {shm.MODE_ENV: "off"},
+    "2-mpi-eager-0": {shm.MODE_ENV: "off", state.EAGER_ENV: "0"},
+    "3-shm": {shm.MODE_ENV: "on"},
+    "2-mpi-unchecked": {shm.MODE_ENV: "off", state.CHECK_ENV: "0"},
+}
+# Cases that call collectives with mismatched arguments or serve joined ranks: only the
+# argument check makes those work (without it they hang or abort, as in raw MPI).
+_NEEDS_CHECK = {
+    "mismatched_shapes_raise_on_every_rank",
+    "join_serves_reductions_of_the_other_ranks",
+    "allreduce_of_several_chunks",
+    "long_gathers_and_broadcasts",
+}
 
 
 def results_at(size: int | str) -> list[dict[str, str | None]]:
@@ -36,17 +52,22 @@ def results_at(size: int | str) -> list[dict[str, str | None]]:
             _results[size] = [collective_cases.run_cases()]
         else:
             ranks = int(str(size).split("-")[0])
-            env = {shm.MODE_ENV: _PATHS[size]} if size in _PATHS else None
+            env = _PATHS.get(size)
+            names = list(collective_cases.CASES)
+            if env and env.get(state.CHECK_ENV) == "0":
+                names = [n for n in names if n not in _NEEDS_CHECK]
             _results[size] = launch_local(
-                FunctionJob(collective_cases.run_cases), ranks, start_timeout=60, env=env
+                FunctionJob(collective_cases.run_cases, (names,)), ranks, start_timeout=60, env=env
             )
     return _results[size]
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("size", [1, 2, "2-mpi", "3-shm"])
+@pytest.mark.parametrize("size", [1, 2, *_PATHS])
 @pytest.mark.parametrize("name", list(collective_cases.CASES))
 def test_collective(name: str, size: int | str):
+    if name in _NEEDS_CHECK and str(size).endswith("unchecked"):
+        pytest.skip("needs the argument check (FLYTE_HVD_CHECK_COLLECTIVES=0 here)")
     failures = {r: res[name] for r, res in enumerate(results_at(size)) if res[name] is not None}
     assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
 
@@ -168,6 +189,29 @@ def test_bad_shared_memory_setting_is_refused_at_init(monkeypatch):
     hvd.shutdown()
     monkeypatch.setenv(shm.MODE_ENV, "yes")
     with pytest.raises(ValueError, match=r"FLYTE_HVD_SHM_COLLECTIVES='yes': expected one of auto"):
+        hvd.init(comm=MPI.COMM_SELF)
+    assert not hvd.is_initialized()
+
+
+def test_records_carry_at_most_64_kib(monkeypatch):
+    """Point to point (up to 8 ranks) a record is as long as its data, up to 64 KiB; in an
+    Allgather every record has the room, so 64 KiB over all ranks."""
+    from flyte_hvd.core.transport.mpi import P2P_MAX_RANKS, eager_bytes
+
+    assert state.EAGER_DEFAULT == 65536 and P2P_MAX_RANKS == 8
+    monkeypatch.setattr(state._state, "eager_bytes", 1 << 20)
+    assert [eager_bytes(n) for n in (2, 8, 16, 1000, 20000)] == [65536, 65536, 4096, 64, 0]
+    monkeypatch.setattr(state._state, "eager_bytes", 1001)  # whole int64 slots
+    assert eager_bytes(2) == 1000
+
+
+@pytest.mark.parametrize("value", ["-1", "4k"])
+def test_bad_eager_setting_is_refused_at_init(monkeypatch, value):
+    from mpi4py import MPI
+
+    hvd.shutdown()
+    monkeypatch.setenv(state.EAGER_ENV, value)
+    with pytest.raises(ValueError, match=rf"FLYTE_HVD_EAGER_BYTES='{value}': expected a number"):
         hvd.init(comm=MPI.COMM_SELF)
     assert not hvd.is_initialized()
 

@@ -1,9 +1,10 @@
 """How ranks agree on a collective before it runs, and how joined ranks are served.
 
 Before each collective the ranks compare a fingerprint of what they were called with (op,
-dtype, shape, root): one MAX reduction of ``[fingerprint, -fingerprint]`` (fingerprints are
->= 0), which a transport carries (``Transport.exchange``; on shared memory beside the data's
-first wait). Equal fingerprints come back unchanged. A rank inside ``join()`` sends
+dtype, shape, root): the elementwise MAX of every rank's ``[fingerprint, -fingerprint]``
+(fingerprints are >= 0), which a transport carries (``Transport.exchange``; on shared memory
+beside the data's first wait, over MPI in one exchange of every rank's record, with small
+calls' data). Equal fingerprints come back unchanged. A rank inside ``join()`` sends
 ``[ABSENT, 1]`` instead: below every fingerprint and above every -fingerprint, so the others
 see a positive second slot. Then a collective with a reduction goes on with the joined ranks
 contributing the op's identity, and any other collective raises on every rank; differing

@@ -514,14 +514,6 @@ class Hierarchy:
         self.local = local
         self.cross = cross
 
-    def exchange(self, pair: tuple[int, int], what: Callable[[], str]) -> tuple[int, int]:
-        """As ``Channel.exchange``, over MPI: every rank of every host takes part."""
-        from mpi4py import MPI
-
-        buf = np.array(pair, dtype=np.int64)
-        self.comm.Allreduce(MPI.IN_PLACE, buf, MPI.MAX)
-        return int(buf[0]), int(buf[1])
-
     def allreduce(
         self,
         src: np.ndarray | Pieces,
@@ -531,13 +523,11 @@ class Hierarchy:
         pair: tuple[int, int],
         what: Callable[[], str],
     ) -> tuple[int, int] | None:
-        """As ``Channel.allreduce``; the agreement is one MPI reduction first (0: none)."""
+        """As ``Channel.allreduce``, the ranks having agreed already (over MPI, by the
+        transport: ``pair`` is (0, 0)); returns None."""
         from mpi4py import MPI
 
-        if pair[0]:
-            agreed = self.exchange(pair, what)
-            if agreed != pair:
-                return agreed
+        assert pair == (0, 0), "the hierarchy's agreement is the transport's"
         self.local.allreduce(src, dst, ufunc, 1, (0, 0), what)
         count, ranks, me = dst.size, self.local.size, self.local.rank
         bounds = [count * r // ranks for r in range(ranks + 1)]

@@ -20,14 +20,19 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 HOSTNAME_ENV = "FLYTE_HVD_HOSTNAME"
-# "0" skips the argument check before each collective (one 16-byte reduction, about 5 us on
-# two local ranks); mismatched calls then behave as in raw MPI: they hang or corrupt memory.
+# "0" skips the argument check before each collective (one exchange of small records over
+# MPI, a few us on two local ranks); mismatched calls then behave as in raw MPI: they hang
+# or corrupt memory.
 CHECK_ENV = "FLYTE_HVD_CHECK_COLLECTIVES"
 # Where reductions of ranks on one host go: "auto" (shared memory when every rank of the
 # communicator is on this host), "on" (the same, an error where it cannot), "off" (MPI).
 SHM_ENV = "FLYTE_HVD_SHM_COLLECTIVES"
 SHM_MODES = ("auto", "on", "off")
 HIERARCHICAL_ENV = "HOROVOD_HIERARCHICAL_ALLREDUCE"
+# Bytes of a call's data that ride in the agreement's own message over MPI (the MPI
+# transport's records): a collective that small takes one round between hosts, not two.
+EAGER_ENV = "FLYTE_HVD_EAGER_BYTES"
+EAGER_DEFAULT = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ class _State:
     check_collectives: bool = True
     shm_mode: str = "auto"
     hierarchical: bool = True
+    eager_bytes: int = EAGER_DEFAULT
 
 
 _state = _State()
@@ -108,6 +114,7 @@ def init(comm: MPI.Comm | None = None) -> None:
 
     shm_mode = _shm_mode()  # a bad value fails here, not in the first collective
     hierarchical = _hierarchical()
+    eager = _eager_bytes()
     if comm is None:
         comm = _state.launcher_comm if _state.launcher_comm is not None else MPI.COMM_WORLD
     elif not isinstance(comm, MPI.Comm):
@@ -128,6 +135,7 @@ def init(comm: MPI.Comm | None = None) -> None:
     _state.check_collectives = os.environ.get(CHECK_ENV, "1") != "0"
     _state.shm_mode = shm_mode
     _state.hierarchical = hierarchical
+    _state.eager_bytes = eager
     timeline.start_from_env(own.Get_rank())
 
 
@@ -181,6 +189,27 @@ def _hierarchical() -> bool:
             f"within each host in shared memory first; 0: MPI carries their allreduces)."
         )
     return raw in ("1", "true")
+
+
+def _eager_bytes() -> int:
+    raw = os.environ.get(EAGER_ENV, "").strip()
+    if not raw:
+        return EAGER_DEFAULT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"{EAGER_ENV}={raw!r}: expected a number of bytes >= 0 (0: the agreement carries "
+            f"no data; default {EAGER_DEFAULT})."
+        )
+    return value
+
+
+def eager_bytes() -> int:
+    """``FLYTE_HVD_EAGER_BYTES`` as read at ``init()``."""
+    return _state.eager_bytes
 
 
 def hierarchical() -> bool:

@@ -1,5 +1,18 @@
 """The MPI transport: every collective of a communicator through mpi4py's buffer methods
-(arrays never pickled), and the base the other transports fall back to."""
+(arrays never pickled), and the base the other transports fall back to.
+
+The ranks' agreement (``agreement.py``) goes over MPI as one round in which every rank sends
+every other its record: the call's fingerprint and its negation, how many bytes of the
+call's data the record carries (-1: none), the rank's row count (allgather), then the data
+itself where it fits in ``FLYTE_HVD_EAGER_BYTES``. Up to ``P2P_MAX_RANKS`` ranks the records
+go point to point, each as long as it needs; above, as one ``Allgather`` of fixed-size
+records. Every rank sees every record, so every rank reaches the same verdict: a mismatch or
+joined ranks as before; agreed and every rank's data in its record, the collective is done
+(an allreduce reduced locally in rank order, an allgather concatenated, a broadcast copied
+from the root's record): one round between hosts instead of two; agreed otherwise, the data
+goes next. Every agreement round on a communicator is this one round, joined ranks' too, so
+the rounds always match.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +27,7 @@ import numpy as np
 from flyte_hvd.core import agreement, shm, state, timeline
 from flyte_hvd.core.agreement import ABSENT, Agreement, Reduction
 from flyte_hvd.core.buffers import pool
-from flyte_hvd.core.reduce_ops import ReduceOp, finish_average, mpi_ops
+from flyte_hvd.core.reduce_ops import ReduceOp, finish_average, known_op, mpi_ops
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -43,6 +56,45 @@ def mpi_type(dtype: np.dtype) -> MPI.Datatype:
     return _mpi()._typedict[dtype.char]
 
 
+# A record's header, in int64 slots: fingerprint, -fingerprint, inline bytes, rows.
+_HEADER_SLOTS = 4
+_HEADER_BYTES = _HEADER_SLOTS * 8
+# Up to this many ranks each rank sends its record to every other point to point, only as
+# long as its data: between two simulated hosts a round of bare headers took 22 us, one of
+# records with room for 4 KB 43 us, so calls whose data does not ride pay no room for it.
+# Above, one Allgather of fixed-size records (MPICH's algorithm scales; n-1 sends do not).
+P2P_MAX_RANKS = 8
+_TAG = 0x5244  # the records' tag; collectives never match point-to-point messages
+# An Allgather's records stay below this over all ranks: their bytes grow with the ranks.
+_EAGER_TOTAL = 64 << 10
+_MAX_PLANS = 256  # kinds of small allreduce kept per transport
+
+
+def eager_bytes(size: int) -> int:
+    """Bytes of a call's data a record carries on a communicator of ``size`` ranks."""
+    room = _EAGER_TOTAL if size <= P2P_MAX_RANKS else _EAGER_TOTAL // max(size, 1)
+    return min(state.eager_bytes(), room) // 8 * 8
+
+
+def _reduces_in_records(op: ReduceOp, arr: np.ndarray) -> bool:
+    """Whether a reduction of ``op`` on ``arr`` can run locally over the records' data: the
+    ops numpy reduces alike, on numbers that have an order where the op needs one."""
+    return op in shm.UFUNCS and arr.dtype.kind in "fiu"
+
+
+def _concatenate(datas: np.ndarray, lengths: list[int], flat: np.ndarray) -> None:
+    """Every rank's data in the records (``lengths[r]`` bytes of row r) end to end into the
+    bytes ``flat``."""
+    if lengths.count(lengths[0]) == len(lengths):  # equal parts: one copy
+        if lengths[0]:
+            flat.reshape(len(lengths), -1)[...] = datas[:, : lengths[0]]
+        return
+    at = 0
+    for rank, nbytes in enumerate(lengths):
+        flat[at : at + nbytes] = datas[rank, :nbytes]
+        at += nbytes
+
+
 def displacements(counts: np.ndarray) -> np.ndarray:
     """Where each of ``counts`` starts when laid end to end."""
     return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
@@ -59,19 +111,70 @@ class MpiTransport:
     # Whether ``reduce`` takes a fusion buffer's parts (``shm.Pieces``) instead of the packed
     # buffer; this one packs them itself.
     takes_pieces = False
+    # Whether ``exchange`` is the records' round, so a call may ride in it (a transport
+    # whose agreement goes elsewhere must not start one here: its joined ranks wait there).
+    agrees_in_records = True
 
     def __init__(self, comm: MPI.Comm):
         self.comm = comm
         self.size = comm.Get_size()
+        # The same on every rank (a record's size must be), whatever each was given.
+        eager = eager_bytes(self.size)
+        self.eager = min(comm.allgather(eager)) if self.size > 1 else eager
+        slots = _HEADER_SLOTS + self.eager // 8
+        self._records = np.zeros((self.size, slots), dtype=np.int64)
+        me = comm.Get_rank()
+        self._record = self._records[me]  # this rank's, written in place
+        # Views made once: a numpy view costs about a microsecond, a tenth of a small call.
+        self._bytes = self._records.view(np.uint8)  # (size, record bytes)
+        self._room = self._bytes[me, _HEADER_BYTES:].data
+        self._fps = self._records[:, 0]
+        self._datas = self._bytes[:, _HEADER_BYTES:]  # (size, eager) bytes
+        self._peers = [r for r in range(self.size) if r != me]
+        self._p2p = 1 < self.size <= P2P_MAX_RANKS
+        # What a small allreduce needs that depends only on its kind (op, dtype, shape).
+        self._plans: dict[tuple, tuple] = {}
 
     # -- agreement ---------------------------------------------------------------------------
 
+    def _gather(self, fp: int, neg: int, rows: int = 0, data: np.ndarray | None = None) -> bool:
+        """One agreement round: every rank's record into ``self._records`` (valid until the
+        next round), this rank's made of the fields given and ``data`` (None: no data; else
+        it fits and is C-contiguous). Returns whether every rank sent ``fp``."""
+        record = self._record
+        record[0], record[1], record[3] = fp, neg, rows
+        nbytes = 0
+        if data is None:
+            record[2] = -1
+        else:
+            record[2] = nbytes = data.nbytes
+            if nbytes:
+                self._room[:nbytes] = data.data.cast("B")
+        comm, MPI = self.comm, _mpi()
+        if self._p2p:
+            # A shorter message than the receive buffer is fine in MPI, and messages between
+            # two ranks with one tag arrive in order: round k meets round k.
+            mine = self._bytes[comm.Get_rank(), : _HEADER_BYTES + nbytes]
+            requests = [comm.Irecv(self._bytes[peer], peer, _TAG) for peer in self._peers]
+            requests += [comm.Isend(mine, peer, _TAG) for peer in self._peers]
+            MPI.Request.Waitall(requests)
+        else:
+            comm.Allgather(MPI.IN_PLACE, self._records)
+        return self._fps.tolist().count(fp) == self.size
+
+    def _data_of(self, rank: int) -> np.ndarray:
+        """The bytes of ``rank``'s data in the last round's records."""
+        return self._datas[rank, : int(self._records[rank, 2])]
+
+    def _agreed_pair(self) -> tuple[int, int]:
+        """The elementwise max of the last round's (fingerprint, -fingerprint): ``settle``'s
+        input where the ranks did not all agree."""
+        return int(self._records[:, 0].max()), int(self._records[:, 1].max())
+
     def exchange(self, pair: tuple[int, int], describe: Callable[[], str]) -> tuple[int, int]:
-        """The elementwise max of every rank's ``pair``: the agreement's one reduction."""
-        MPI = _mpi()
-        buf = np.array(pair, dtype=np.int64)
-        self.comm.Allreduce(MPI.IN_PLACE, buf, MPI.MAX)
-        return int(buf[0]), int(buf[1])
+        """The elementwise max of every rank's ``pair``: one agreement round."""
+        self._gather(*pair)
+        return self._agreed_pair()
 
     def check_same(
         self, fields: tuple, describe: Callable[[], str], reduction: Reduction = None
@@ -91,14 +194,65 @@ class MpiTransport:
         while True:
             if self.exchange((ABSENT, 1), lambda: "join()")[0] == ABSENT:  # no rank is active
                 return served
+            # Where ranks have joined, the active ones skip their records' data and go the
+            # general way (``settle``), so this side is the same whatever they carried.
             served += agreement.serve_joined_round(self.comm)
 
     # -- reductions --------------------------------------------------------------------------
 
     def allreduce_small(self, arr: np.ndarray, op: int, name: str | None) -> np.ndarray | None:
-        """A small allreduce by a shortcut of this transport, or None (none here: the general
-        path runs)."""
-        return None
+        """An allreduce of C-contiguous ``arr`` (uncompressed, unscaled) carried in the
+        agreement's records, with what depends only on the kind of call worked out once; or
+        None (the general path runs and raises what it raises)."""
+        if arr.nbytes > self.eager or not state.checks_collectives():
+            return None
+        plan = self._cached_plan(op, arr, self._record_plan)
+        if plan is None:
+            return None
+        reduce_op, fp, describe, parts, ufunc = plan
+        out = np.empty(arr.shape, arr.dtype)
+        start = timeline.begin()
+        if not self._gather(fp, -fp, 0, arr):
+            agreement.settle(self.comm, fp, self._agreed_pair(), describe, (reduce_op, arr))
+            self.reduce_agreed(reduce_op, arr, out, "allreduce", name)  # joined ranks: over MPI
+            return out
+        if len(parts) == 2:
+            ufunc(parts[0], parts[1], out=out.reshape(-1))
+        else:
+            ufunc.reduce(parts, axis=0, out=out.reshape(-1))
+        timeline.end("allreduce", name, out.nbytes, start)
+        if reduce_op is ReduceOp.AVERAGE:
+            finish_average(out, self.size, reduce_op)
+        return out
+
+    def _cached_plan(
+        self, op: int, arr: np.ndarray, make: Callable[[int, np.ndarray], tuple | None]
+    ) -> tuple | None:
+        """What a small allreduce of ``op`` on arrays like ``arr`` needs that depends only on
+        that kind of call (``make``'s plan, kept per kind), or None where ``make`` declines."""
+        if type(op) is not ReduceOp and type(op) is not int:  # not a float equal to an op
+            return None
+        key = (op, arr.dtype, arr.shape)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = make(op, arr)
+            if plan is None:
+                return None
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def _record_plan(self, op: int, arr: np.ndarray) -> tuple | None:
+        """``(op, fingerprint, describe, parts, ufunc)`` for a small allreduce of ``op`` on
+        arrays like ``arr`` (``parts``: every rank's data in the records, as ``arr``'s dtype),
+        or None where the records do not take it."""
+        reduce_op = known_op(op)
+        if reduce_op is None or not _reduces_in_records(reduce_op, arr):
+            return None
+        fields, describe = agreement.allreduce_call(reduce_op, arr.dtype, arr.shape)
+        parts = self._datas[:, : arr.nbytes].view(arr.dtype)
+        return reduce_op, agreement.fingerprint(fields), describe, parts, shm.UFUNCS[reduce_op]
 
     def reduce(
         self,
@@ -116,7 +270,28 @@ class MpiTransport:
         packed from them. Returns whether another route than MPI carried it (``mpi_only``
         forbids that: later buffers of a reduction whose first one went over MPI)."""
         if agreed is not None:
-            self.check_same(*agreed)
+            fields, describe, reduction = agreed
+            if (
+                self.agrees_in_records
+                and isinstance(wire, np.ndarray)
+                and wire.nbytes <= self.eager
+                and self.size > 1
+                and state.checks_collectives()
+                and _reduces_in_records(op, wire)
+            ):
+                # Agreement and data in one round: every rank reduces the records' data in
+                # rank order (so every rank gets the same bits).
+                fp = agreement.fingerprint(fields)
+                start = timeline.begin()
+                if self._gather(fp, -fp, 0, wire):
+                    parts = self._datas[:, : wire.nbytes].view(wire.dtype)
+                    shm.UFUNCS[op].reduce(parts, axis=0, out=out.reshape(-1))
+                    timeline.end(kind, name, out.nbytes, start)
+                    finish_average(out, self.size, op)
+                    return False
+                agreement.settle(self.comm, fp, self._agreed_pair(), describe, reduction)
+            else:
+                self.check_same(*agreed)
         self.reduce_agreed(op, wire, out, kind, name)
         return False
 
@@ -161,12 +336,28 @@ class MpiTransport:
         self, arr: np.ndarray, fields: tuple, describe: Callable[[], str], name: str | None
     ) -> np.ndarray:
         """Every rank's rows of the C-contiguous ``arr`` (at least 1-D), in rank order."""
-        rows = self._agree_rows(arr.shape[0], fields, describe)
         comm = self.comm
-        if rows is None:  # no agreement to carry them: the counts are exchanged
-            rows = np.empty(self.size, dtype=np.int64)
-            comm.Allgather(np.array([arr.shape[0]], dtype=np.int64), rows)
-        out = pool.empty((int(rows.sum()), *arr.shape[1:]), arr.dtype)
+        row_shape = arr.shape[1:]
+        if self.size == 1:
+            rows = np.array([arr.shape[0]], dtype=np.int64)
+        else:
+            # The records carry each rank's row count (ragged parts agree in one round) and,
+            # where every part fits, the parts themselves; with the check off the same, with
+            # no fingerprint to compare.
+            fp = agreement.fingerprint(fields) if state.checks_collectives() else 0
+            start = timeline.begin()
+            fits = arr.nbytes <= self.eager
+            if not self._gather(fp, -fp, arr.shape[0], arr if fits else None):
+                agreement.settle(comm, fp, self._agreed_pair(), describe, None)
+                raise AssertionError("settle raises for a collective without a reduction")
+            inline, counts = self._records[:, 2:4].T.tolist()  # per rank (numpy: slower)
+            if min(inline) >= 0:  # every part is in the records
+                out = pool.empty((sum(counts), *row_shape), arr.dtype)
+                _concatenate(self._datas, inline, out.reshape(-1).view(np.uint8))
+                timeline.end("allgather", name, out.nbytes, start)
+                return out
+            rows = np.array(counts, dtype=np.int64)
+        out = pool.empty((int(rows.sum()), *row_shape), arr.dtype)
         start = timeline.begin()
         dtype = mpi_type(arr.dtype)
         if (rows == rows[0]).all():
@@ -174,30 +365,10 @@ class MpiTransport:
             # time from 1 MB (2 ranks on 2 hosts: 16 MB 18.3-18.6 ms against 9.5-11.1 ms).
             comm.Allgather([arr, dtype], [out, dtype])
         else:
-            counts = rows * math.prod(arr.shape[1:])
+            counts = rows * math.prod(row_shape)
             comm.Allgatherv(arr, [out, counts, displacements(counts), dtype])
         timeline.end("allgather", name, out.nbytes, start)
         return out
-
-    def _agree_rows(
-        self, count: int, fields: tuple, describe: Callable[[], str]
-    ) -> np.ndarray | None:
-        """Every rank's row count, learnt in the agreement's round: the fingerprint carries
-        this rank's count, so when all agree (equal counts, the common case) nothing more
-        travels before the data; ragged counts cost the round that tells them apart from a
-        real mismatch. None where there is no agreement (size 1 or the check off)."""
-        if self.size == 1 or not state.checks_collectives():
-            return None
-        fp = agreement.fingerprint((*fields, count))
-        agreed = self.exchange((fp, -fp), describe)
-        if agreed == (fp, -fp):
-            return np.full(self.size, count, dtype=np.int64)
-        if agreed[1] > 0:  # ranks inside join(): raises on every rank
-            agreement.settle(self.comm, fp, agreed, describe, None)
-        entries = self.comm.allgather((agreement.fingerprint(fields), count))
-        if len({fingerprint for fingerprint, _ in entries}) > 1:
-            agreement.raise_mismatch(self.comm.allgather(describe()))
-        return np.array([rows for _, rows in entries], dtype=np.int64)
 
     def broadcast(
         self,
@@ -210,6 +381,21 @@ class MpiTransport:
     ) -> None:
         """``root``'s C-contiguous ``buf`` into every rank's ``buf``; at the root, ``source``
         (when given: the same shape and dtype) is what is sent, and ``buf`` gets a copy."""
+        if self.size > 1 and state.checks_collectives() and buf.nbytes <= self.eager:
+            # The root's values ride in its record: agreement and data in one round.
+            fp = agreement.fingerprint(fields)
+            start = timeline.begin()
+            at_root = self.comm.Get_rank() == root
+            sent = np.ascontiguousarray(buf if source is None else source) if at_root else None
+            if not self._gather(fp, -fp, 0, sent):
+                agreement.settle(self.comm, fp, self._agreed_pair(), describe, None)
+                raise AssertionError("settle raises for a collective without a reduction")
+            if not at_root:
+                buf.reshape(-1).view(np.uint8)[...] = self._data_of(root)
+            elif source is not None:
+                np.copyto(buf, source)
+            timeline.end("broadcast", name, buf.nbytes, start)
+            return
         self.check_same(fields, describe)
         start = timeline.begin()
         if source is None:
@@ -248,7 +434,11 @@ class MpiTransport:
         return out, recv_rows
 
     def barrier(self) -> None:
-        self.check_same((8,), lambda: "barrier()")
         start = timeline.begin()
-        self.comm.Barrier()
+        if self.size > 1 and state.checks_collectives():
+            # The agreement is a barrier itself: no rank learns its outcome before every rank
+            # has sent its fingerprint.
+            self.check_same((8,), lambda: "barrier()")
+        else:
+            self.comm.Barrier()
         timeline.end("barrier", None, 0, start)

@@ -10,7 +10,7 @@ does not carry (alltoall, reducescatter, complex MIN/MAX) goes over MPI.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,8 +23,6 @@ from flyte_hvd.core.transport.mpi import MpiTransport
 
 if TYPE_CHECKING:
     from mpi4py import MPI
-
-_MAX_PLANS = 256  # kinds of small allreduce kept per transport
 
 
 def _segment_reduces(op: ReduceOp, out: np.ndarray) -> bool:
@@ -70,12 +68,11 @@ class SharedMemoryTransport(MpiTransport):
     the agreement through the host's segment."""
 
     takes_pieces = True
+    agrees_in_records = False  # through the segment
 
     def __init__(self, comm: MPI.Comm, channel: shm.Channel):
         super().__init__(comm)
         self.channel = channel
-        # What a small allreduce needs that depends only on its kind (op, dtype, shape).
-        self._plans: dict[Hashable, tuple] = {}
 
     def exchange(self, pair: tuple[int, int], describe: Callable[[], str]) -> tuple[int, int]:
         # Every agreement on this communicator goes through the segment, joined ranks' too.
@@ -87,17 +84,9 @@ class SharedMemoryTransport(MpiTransport):
         path's per-call work took longer than the reduction itself (measured: 9 of 16 us).
         None where the shortcut does not apply (the general path runs and raises what it
         raises)."""
-        if type(op) is not ReduceOp and type(op) is not int:  # not a float equal to an op
-            return None
-        key = (op, arr.dtype, arr.shape)
-        plan = self._plans.get(key)
+        plan = self._cached_plan(op, arr, self._plan)
         if plan is None:
-            plan = self._plan(op, arr)
-            if plan is None:
-                return None
-            if len(self._plans) >= _MAX_PLANS:
-                self._plans.clear()
-            self._plans[key] = plan
+            return None
         reduce_op, pair, ufunc, divisor, average_after, describe = plan
         out = np.empty(arr.shape, arr.dtype)
         start = timeline.begin()
@@ -216,4 +205,13 @@ class HierarchicalTransport(MpiTransport):
     ) -> bool:
         if mpi_only or out.nbytes < shm.HIERARCHICAL_MIN_BYTES or not _segment_reduces(op, out):
             return super().reduce(agreed, op, wire, out, kind, name)
-        return _reduce_through(self, self.hierarchy, agreed, op, wire, out, kind, name)
+        if agreed is not None and state.checks_collectives():
+            # Over MPI, as every agreement on this communicator (the records' round).
+            fields, describe, reduction = agreed
+            fp = agreement.fingerprint(fields)
+            pair = self.exchange((fp, -fp), describe)
+            if pair != (fp, -fp):
+                agreement.settle(self.comm, fp, pair, describe, reduction)  # raises unless joined
+                self.reduce_agreed(op, wire, out, kind, name)
+                return False
+        return _reduce_through(self, self.hierarchy, None, op, wire, out, kind, name)

@@ -82,6 +82,15 @@ def _reduces_in_records(op: ReduceOp, arr: np.ndarray) -> bool:
     return op in shm.UFUNCS and arr.dtype.kind in "fiu"
 
 
+def _reduce_parts(ufunc: np.ufunc, parts: np.ndarray, out: np.ndarray) -> None:
+    """Every rank's data in the records (``parts``: one row per rank) reduced in rank order
+    into ``out``, so every rank gets the same bits."""
+    if len(parts) == 2:
+        ufunc(parts[0], parts[1], out=out.reshape(-1))  # 1.6 us where ``reduce`` takes 2.6
+    else:
+        ufunc.reduce(parts, axis=0, out=out.reshape(-1))
+
+
 def _concatenate(datas: np.ndarray, lengths: list[int], flat: np.ndarray) -> None:
     """Every rank's data in the records (``lengths[r]`` bytes of row r) end to end into the
     bytes ``flat``."""
@@ -123,7 +132,7 @@ class MpiTransport:
         self.eager = min(comm.allgather(eager)) if self.size > 1 else eager
         slots = _HEADER_SLOTS + self.eager // 8
         self._records = np.zeros((self.size, slots), dtype=np.int64)
-        me = comm.Get_rank()
+        self._me = me = comm.Get_rank()
         self._record = self._records[me]  # this rank's, written in place
         # Views made once: a numpy view costs about a microsecond, a tenth of a small call.
         self._bytes = self._records.view(np.uint8)  # (size, record bytes)
@@ -154,7 +163,7 @@ class MpiTransport:
         if self._p2p:
             # A shorter message than the receive buffer is fine in MPI, and messages between
             # two ranks with one tag arrive in order: round k meets round k.
-            mine = self._bytes[comm.Get_rank(), : _HEADER_BYTES + nbytes]
+            mine = self._bytes[self._me, : _HEADER_BYTES + nbytes]
             requests = [comm.Irecv(self._bytes[peer], peer, _TAG) for peer in self._peers]
             requests += [comm.Isend(mine, peer, _TAG) for peer in self._peers]
             MPI.Request.Waitall(requests)
@@ -216,10 +225,7 @@ class MpiTransport:
             agreement.settle(self.comm, fp, self._agreed_pair(), describe, (reduce_op, arr))
             self.reduce_agreed(reduce_op, arr, out, "allreduce", name)  # joined ranks: over MPI
             return out
-        if len(parts) == 2:
-            ufunc(parts[0], parts[1], out=out.reshape(-1))
-        else:
-            ufunc.reduce(parts, axis=0, out=out.reshape(-1))
+        _reduce_parts(ufunc, parts, out)
         timeline.end("allreduce", name, out.nbytes, start)
         if reduce_op is ReduceOp.AVERAGE:
             finish_average(out, self.size, reduce_op)
@@ -279,13 +285,12 @@ class MpiTransport:
                 and state.checks_collectives()
                 and _reduces_in_records(op, wire)
             ):
-                # Agreement and data in one round: every rank reduces the records' data in
-                # rank order (so every rank gets the same bits).
+                # Agreement and data in one round.
                 fp = agreement.fingerprint(fields)
                 start = timeline.begin()
                 if self._gather(fp, -fp, 0, wire):
                     parts = self._datas[:, : wire.nbytes].view(wire.dtype)
-                    shm.UFUNCS[op].reduce(parts, axis=0, out=out.reshape(-1))
+                    _reduce_parts(shm.UFUNCS[op], parts, out)
                     timeline.end(kind, name, out.nbytes, start)
                     finish_average(out, self.size, op)
                     return False

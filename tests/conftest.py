@@ -22,6 +22,9 @@ os.environ["FLYTE_HVD_TEST_SESSION"] = str(os.getpid())
 # Cloud Storage emulator serves only the JSON API. Set before anything imports gcsfs, and
 # inherited by Spark's workers and the ranks.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+# Spark's defaults for the suite's JVMs (the JIT's first tier: short jobs on small data; see
+# the file), for the sessions started here and in the pipelines run as subprocesses.
+os.environ.setdefault("SPARK_CONF_DIR", os.path.join(REPO, "tests", "spark-conf"))
 
 
 def _ours(pid: str) -> bool:

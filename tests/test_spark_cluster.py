@@ -76,3 +76,28 @@ def test_failure_in_executor_names_rank(spark_cluster, no_leftover_ranks):
     with pytest.raises(RanksFailedError, match="rank zero divides by zero") as info:
         run(fn, num_proc=2, verbose=0, stderr=io.StringIO())
     assert 0 in info.value.ranks
+
+
+def test_the_suites_jvms_run_with_its_spark_defaults(spark_cluster):
+    """``tests/spark-conf`` (the suite's ``SPARK_CONF_DIR``) reaches the driver's JVM and the
+    executors' JVMs: the suite's timings in docs/testing.md assume its JIT setting."""
+    expected = "-XX:TieredStopAtLevel=1"
+    jvm = spark_cluster.sparkContext._jvm
+    driver = list(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
+    assert expected in driver, driver
+
+    def executor_jvm(_):
+        pid = os.getpid()
+        while pid > 1:  # the Python worker's daemon, then the executor's JVM
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")
+            if os.path.basename(argv[0]) == "java":
+                yield " ".join(argv)
+                return
+        yield "no JVM above the Python worker"
+
+    found = spark_cluster.sparkContext.parallelize(range(2), 2).mapPartitions(executor_jvm)
+    for command in found.collect():
+        assert expected in command and "CoarseGrainedExecutorBackend" in command, command

@@ -484,8 +484,8 @@ if __name__ == "__main__":
 def driver_spark_defaults(master_url: str) -> str:
     """spark-defaults.conf of a driver: the master, and the one substitution (Spark's own
     Parquet of Flyte DataFrames at ``s3://RAW_BUCKET/...`` goes to ``OBJSTORE``, which every
-    host mounts, since no S3A jars are here), after the suite's own defaults (the
-    ``SPARK_CONF_DIR`` of the tests, ``tests/spark-conf``: these drivers and executors are the
+    host mounts, since no S3A jars are here), after the defaults of the caller's
+    ``SPARK_CONF_DIR`` (the tests': ``tests/spark-conf``; these drivers and executors are the
     suite's JVMs too)."""
     conf = {
         "spark.master": master_url,
@@ -498,6 +498,6 @@ def driver_spark_defaults(master_url: str) -> str:
         "spark.hadoop.fs.s3.impl.disable.cache": "true",
     }  # fmt: skip
     own = "".join(f"{key} {value}\n" for key, value in conf.items())
-    suite = Path(os.environ.get("SPARK_CONF_DIR", REPO / "tests" / "spark-conf"))
-    defaults = suite / "spark-defaults.conf"
-    return (defaults.read_text() if defaults.exists() else "") + own
+    suite = os.environ.get("SPARK_CONF_DIR")  # the tests' (conftest); unset for `make cluster`
+    defaults = Path(suite, "spark-defaults.conf") if suite else None
+    return (defaults.read_text() if defaults and defaults.exists() else "") + own

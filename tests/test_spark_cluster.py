@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -81,7 +83,8 @@ def test_failure_in_executor_names_rank(spark_cluster, no_leftover_ranks):
 def test_the_suites_jvms_run_with_its_spark_defaults(spark_cluster):
     """``tests/spark-conf`` (the suite's ``SPARK_CONF_DIR``) reaches the driver's JVM and the
     executors' JVMs: the suite's timings in docs/testing.md assume its JIT setting."""
-    expected = "-XX:TieredStopAtLevel=1"
+    conf = Path(os.environ["SPARK_CONF_DIR"], "spark-defaults.conf").read_text()
+    (expected,) = re.findall(r"^spark\.driver\.defaultJavaOptions\s+(\S+)", conf, re.M)
     jvm = spark_cluster.sparkContext._jvm
     driver = list(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
     assert expected in driver, driver

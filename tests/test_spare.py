@@ -262,3 +262,31 @@ def test_a_rank_that_is_warm_has_its_spare_started_during_the_run():
     _run(job=lambda: None, size=1)
     (late,) = spare._SPARES
     assert _age_s(late.proc.pid) < 1.5
+
+
+# What rank 0's first epoch-end log imports, by estimator: a spare imports it ahead (about a
+# second of the first epoch on two busy cores otherwise). A PyTorch spare must not import
+# TensorFlow for it (TensorBoard would, about 10 s a rank, without the marker module).
+_EPOCH_LOG_MODULES = {
+    "torch.TorchEstimator": ("torch.utils.tensorboard", False),
+    "keras.KerasEstimator": ("tensorboard.summary.v2", True),
+}
+
+
+@pytest.mark.parametrize("estimator", sorted(_EPOCH_LOG_MODULES))
+def test_an_estimators_spares_import_what_rank_0s_epoch_log_needs(estimator):
+    module, with_tensorflow = _EPOCH_LOG_MODULES[estimator]
+    # The spare's own way to import its preload list (spare.wait_for_rank), in a new process.
+    program = (
+        "import importlib, sys\n"
+        f"from flyte_hvd.estimators.{estimator.split('.')[0]} import {estimator.split('.')[1]}\n"
+        f"for name in {estimator.split('.')[1]}._preload:\n"
+        "    importlib.import_module(name)\n"
+        f"print({module!r} in sys.modules, 'tensorflow' in sys.modules)\n"
+    )
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True", str(with_tensorflow)], out.stdout

@@ -165,7 +165,14 @@ class KerasEstimator(HorovodEstimator):
         super().__init__(**passed_params(locals()))
 
     _framework = "keras"
-    _preload = ("flyte_hvd.estimators.keras", "tensorflow", "keras", "flyte_hvd.keras")
+    _preload = (
+        "flyte_hvd.estimators.keras",
+        "tensorflow",
+        "keras",
+        "flyte_hvd.keras",
+        # What rank 0's first epoch-end log imports (TensorBoard's writers, boto3): ~1 s.
+        "tensorboard.summary.v2",
+    )
     _extension = _EXTENSION
 
     def _check_model(self, features: list[str], labels: list[str]) -> None:

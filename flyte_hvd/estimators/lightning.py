@@ -286,6 +286,7 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
         "lightning.pytorch",
         "flyte_hvd.torch",
         "torch._dynamo",
+        "flyte_hvd.estimators.rank_tensorboard",  # rank 0's epoch logs
         # Lightning's checkpoint and logger writes check the filesystem against each of these
         # (``cloud_io._is_object_storage``), importing them on rank 0's first save: 1.8 s.
         "s3fs",

@@ -191,7 +191,13 @@ class TorchEstimator(ShapedInputs, HorovodEstimator):
     _framework = "torch"
     # torch._dynamo: the first `optimizer.state_dict()` (broadcast_optimizer_state) imports it,
     # 2-3 s on two busy cores, which a spare rank pays before the job comes.
-    _preload = ("flyte_hvd.estimators.torch", "torch", "flyte_hvd.torch", "torch._dynamo")
+    _preload = (
+        "flyte_hvd.estimators.torch",
+        "torch",
+        "flyte_hvd.torch",
+        "torch._dynamo",
+        "flyte_hvd.estimators.rank_tensorboard",  # rank 0's epoch logs
+    )
     _extension = _EXTENSION
 
     def _check_model(self, features: list[str], labels: list[str]) -> None:

@@ -45,7 +45,6 @@ def _copier() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flyte-hvd-copy")
 
 
-@functools.cache  # an import statement per call costs a small call 1-2 us
 def _mpi():
     from mpi4py import MPI
 
@@ -142,9 +141,6 @@ class MpiTransport:
         self._datas = self._bytes[:, _HEADER_BYTES:]  # (size, eager) bytes
         self._peers = [r for r in range(self.size) if r != me]
         self._p2p = 1 < self.size <= P2P_MAX_RANKS
-        # With two ranks, the other one and where its record lands.
-        self._peer = self._peers[0] if self.size == 2 else None
-        self._peer_record = self._bytes[self._peers[0]] if self.size == 2 else None
         # What a small allreduce needs that depends only on its kind (op, dtype, shape).
         self._plans: dict[tuple, tuple] = {}
 
@@ -163,20 +159,16 @@ class MpiTransport:
             record[2] = nbytes = data.nbytes
             if nbytes:
                 self._room[:nbytes] = data.data.cast("B")
-        comm = self.comm
-        # A shorter message than the receive buffer is fine in MPI, and messages between two
-        # ranks with one tag arrive in order: round k meets round k.
-        mine = self._bytes[self._me, : _HEADER_BYTES + nbytes]
-        if self._peer is not None:
-            # Two ranks: one call. Between two simulated hosts a small call took 10-18 us
-            # less than with Irecv, Isend and Waitall (each a call of its own).
-            comm.Sendrecv(mine, self._peer, _TAG, self._peer_record, self._peer, _TAG)
-        elif self._p2p:
+        comm, MPI = self.comm, _mpi()
+        if self._p2p:
+            # A shorter message than the receive buffer is fine in MPI, and messages between
+            # two ranks with one tag arrive in order: round k meets round k.
+            mine = self._bytes[self._me, : _HEADER_BYTES + nbytes]
             requests = [comm.Irecv(self._bytes[peer], peer, _TAG) for peer in self._peers]
             requests += [comm.Isend(mine, peer, _TAG) for peer in self._peers]
-            _mpi().Request.Waitall(requests)
+            MPI.Request.Waitall(requests)
         else:
-            comm.Allgather(_mpi().IN_PLACE, self._records)
+            comm.Allgather(MPI.IN_PLACE, self._records)
         return self._fps.tolist().count(fp) == self.size
 
     def _data_of(self, rank: int) -> np.ndarray:

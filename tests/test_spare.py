@@ -267,22 +267,24 @@ def test_a_rank_that_is_warm_has_its_spare_started_during_the_run():
 # What rank 0's first epoch-end log imports, by estimator: a spare imports it ahead (about a
 # second of the first epoch on two busy cores otherwise). A PyTorch spare must not import
 # TensorFlow for it (TensorBoard would, about 10 s a rank, without the marker module).
-_EPOCH_LOG_MODULES = {
-    "torch.TorchEstimator": ("torch.utils.tensorboard", False),
-    "keras.KerasEstimator": ("tensorboard.summary.v2", True),
-}
-
-
-@pytest.mark.parametrize("estimator", sorted(_EPOCH_LOG_MODULES))
-def test_an_estimators_spares_import_what_rank_0s_epoch_log_needs(estimator):
-    module, with_tensorflow = _EPOCH_LOG_MODULES[estimator]
-    # The spare's own way to import its preload list (spare.wait_for_rank), in a new process.
+@pytest.mark.parametrize(
+    "estimator, writer, with_tensorflow",
+    [
+        ("torch.TorchEstimator", "torch.utils.tensorboard", False),
+        ("keras.KerasEstimator", "tensorboard.summary.v2", True),
+    ],
+)
+def test_an_estimators_spares_import_what_rank_0s_epoch_log_needs(
+    estimator, writer, with_tensorflow
+):
+    module, name = estimator.split(".")
+    # What a spare of that estimator imports before it waits, in a new process.
     program = (
-        "import importlib, sys\n"
-        f"from flyte_hvd.estimators.{estimator.split('.')[0]} import {estimator.split('.')[1]}\n"
-        f"for name in {estimator.split('.')[1]}._preload:\n"
-        "    importlib.import_module(name)\n"
-        f"print({module!r} in sys.modules, 'tensorflow' in sys.modules)\n"
+        "import sys\n"
+        "from flyte_hvd.launch.spare import import_ahead\n"
+        f"from flyte_hvd.estimators.{module} import {name}\n"
+        f"import_ahead({name}._preload)\n"
+        f"print({writer!r} in sys.modules, 'tensorflow' in sys.modules)\n"
     )
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     out = subprocess.run(

@@ -94,6 +94,9 @@ def test_regression_fit_transform_save_load(spark_local2, store, tmp_path, no_le
     )
     assert set(checkpoint) == {"model", "optimizer"}
     assert checkpoint["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.02)
+    # and its epochs' TensorBoard logs (the writer a spare imports ahead, rank_tensorboard)
+    logs = os.listdir(store.fs_path(store.get_run_path(run)) + "/logs")
+    assert any(name.startswith("events.out.tfevents") for name in logs), logs
     state = json.loads(store.read(store.get_state_path(run)))
     assert state["epoch"] == 4 and state["history"]["loss"] == history["loss"]
 

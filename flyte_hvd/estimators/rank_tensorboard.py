@@ -11,9 +11,22 @@ TensorFlow."""
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 from flyte_hvd.estimators.torch_model import tensorboard_without_tensorflow
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 tensorboard_without_tensorflow()
 with contextlib.suppress(ImportError):  # tensorboard is optional: a run then has no logs
     import torch.utils.tensorboard  # noqa: F401
+
+
+def summary_writer(logs_dir: str) -> SummaryWriter | None:
+    """A writer of TensorBoard logs into ``logs_dir``, or None without tensorboard."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(logs_dir)

@@ -50,7 +50,6 @@ from flyte_hvd.estimators.torch_model import (
     ddp_process_group,
     import_torch,
     resolve_input_shapes,
-    tensorboard_without_tensorflow,
 )
 from flyte_hvd.estimators.tracking import MlflowConfig
 from flyte_hvd.estimators.training import TrainingSpec
@@ -388,7 +387,10 @@ def train_on_rank(spec: TorchTrainingSpec) -> dict:
         record = training.RunRecord(spec.store, run.state, spec.epochs, _EXTENSION, spec.verbose)
         last_local = os.path.join(run.work, LAST_MODEL_FILENAME)
         logs_dir = os.path.join(run.work, "logs")
-        writer = _summary_writer(logs_dir) if rank == 0 else None
+        # Imported here, never on the driver: the module marks its process as TensorFlow-free.
+        from flyte_hvd.estimators.rank_tensorboard import summary_writer
+
+        writer = summary_writer(logs_dir) if rank == 0 else None
         history: dict[str, list[float]] = {}
         for epoch in range(run.initial_epoch, spec.epochs):
             record.epoch_begin()
@@ -538,12 +540,3 @@ def _average_over_ranks(hvd: ModuleType, logs: dict[str, float]) -> dict[str, fl
     keys = sorted(logs)
     values = hvd.allreduce(np.array([logs[k] for k in keys], dtype=np.float64))
     return {k: float(v) for k, v in zip(keys, np.asarray(values), strict=True)}
-
-
-def _summary_writer(logs_dir: str) -> SummaryWriter | None:
-    tensorboard_without_tensorflow()
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional: the run simply has no logs
-        return None
-    return SummaryWriter(logs_dir)

@@ -30,7 +30,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from flyte_hvd.launch import messages, rendezvous, torch_env
@@ -205,6 +205,15 @@ def rank_is_warm() -> None:
 # -- in the spare ------------------------------------------------------------------------------
 
 
+def import_ahead(modules: Iterable[str]) -> None:
+    """What a spare imports before it waits: ``modules`` in order, with the collector paused;
+    optional ones (an fsspec backend) may be missing: the job imports what it needs."""
+    with collector_paused():
+        for name in modules:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
+
+
 def wait_for_rank() -> dict[str, str]:
     """In a spare: import the modules, wait for a rank, and return it as the environment a
     freshly started rank would have had. Exits the process when its keeper is gone or it
@@ -219,11 +228,7 @@ def wait_for_rank() -> dict[str, str]:
     server.bind(f"{path}.new")
     server.listen(4)
     os.rename(f"{path}.new", path)
-    with collector_paused():
-        for name in filter(None, env.pop(_PRELOAD_ENV, "").split(",")):
-            # Optional ones (an fsspec backend) may be missing: the job imports what it needs.
-            with contextlib.suppress(ImportError):
-                importlib.import_module(name)
+    import_ahead(filter(None, env.pop(_PRELOAD_ENV, "").split(",")))
     server.settimeout(1.0)
     deadline = time.monotonic() + idle
     try:

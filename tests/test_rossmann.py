@@ -232,6 +232,10 @@ def test_hyperparameters_refuse_bad_values():
         rossmann.Hyperparameters(num_proc=0)
     with pytest.raises(ValueError, match="learning_rate"):
         rossmann.Hyperparameters(learning_rate=-1.0)
+    with pytest.raises(ValueError, match=r"verbose must be 0 .*, 1 .* or 2 .*; found 3\."):
+        rossmann.Hyperparameters(verbose=3)
+    with pytest.raises(ValueError, match=r"verbose .*; found True"):
+        rossmann.Hyperparameters(verbose=True)
 
 
 def test_unwritable_work_dir_fails_first(tmp_path):

@@ -92,12 +92,21 @@ class Hyperparameters:
     num_proc: int = 2
     epochs: int = 5
     seed: int = 0
+    # Keras' output on rank 0: 2 one line per epoch (a task's log, read after the fact), 1 the
+    # progress bar redrawn during the epoch, 0 none. flyte-hvd's own line per epoch (metrics,
+    # pace, time left) comes with 1 and 2.
+    verbose: int = 2
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "num_proc", "epochs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Hyperparameters.{name} must be an int >= 1; found {value!r}.")
+        if isinstance(self.verbose, bool) or self.verbose not in (0, 1, 2):
+            raise ValueError(
+                f"Hyperparameters.verbose must be 0 (silent), 1 (Keras' progress bar) or 2 "
+                f"(one line per epoch); found {self.verbose!r}."
+            )
         if not 0 < self.sample_rate <= 1:
             raise ValueError(
                 f"Hyperparameters.sample_rate must be in (0, 1] (the fraction of training rows "
@@ -254,6 +263,7 @@ def training_settings(hp: Hyperparameters) -> dict[str, Any]:
         label_cols=[LABEL],
         batch_size=hp.batch_size,
         epochs=hp.epochs,
+        verbose=hp.verbose,
         random_seed=hp.seed,
         checkpoint_callback=BestModelCheckpoint(monitor="val_loss"),
     )

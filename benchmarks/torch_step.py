@@ -26,7 +26,7 @@ GLOBAL_BATCH = 256
 FEATURES, HIDDEN = 512, 2048
 
 
-def _model():
+def mlp():
     import torch
 
     torch.manual_seed(0)
@@ -72,7 +72,7 @@ def ranks_part(steps: int, rounds: int) -> dict:
     x = torch.randn(GLOBAL_BATCH // size, FEATURES, generator=g)
     y = x[:, :1] * 0.5
 
-    ours = _model()
+    ours = mlp()
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(ours.parameters(), lr=1e-3), named_parameters=ours.named_parameters()
     )
@@ -89,7 +89,7 @@ def ranks_part(steps: int, rounds: int) -> dict:
         synchronize(self)
         in_step.append(time.perf_counter() - start)
 
-    local = _model()
+    local = mlp()
     local_opt = torch.optim.SGD(local.parameters(), lr=1e-3)
 
     # DDP on gloo in the same processes; rank 0 picks the port.
@@ -103,7 +103,7 @@ def ranks_part(steps: int, rounds: int) -> dict:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
     )
-    ddp = DistributedDataParallel(_model())
+    ddp = DistributedDataParallel(mlp())
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
 
     ours_s, ddp_s, local_s = [], [], []

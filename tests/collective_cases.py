@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -234,10 +235,11 @@ def long_gathers_and_broadcasts():
     assert empty.shape == (0, 2), empty.shape
     assert hvd.allgather(np.zeros((2, 0))).shape == (2 * n, 0)
     assert hvd.allgather(np.zeros((r + 1, 0))).shape == (n * (n + 1) // 2, 0)  # ragged
-    for root in range(n):
-        long = np.arange(2_100_003, dtype=np.int64) * (r == root) + root
+    # On one host: 3.1 MB through the segment in chunks, 16.8 MB over MPI (from 4 MiB).
+    for root, length in itertools.product(range(n), (390_001, 2_100_003)):
+        long = np.arange(length, dtype=np.int64) * (r == root) + root
         out = hvd.broadcast(long, root_rank=root)
-        np.testing.assert_array_equal(out, np.arange(2_100_003, dtype=np.int64) + root)
+        np.testing.assert_array_equal(out, np.arange(length, dtype=np.int64) + root)
         got = hvd.allreduce(np.full(700_000, float(r)), op=hvd.Max)
         np.testing.assert_array_equal(got, np.full(700_000, n - 1.0))
     assert hvd.broadcast(np.zeros((0, 3)), root_rank=0).shape == (0, 3)
@@ -349,6 +351,9 @@ def mismatched_shapes_raise_on_every_rank():
         # Over MPI, one rank's data fits the agreement's record (64 KB) and the other's not.
         lambda: hvd.allreduce(np.ones(10_000 + 20_000 * r, np.float32)),
         lambda: hvd.broadcast(np.ones(10_000 + 20_000 * r, np.float32), root_rank=0),
+        # On one host, one rank's broadcast goes through the segment (under 4 MiB), the
+        # other's over MPI.
+        lambda: hvd.broadcast(np.ones(400_000 + 400_000 * r), root_rank=0),
         lambda: hvd.allgather(np.ones((10, 1000 + 2000 * r), np.float32)),
         lambda: hvd.allreduce(np.ones(3), op=hvd.Sum if r else hvd.Max),
     ):

@@ -370,6 +370,48 @@ def tensor_collectives():
 
 
 @case
+def broadcast_in_place_writes_the_tensor_itself():
+    import torch
+
+    import flyte_hvd.torch as hvd
+
+    rank = hvd.rank()
+    # A contiguous CPU tensor is received into directly: same storage, autograd told.
+    t = torch.arange(300_000.0) * (rank + 1)
+    storage, version = t.data_ptr(), t._version
+    assert hvd.broadcast_(t, root_rank=1) is t
+    assert t.data_ptr() == storage and t._version > version
+    assert torch.equal(t, torch.arange(300_000.0) * 2)
+    # A tensor autograd saved for backward: changing it in place is caught, as with copy_.
+    w = torch.ones(3, requires_grad=True)
+    x = torch.full((3,), float(rank))
+    y = (w * x).sum()
+    hvd.broadcast_(x, root_rank=0)
+    try:
+        y.backward()
+    except RuntimeError as error:
+        assert "modified by an inplace operation" in str(error), error
+    else:
+        raise AssertionError("backward used a tensor broadcast_ had changed")
+    # Strided, conjugated and bfloat16 tensors take the copying path, with the same result.
+    base = torch.arange(12.0).reshape(3, 4) * (rank + 1)
+    column = base[:, 1]
+    assert hvd.broadcast_(column, root_rank=0) is column and column.tolist() == [1.0, 5.0, 9.0]
+    assert base[:, 0].tolist() == [v * (rank + 1) for v in (0.0, 4.0, 8.0)]
+    z = (torch.tensor([1 + 2j, 3 - 1j]) * (rank + 1)).conj()
+    assert z.is_conj()
+    hvd.broadcast_(z, root_rank=0)
+    assert z.tolist() == [1 - 2j, 3 + 1j]
+    h = torch.full((2,), float(rank), dtype=torch.bfloat16)
+    try:
+        hvd.broadcast_(h, root_rank=0)
+    except ValueError as error:
+        assert "cannot take a bfloat16 tensor" in str(error), error
+    else:
+        raise AssertionError("a bfloat16 broadcast_ did not raise")
+
+
+@case
 def ranks_with_different_models_get_a_clear_error():
     import torch
 

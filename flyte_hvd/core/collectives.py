@@ -356,14 +356,17 @@ def broadcast(
     root_rank: int,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
+    in_place: bool = False,
 ) -> np.ndarray:
     """Every rank gets ``root_rank``'s array (same shape and dtype on every rank; numbers or
     booleans).
 
-    ``root_rank`` is a global rank, also with a ``process_set``.
+    ``root_rank`` is a global rank, also with a ``process_set``. ``in_place``: when ``array``
+    is a writable C-contiguous numpy array, the root sends from it and every other rank
+    receives into it, with no other buffer (it is what is returned); else a new array.
     """
     root = translate_root(process_set, check_root(root_rank, "broadcast"))
-    return broadcast_on(comm_of(process_set), array, root, name)
+    return broadcast_on(comm_of(process_set), array, root, name, owned=in_place)
 
 
 def check_root(root_rank: object, what: str) -> int:
@@ -381,8 +384,8 @@ def broadcast_on(
     comm: MPI.Comm, array: ArrayLike, root: int, name: str | None = None, owned: bool = False
 ) -> np.ndarray:
     """``broadcast`` on the given communicator (``root`` is a rank of ``comm``). ``owned``:
-    ``array`` is the caller's own C-contiguous copy (the async calls make one), sent from and
-    received into with no other buffer."""
+    ``array`` may be sent from and received into with no other buffer when it is a writable
+    C-contiguous numpy array (the async calls' own copy; an in-place broadcast's target)."""
     arr = _as_array(array, "broadcast", _SUPPORTED_KINDS + "b")  # booleans too
     at_root = comm.Get_rank() == root
     source = None

@@ -419,11 +419,33 @@ def broadcast_(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
-    """``broadcast`` into ``tensor`` itself; returns ``tensor``."""
+    """``broadcast`` into ``tensor`` itself; returns ``tensor``. A CPU tensor in one block of
+    memory is sent from and received into directly, with no other buffer."""
+    if _in_place_on_cpu(tensor) and not process_group.takes(
+        [tensor], process_set, process_group.BROADCAST_DTYPES
+    ):
+        collectives.broadcast(tensor.detach().numpy(), root_rank, name, process_set, in_place=True)
+        # Written through numpy: tell autograd, as copy_ would, that the values changed.
+        torch.autograd.graph.increment_version(tensor)
+        return tensor
     out = _broadcast(tensor, root_rank, name, process_set)
     with torch.no_grad():
         tensor.copy_(out)
     return tensor
+
+
+def _in_place_on_cpu(t: object) -> bool:
+    """Whether numpy can view ``t``'s own memory as the values it holds: a dense, contiguous
+    CPU tensor of a dtype numpy has, with no lazy conjugate or negation."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.dtype != torch.bfloat16
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+    )
 
 
 def alltoall(

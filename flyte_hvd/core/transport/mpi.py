@@ -403,6 +403,12 @@ class MpiTransport:
             return
         self.check_same(fields, describe)
         start = timeline.begin()
+        self.broadcast_data(buf, root, source)
+        timeline.end("broadcast", name, buf.nbytes, start)
+
+    def broadcast_data(self, buf: np.ndarray, root: int, source: np.ndarray | None) -> None:
+        """``broadcast``'s data, the ranks having agreed: ``Bcast``, from ``source`` at the
+        root when given (``buf`` gets a copy)."""
         if source is None:
             self.comm.Bcast(buf, root=root)
         elif source.nbytes < _OVERLAPPED_COPY_BYTES or not source.flags.c_contiguous:
@@ -416,7 +422,6 @@ class MpiTransport:
                 self.comm.Bcast(source, root=root)
             finally:
                 copying.result()
-        timeline.end("broadcast", name, buf.nbytes, start)
 
     def alltoall(
         self, arr: np.ndarray, send_rows: np.ndarray, name: str | None

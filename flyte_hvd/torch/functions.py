@@ -421,23 +421,24 @@ def broadcast_(
 ) -> torch.Tensor:
     """``broadcast`` into ``tensor`` itself; returns ``tensor``. A CPU tensor in one block of
     memory is sent from and received into directly, with no other buffer."""
-    if _in_place_on_cpu(tensor) and not process_group.takes(
-        [tensor], process_set, process_group.BROADCAST_DTYPES
-    ):
-        collectives.broadcast(tensor.detach().numpy(), root_rank, name, process_set, in_place=True)
-        # Written through numpy: tell autograd, as copy_ would, that the values changed.
-        torch.autograd.graph.increment_version(tensor)
-        return tensor
+    if not process_group.takes([tensor], process_set, process_group.BROADCAST_DTYPES):
+        view = _writable_view(tensor)
+        if view is not None:
+            collectives.broadcast(view, root_rank, name, process_set, in_place=True)
+            # Written through numpy: tell autograd, as copy_ would, that the values changed.
+            torch.autograd.graph.increment_version(tensor)
+            return tensor
     out = _broadcast(tensor, root_rank, name, process_set)
     with torch.no_grad():
         tensor.copy_(out)
     return tensor
 
 
-def _in_place_on_cpu(t: object) -> bool:
-    """Whether numpy can view ``t``'s own memory as the values it holds: a dense, contiguous
-    CPU tensor of a dtype numpy has, with no lazy conjugate or negation."""
-    return (
+def _writable_view(t: object) -> np.ndarray | None:
+    """A writable C-contiguous numpy view of ``t``'s own memory holding the values it holds
+    (a dense, contiguous CPU tensor of a dtype numpy has, with no lazy conjugate or
+    negation), or None."""
+    if not (
         isinstance(t, torch.Tensor)
         and t.device.type == "cpu"
         and t.layout == torch.strided
@@ -445,7 +446,13 @@ def _in_place_on_cpu(t: object) -> bool:
         and t.is_contiguous()
         and not t.is_conj()
         and not t.is_neg()
-    )
+    ):
+        return None
+    try:
+        view = t.detach().numpy()
+    except TypeError:  # a dtype numpy lacks: the copying path says what to do
+        return None
+    return view if view.flags.writeable and view.flags.c_contiguous else None
 
 
 def alltoall(

@@ -184,15 +184,14 @@ class SharedMemoryTransport(MpiTransport):
             # MPICH moves the data: once, process to process, where the segment copies it in
             # and out.
             pair = self.channel.exchange((fp, -fp), describe)
-            if pair == (fp, -fp):
+            differ = None if pair == (fp, -fp) else pair
+            if differ is None:
                 self.broadcast_data(buf, root, source)
-                timeline.end("broadcast", name, buf.nbytes, start)
-                return
-            agreement.settle(self.comm, fp, pair, describe, None)  # raises
-            raise AssertionError("settle raises for a collective without a reduction")
-        if source is not None:  # the root's values go through its segment from `buf`
-            np.copyto(buf, source)
-        differ = self.channel.broadcast(buf.reshape(-1).view(np.uint8), root, (fp, -fp), describe)
+        else:
+            if source is not None:  # the root's values go through its segment from `buf`
+                np.copyto(buf, source)
+            view = buf.reshape(-1).view(np.uint8)
+            differ = self.channel.broadcast(view, root, (fp, -fp), describe)
         if differ is None:
             timeline.end("broadcast", name, buf.nbytes, start)
             return

@@ -486,13 +486,26 @@ def test_cli_refuses_bad_timeouts_before_starting(tmp_path):
 # -- flyte_hvd.spark.run ---------------------------------------------------------------------
 
 
-def _spark_work_dirs(spark) -> list[str]:
+def _spark_work_dirs(spark, before: frozenset[str] = frozenset()) -> list[str]:
     """The supervisors' folders in Spark's scratch folders (what its Python workers get as
-    ``SPARK_LOCAL_DIRS``; Spark removes them when the executor stops)."""
+    ``SPARK_LOCAL_DIRS``; Spark removes them when the executor stops), less ``before``: the
+    session is shared, and a folder an earlier test left is that test's to answer for."""
     found = []
     for d in _spark_local_dirs(spark):
         found += [os.path.join(d, n) for n in os.listdir(d) if n.startswith(WORKDIR_PREFIX)]
-    return found
+    return [path for path in found if path not in before]
+
+
+def _described(paths: list[str]) -> str:
+    """Each leftover folder with its age and entries, for the assertion's message."""
+    lines = []
+    for path in paths:
+        try:
+            age = time.time() - os.stat(path).st_mtime
+            lines.append(f"{path} ({age:.0f}s old): {sorted(os.listdir(path))}")
+        except OSError as e:
+            lines.append(f"{path}: {e}")
+    return "; ".join(lines)
 
 
 def _spark_local_dirs(spark) -> list[str]:
@@ -522,12 +535,14 @@ def _spark_case(spark, fn, mark, env=None, **kwargs):
     return info.value, err.getvalue(), took
 
 
-def _assert_spark_clean(spark, mark):
+def _assert_spark_clean(spark, mark, before: frozenset[str]):
+    """No rank of ``mark`` is left, nor a supervisor's folder that ``before`` did not list."""
     assert_nothing_left(mark, within=20)
     deadline = time.monotonic() + 20
-    while _spark_work_dirs(spark) and time.monotonic() < deadline:
+    while _spark_work_dirs(spark, before) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _spark_work_dirs(spark) == []
+    left = _spark_work_dirs(spark, before)
+    assert left == [], _described(left)
 
 
 def _early_return():
@@ -641,6 +656,7 @@ def test_spark_faults(spark_local2):
     """Early return, stall shutdown and a raising rank under ``spark.run``, on one session."""
     mark = uuid.uuid4().hex
     spark_local2.sparkContext.parallelize([0], 1).count()  # the session is warm
+    before = frozenset(_spark_work_dirs(spark_local2))
 
     # `fn` that calls sys.exit(0) never returns its result: an error, whether or not its
     # peers wait for it in a collective (a program's exit 0, under flyte-hvd-run, is not).
@@ -654,14 +670,14 @@ def test_spark_faults(spark_local2):
             f"so the function never returned its result" in str(error)
         )
         assert took < 40
-        _assert_spark_clean(spark_local2, mark)
+        _assert_spark_clean(spark_local2, mark, before)
 
     error, err, took = _spark_case(spark_local2, _hangs_before_collective, mark, FAST_STALL)
     report("spark.run", "rank hangs before a collective (stall 1s/3s)", took)
     assert "ranks [1] are not there (rank 1 at test_faults.py" in str(error)
     assert "The run was stopped after 3s" in str(error)
     assert took < 40
-    _assert_spark_clean(spark_local2, mark)
+    _assert_spark_clean(spark_local2, mark, before)
 
     error, err, took = _spark_case(spark_local2, _raises, mark)
     report("spark.run", "rank raises", took)
@@ -670,7 +686,7 @@ def test_spark_faults(spark_local2):
     assert "full output of every rank: " in str(error)
     assert err.count("ValueError: bad batch") == 0  # the error carries it, not the stream
     assert took < 40
-    _assert_spark_clean(spark_local2, mark)
+    _assert_spark_clean(spark_local2, mark, before)
 
 
 @pytest.mark.spark
@@ -683,7 +699,7 @@ def test_spark_cancelled_stage_leaves_nothing(spark_local2):
 
     mark = uuid.uuid4().hex
     sc = spark_local2.sparkContext
-    _spark_local_dirs(spark_local2)  # a Spark job: it needs a free slot, so before the stage
+    before = frozenset(_spark_work_dirs(spark_local2))  # a Spark job: before the stage
     errors = []
 
     def go():
@@ -698,12 +714,12 @@ def test_spark_cancelled_stage_leaves_nothing(spark_local2):
     while len(marked_processes(mark)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(1)
-    assert _spark_work_dirs(spark_local2)
+    assert _spark_work_dirs(spark_local2, before)
     sent = time.monotonic()
     sc.cancelAllJobs()
     thread.join(60)
     assert errors and "cancelled" in str(errors[0])
-    _assert_spark_clean(spark_local2, mark)
+    _assert_spark_clean(spark_local2, mark, before)
     report("spark.run", "Spark cancels the stage (until all is gone)", time.monotonic() - sent)
 
 
@@ -960,6 +976,7 @@ def test_horovod_spark_task_rank_returning_early(spark_local2):
         return 0
 
     spark_local2.sparkContext.parallelize([0], 1).count()
+    before = frozenset(_spark_work_dirs(spark_local2))
     started = time.monotonic()
     with pytest.raises(RanksFailedError) as info:
         one_collective_fewer()
@@ -971,10 +988,13 @@ def test_horovod_spark_task_rank_returning_early(spark_local2):
     if info.value.output_log:
         os.remove(info.value.output_log)
     deadline = time.monotonic() + 20
-    while (rank_processes() or _spark_work_dirs(spark_local2)) and time.monotonic() < deadline:
+    while (rank_processes() or _spark_work_dirs(spark_local2, before)) and (
+        time.monotonic() < deadline
+    ):
         time.sleep(0.2)
     assert rank_processes() == []
-    assert _spark_work_dirs(spark_local2) == []
+    left = _spark_work_dirs(spark_local2, before)
+    assert left == [], _described(left)
 
 
 # -- the Store on the training path ----------------------------------------------------------
@@ -1139,7 +1159,7 @@ def test_spark_run_signalled_cancels_the_stage_and_stops_every_rank(
 
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
     mark = uuid.uuid4().hex
-    _spark_local_dirs(spark_local2)  # a Spark job: it needs a free slot, so before the stage
+    folders = frozenset(_spark_work_dirs(spark_local2))  # a Spark job: before the stage
     before = signal.getsignal(sig)
     sent: list[float] = []
 
@@ -1172,7 +1192,7 @@ def test_spark_run_signalled_cancels_the_stage_and_stops_every_rank(
     assert signal.getsignal(sig) is before
     assert took < 10
     assert_nothing_left(mark, within=5)
-    _assert_spark_clean(spark_local2, mark)
+    _assert_spark_clean(spark_local2, mark, folders)
 
 
 SIGNALLED_SCRIPT = """

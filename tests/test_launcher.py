@@ -281,3 +281,22 @@ def test_rank_with_another_flyte_hvd_than_the_drivers_fails_before_it_joins(
     assert "but flyte_hvd 0.0.1.dev0 on the Spark driver" in result.stderr, result.stderr
     assert "in rank 0 (imported from" in result.stderr or "in rank 1 (" in result.stderr
     assert elapsed < 30, f"{elapsed:.1f}s to the error"
+
+
+def test_a_rank_whose_supervisor_is_gone_removes_its_folder(tmp_path):
+    """A supervisor killed while its rank started (its Spark task cancelled) leaves a control
+    socket nobody listens on: the rank, refused, removes the folder, since nobody else will."""
+    import socket
+
+    from flyte_hvd.launch.rendezvous import ControlClient
+    from flyte_hvd.launch.supervisor import CONTROL_SOCKET, WORKDIR_PREFIX
+
+    folder = tmp_path / f"{WORKDIR_PREFIX}gone"
+    (folder / "tmp").mkdir(parents=True)
+    path = str(folder / CONTROL_SOCKET)
+    bound = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    bound.bind(path)  # the socket file stays; without listen() a connect is refused
+    bound.close()
+    with pytest.raises(ConnectionRefusedError):
+        ControlClient(path, 0)
+    assert not folder.exists()

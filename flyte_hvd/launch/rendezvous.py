@@ -86,7 +86,13 @@ class ControlClient:
         self.rank = rank
         self._path = path
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(path)
+        try:
+            self._sock.connect(path)
+        except ConnectionRefusedError:
+            # The supervisor listened before it started this rank: it is gone (killed with
+            # its Spark task while this rank started), and nobody else would remove its folder.
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+            raise
         self._replies: queue.Queue[messages.Message] = queue.Queue()
         self._lock = threading.Lock()
         self._closing = False

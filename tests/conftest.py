@@ -3,9 +3,12 @@ what they start."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from needs import require
@@ -88,9 +91,6 @@ def partition_leftovers() -> list[str]:
     """Partition folders of data stages (``flyte-hvd-partition-*``) left anywhere under the
     temp folder, where executors keep their scratch space; copies that tests keep in their own
     ``tmp_path`` do not count."""
-    import glob
-    import tempfile
-
     pattern = os.path.join(tempfile.gettempdir(), "**", "flyte-hvd-partition-*")
     return [p for p in glob.glob(pattern, recursive=True) if "pytest-of-" not in p]
 
@@ -326,7 +326,20 @@ def pytest_collection_finish(session):
         _connect_server.start()  # in the background: it starts while other tests run
 
 
+# A failed run keeps every rank's output in a file its error names, for its user; the tests of
+# failure paths make dozens of them. The suite removes those it made when it ends.
+_KEPT_OUTPUT = os.path.join(tempfile.gettempdir(), "flyte-hvd-output-*.log")
+_kept_before: set[str] = set()
+
+
+def pytest_sessionstart(session):
+    _kept_before.update(glob.glob(_KEPT_OUTPUT))
+
+
 def pytest_sessionfinish(session, exitstatus):
+    for path in set(glob.glob(_KEPT_OUTPUT)) - _kept_before:
+        with contextlib.suppress(OSError):
+            os.remove(path)
     _connect_server.stop()
     if _spark["session"] is not None:
         try:
@@ -543,7 +556,6 @@ def _start_server(name: str, command: list[str], port: int, timeout: float = 60)
     """Starts ``command`` and waits until it listens on ``port``; fails naming ``name`` and
     its output if it exits or does not listen in time."""
     import socket
-    import tempfile
     import time
 
     log = tempfile.TemporaryFile()  # noqa: SIM115 (the server writes to it while it runs)

@@ -95,17 +95,23 @@ def allreduce_of_several_chunks():
     reduce_in_place(comm(), flat, hvd.Sum, hvd.Compression.none, 1.0, None, lambda: "flat")
     np.testing.assert_array_equal(flat, np.full(300_000, n * (n - 1) / 2))
     if n > 1:
-        try:
-            hvd.allreduce(np.ones(300_000 + r))
-        except hvd.CollectiveMismatchError as e:
-            assert "shape=(300000,)" in str(e) and "shape=(300001,)" in str(e), str(e)
-        else:
-            raise AssertionError("long allreduces of different shapes ran")
+        for count in (300_000, 600_000):  # 600_000 float64: two ranks' ring
+            try:
+                hvd.allreduce(np.ones(count + r))
+            except hvd.CollectiveMismatchError as e:
+                assert f"shape=({count},)" in str(e) and f"shape=({count + 1},)" in str(e), e
+            else:
+                raise AssertionError("long allreduces of different shapes ran")
         if r == 0:
             hvd.join()
         else:
             got = hvd.allreduce(np.ones(300_000), op=hvd.Sum)
             np.testing.assert_array_equal(got, np.full(300_000, n - 1.0))
+            got = hvd.allreduce(np.ones(600_000), op=hvd.Sum)  # where two ranks go by the ring
+            np.testing.assert_array_equal(got, np.full(600_000, n - 1.0))
+            parts = [np.ones(1_100_000, np.float32), np.ones(600_000)]
+            fused = hvd.grouped_allreduce(parts, op=hvd.Sum)
+            assert [f.tolist() == [n - 1] * len(f) for f in fused] == [True, True]
             hvd.join()
 
 
@@ -126,6 +132,43 @@ def long_allreduces_back_to_back():
         np.testing.assert_array_equal(got, np.full(count, value * n * (n + 1) / 2, np.float32))
         if channel and count * 4 > shm.SMALL_BYTES:  # one wait per chunk, and one at the end
             assert channel._epoch - before == -(-count * 4 // shm.CHUNK_BYTES) + 1
+
+
+@case
+def reductions_in_a_ring():
+    """Reductions from 1 MB (two ranks) and 32 MB (more, or in place), which ranks over MPI
+    reduce in a ring of their own, in chunks: every op and dtype, odd lengths, out of place
+    and in place, a fusion buffer of each dtype, and the same bits on every rank."""
+    from flyte_hvd.core.collectives import reduce_in_place
+    from flyte_hvd.core.state import comm
+
+    r, n = hvd.rank(), hvd.size()
+    for dtype, count in ((np.float64, 600_001), (np.int32, 1_100_003), (np.float32, 2_500_001)):
+        base = (np.arange(count, dtype=np.int64) % 7 + 1).astype(dtype)
+        np.testing.assert_array_equal(hvd.allreduce(base * (r + 1), op=hvd.Max), base * n)
+        np.testing.assert_array_equal(hvd.allreduce(base * (r + 1), op=hvd.Min), base)
+        total = hvd.allreduce(base * (r + 1), op=hvd.Sum)
+        np.testing.assert_array_equal(total, base * (n * (n + 1) // 2))
+    mean = hvd.allreduce(np.full(700_001, r + 1.0), op=hvd.Average)
+    np.testing.assert_allclose(mean, np.full(700_001, (n + 1) / 2))
+    product = hvd.allreduce(np.full(1_200_000, 2.0, np.float32), op=hvd.Product)
+    np.testing.assert_array_equal(product, np.full(1_200_000, 2.0**n, np.float32))
+    for count in (1_300_001, 8_400_001):  # the optimizers' in-place reduction (from 32 MB)
+        values = (np.arange(count) % 1000).astype(np.float32)
+        flat = values + r
+        reduce_in_place(comm(), flat, hvd.Sum, hvd.Compression.none, 1.0, None, lambda: "flat")
+        np.testing.assert_array_equal(flat, values * n + n * (n - 1) / 2)
+        total = hvd.allreduce(values * (r + 1), op=hvd.Sum)
+        np.testing.assert_array_equal(total, values * (n * (n + 1) // 2))
+    parts = [np.full(1_100_000, r + 1.0, np.float32), np.full(600_000, r + 1.0)]
+    parts += [np.full(5, r + 1.0, np.float32)]  # two buffers: one per dtype
+    for got in hvd.grouped_allreduce(parts, op=hvd.Sum):
+        np.testing.assert_array_equal(got, np.full(got.shape, n * (n + 1) / 2))
+    rng = np.random.default_rng(r)
+    for op in (hvd.Sum, hvd.Average, hvd.Product):
+        got = hvd.allreduce(rng.normal(size=1_048_583).astype(np.float32), op=op)
+        every = hvd.allgather(got[::97].reshape(1, -1))
+        assert (every == every[0]).all(), op
 
 
 @case

@@ -521,8 +521,9 @@ def _private_dir() -> str:
     """A 0700 folder for the control socket, the job, the results and the ranks' ``TMPDIR``.
 
     Whoever outlives the supervisor removes it: the supervisor itself, else its orphaned
-    ranks or one that starts too late to connect (``rendezvous.ControlClient``), else the next supervisor that starts in the same
-    folder (``sweep_stale``), else Spark with its scratch folder.
+    ranks or one that starts too late to connect (``rendezvous.ControlClient``), else the
+    next supervisor that starts in the same folder (``sweep_stale``), else Spark with its
+    scratch folder.
     """
     base = work_base()
     sweep_stale(base)

@@ -6,7 +6,8 @@ below it a transport carries the data and the ranks' agreement:
 - ``SharedMemoryTransport``: every rank on one host; the host's shared segment (``shm``).
 - ``HierarchicalTransport``: the same number of ranks on each of several hosts; large
   reductions through each host's segment and MPI between hosts, the rest over MPI.
-- ``MpiTransport``: anything else (one rank per host, ``FLYTE_HVD_SHM=off``): MPI.
+- ``MpiTransport``: anything else (one rank per host, ``FLYTE_HVD_SHM=off``): MPI, its large
+  reductions in a ring of its own (``ring``).
 
 ``torch/process_group.py`` is a third route, for torch tensors: torch.distributed's process
 group (NCCL between GPUs), with the agreement still over the MPI communicator's transport.

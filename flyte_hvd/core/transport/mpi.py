@@ -28,6 +28,7 @@ from flyte_hvd.core import agreement, shm, state, timeline
 from flyte_hvd.core.agreement import ABSENT, Agreement, Reduction
 from flyte_hvd.core.buffers import pool
 from flyte_hvd.core.reduce_ops import ReduceOp, finish_average, known_op, mpi_ops
+from flyte_hvd.core.transport import ring
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -187,14 +188,17 @@ class MpiTransport:
 
     def check_same(
         self, fields: tuple, describe: Callable[[], str], reduction: Reduction = None
-    ) -> None:
+    ) -> bool:
         """Agree with the other ranks before a collective (``agreement``'s protocol): raises
         ``CollectiveMismatchError`` on every rank if any rank's ``fields`` differ; with joined
-        ranks, a collective with a ``reduction`` goes on and any other raises."""
+        ranks, a collective with a ``reduction`` goes on (returning False: the joined ranks'
+        part is MPI's ``Allreduce``) and any other raises."""
         if self.size == 1 or not state.checks_collectives():
-            return
+            return True
         fp = agreement.fingerprint(fields)
-        agreement.settle(self.comm, fp, self.exchange((fp, -fp), describe), describe, reduction)
+        pair = self.exchange((fp, -fp), describe)
+        agreement.settle(self.comm, fp, pair, describe, reduction)
+        return pair == (fp, -fp)
 
     def serve_joined(self) -> int:
         """A joined rank's part in the others' collectives until every rank has joined;
@@ -273,31 +277,35 @@ class MpiTransport:
         """Reduce the C-contiguous ``wire`` of every rank into ``out`` (``wire`` itself for in
         place), averaged for ``Average``, once the ranks agree (``agreed``; None: they already
         did). ``wire`` may be a fusion buffer's parts where ``takes_pieces``; ``out`` is then
-        packed from them. Returns whether another route than MPI carried it (``mpi_only``
-        forbids that: later buffers of a reduction whose first one went over MPI)."""
-        if agreed is not None:
-            fields, describe, reduction = agreed
-            if (
-                self.agrees_in_records
-                and isinstance(wire, np.ndarray)
-                and wire.nbytes <= self.eager
-                and self.size > 1
-                and state.checks_collectives()
-                and _reduces_in_records(op, wire)
-            ):
-                # Agreement and data in one round.
-                fp = agreement.fingerprint(fields)
-                start = timeline.begin()
-                if self._gather(fp, -fp, 0, wire):
-                    parts = self._datas[:, : wire.nbytes].view(wire.dtype)
-                    _reduce_parts(shm.UFUNCS[op], parts, out)
-                    timeline.end(kind, name, out.nbytes, start)
-                    finish_average(out, self.size, op)
-                    return False
-                agreement.settle(self.comm, fp, self._agreed_pair(), describe, reduction)
-            else:
-                self.check_same(*agreed)
-        self.reduce_agreed(op, wire, out, kind, name)
+        packed from them. Returns whether later buffers of the same reduction may take any
+        route: False where ranks have joined, whose part is MPI's ``Allreduce`` (``mpi_only``
+        then says so for those buffers)."""
+        if (
+            agreed is not None
+            and self.agrees_in_records
+            and isinstance(wire, np.ndarray)
+            and wire.nbytes <= self.eager
+            and self.size > 1
+            and state.checks_collectives()
+            and _reduces_in_records(op, wire)
+        ):
+            fields, describe, reduction = agreed  # agreement and data in one round
+            fp = agreement.fingerprint(fields)
+            start = timeline.begin()
+            if self._gather(fp, -fp, 0, wire):
+                _reduce_parts(shm.UFUNCS[op], self._datas[:, : wire.nbytes].view(wire.dtype), out)
+                timeline.end(kind, name, out.nbytes, start)
+                finish_average(out, self.size, op)
+                return True
+            agreement.settle(self.comm, fp, self._agreed_pair(), describe, reduction)
+        elif agreed is None or self.check_same(*agreed):
+            # A fusion buffer's parts (not an ndarray) go to MPI packed.
+            if isinstance(wire, np.ndarray) and ring.takes(self.size, op, wire, out, mpi_only):
+                ring.allreduce(self.comm, op, wire, out, kind, name)
+                return True
+            self.reduce_agreed(op, wire, out, kind, name)
+            return not mpi_only
+        self.reduce_agreed(op, wire, out, kind, name)  # joined ranks: their part is MPI's
         return False
 
     def reduce_agreed(

@@ -135,7 +135,7 @@ class SharedMemoryTransport(MpiTransport):
         mpi_only: bool = False,
     ) -> bool:
         if mpi_only or not _segment_reduces(op, out):
-            return super().reduce(agreed, op, wire, out, kind, name)
+            return super().reduce(agreed, op, wire, out, kind, name, mpi_only)
         return _reduce_through(self, self.channel, agreed, op, wire, out, kind, name)
 
     def allgather(
@@ -221,7 +221,7 @@ class HierarchicalTransport(MpiTransport):
         mpi_only: bool = False,
     ) -> bool:
         if mpi_only or out.nbytes < shm.HIERARCHICAL_MIN_BYTES or not _segment_reduces(op, out):
-            return super().reduce(agreed, op, wire, out, kind, name)
+            return super().reduce(agreed, op, wire, out, kind, name, mpi_only)
         if agreed is not None and state.checks_collectives():
             # Over MPI, as every agreement on this communicator (the records' round).
             fields, describe, reduction = agreed

@@ -1,0 +1,118 @@
+"""Large reductions over MPI as a ring of our own, chunk by chunk, instead of MPICH's
+``Allreduce`` (the MPI transport's route where ``takes`` says so).
+
+The buffer is cut in one segment per rank. Each segment is passed to the right and reduced on
+the way until one rank holds it reduced by every rank (``n - 1`` steps), then passed round
+again whole. Segments move in chunks, and a chunk goes on as soon as it has arrived, so chunks
+are reduced while later ones are on the wire; with two ranks that is an exchange of halves.
+Every value is reduced on one rank only, so every rank ends with the same bits.
+
+Measured against MPICH's ``Allreduce`` (out of place, medians of 5): between two simulated
+hosts over TCP 1.0x at 1-4 MB, 1.2x at 16 MB, 1.8x at 64 MB, whichever of MPICH's algorithms
+it ran (ring, reduce-scatter + allgather, recursive doubling); two ranks on one host over MPI
+0.9x at 1 MB, 1.4x at 2 MB, 2.9x at 64 MB; four simulated hosts 0.66x at 4 MB, 1.0x at 16 MB,
+2.1x at 64 MB. In place a chunk's final values may land only once that chunk has been sent,
+which waits longer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from flyte_hvd.core import shm, timeline
+from flyte_hvd.core.buffers import pool
+from flyte_hvd.core.reduce_ops import ReduceOp, finish_average
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+# Two ranks out of place pay from here; more ranks, or in place, from _WIDE_BYTES.
+_BYTES = 1 << 20
+_WIDE_BYTES = 32 << 20
+_CHUNK_BYTES = 4 << 20
+# The ring's point-to-point tags: from _TAG, fewer than _MAX_TAGS (below the agreement's
+# records' tag, 0x5244, for up to 2,000 ranks).
+_TAG, _MAX_TAGS = 0x100, 0x4000
+
+
+def takes(size: int, op: ReduceOp, wire: np.ndarray, out: np.ndarray, mpi_only: bool) -> bool:
+    """Whether the ring takes a reduction of ``wire`` into ``out`` on ``size`` ranks: large
+    enough, of numbers numpy reduces alike on every rank with ``op``, and not a later buffer of
+    a reduction that ranks inside ``join()`` serve (``mpi_only``: their part is MPI's)."""
+    if mpi_only or size < 2 or op not in shm.UFUNCS or wire.dtype.kind not in "fiu":
+        return False
+    return wire.nbytes >= (_BYTES if size == 2 and out is not wire else _WIDE_BYTES)
+
+
+def allreduce(
+    comm: MPI.Comm, op: ReduceOp, wire: np.ndarray, out: np.ndarray, kind: str, name: str | None
+) -> None:
+    """``op`` over every rank's C-contiguous ``wire`` into ``out`` (``wire`` itself for in
+    place), averaged for ``Average``, recorded in the timeline as ``kind``; every rank of
+    ``comm`` calls it with the same shape and dtype, the ranks having agreed."""
+    start = timeline.begin()
+    reduce(comm, shm.UFUNCS[op], wire.reshape(-1), out.reshape(-1), out is wire)
+    timeline.end(kind, name, out.nbytes, start)
+    finish_average(out, comm.Get_size(), op)
+
+
+def reduce(
+    comm: MPI.Comm, ufunc: np.ufunc, src: np.ndarray, dst: np.ndarray, in_place: bool
+) -> None:
+    """``ufunc`` over every rank's 1-D ``src`` into ``dst`` (``src`` itself where ``in_place``)."""
+    from mpi4py import MPI
+
+    n, r = comm.Get_size(), comm.Get_rank()
+    left, right = (r - 1) % n, (r + 1) % n
+    count = src.size
+    bounds = [count * k // n for k in range(n + 1)]
+    # Chunks of at least _CHUNK_BYTES, few enough for every tag to stay in its range.
+    step = max(1, _CHUNK_BYTES // src.itemsize, -(-count * 2 // _MAX_TAGS))
+    chunks = [
+        [(a, min(a + step, bounds[k + 1])) for a in range(bounds[k], bounds[k + 1], step)]
+        for k in range(n)
+    ]
+    width = max(len(c) for c in chunks)
+
+    def tag(gathering: bool, stage: int, c: int) -> int:
+        return _TAG + ((n if gathering else 0) + stage) * width + c
+
+    partial = pool.empty((count,), src.dtype)  # the segments passing through, part-reduced
+    requests: list[MPI.Request] = []
+    roles: list[tuple[str, int, int, int]] = []  # (role, stage, segment, chunk)
+    later = []
+
+    def expect(into: np.ndarray, role: str, stage: int, k: int, c: int) -> None:
+        a, b = chunks[k][c]
+        requests.append(comm.Irecv(into[a:b], left, tag(role == "gathered", stage, c)))
+        roles.append((role, stage, k, c))
+
+    for stage in range(n - 1):  # segment r - stage - 1 arrives part-reduced from the left
+        for c in range(len(chunks[(r - stage - 1) % n])):
+            expect(partial, "arrived", stage, (r - stage - 1) % n, c)
+    if not in_place:  # then segment r - stage arrives whole; in place, once it may land
+        for stage in range(n - 1):
+            for c in range(len(chunks[(r - stage) % n])):
+                expect(dst, "gathered", stage, (r - stage) % n, c)
+    for c, (a, b) in enumerate(chunks[r]):
+        requests.append(comm.Isend(src[a:b], right, tag(False, 0, c)))
+        roles.append(("sent", 0, r, c))
+    finished = 0
+    while finished < len(requests):
+        role, stage, k, c = roles[MPI.Request.Waitany(requests)]
+        finished += 1
+        a, b = chunks[k][c]
+        if role == "arrived":
+            whole = stage == n - 2  # this rank's own segment, reduced by every rank now
+            into = dst if whole else partial
+            ufunc(src[a:b], partial[a:b], out=into[a:b])
+            later.append(comm.Isend(into[a:b], right, tag(whole, 0 if whole else stage + 1, c)))
+            if in_place and not whole:
+                expect(dst, "gathered", stage + 1, k, c)  # src[a:b] is read: it may land
+        elif role == "sent" and in_place:
+            expect(dst, "gathered", 0, k, c)
+        elif role == "gathered" and stage < n - 2:
+            later.append(comm.Isend(dst[a:b], right, tag(True, stage + 1, c)))
+    MPI.Request.Waitall(later)

@@ -77,12 +77,6 @@ def eager_bytes(size: int) -> int:
     return min(state.eager_bytes(), room) // 8 * 8
 
 
-def _reduces_in_records(op: ReduceOp, arr: np.ndarray) -> bool:
-    """Whether a reduction of ``op`` on ``arr`` can run locally over the records' data: the
-    ops numpy reduces alike, on numbers that have an order where the op needs one."""
-    return op in shm.UFUNCS and arr.dtype.kind in "fiu"
-
-
 def _reduce_parts(ufunc: np.ufunc, parts: np.ndarray, out: np.ndarray) -> None:
     """Every rank's data in the records (``parts``: one row per rank) reduced in rank order
     into ``out``, so every rank gets the same bits."""
@@ -258,7 +252,7 @@ class MpiTransport:
         arrays like ``arr`` (``parts``: every rank's data in the records, as ``arr``'s dtype),
         or None where the records do not take it."""
         reduce_op = known_op(op)
-        if reduce_op is None or not _reduces_in_records(reduce_op, arr):
+        if reduce_op is None or not ring.reduces_alike(reduce_op, arr):
             return None
         fields, describe = agreement.allreduce_call(reduce_op, arr.dtype, arr.shape)
         parts = self._datas[:, : arr.nbytes].view(arr.dtype)
@@ -287,7 +281,7 @@ class MpiTransport:
             and wire.nbytes <= self.eager
             and self.size > 1
             and state.checks_collectives()
-            and _reduces_in_records(op, wire)
+            and ring.reduces_alike(op, wire)
         ):
             fields, describe, reduction = agreed  # agreement and data in one round
             fp = agreement.fingerprint(fields)

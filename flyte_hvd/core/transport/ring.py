@@ -37,11 +37,18 @@ _CHUNK_BYTES = 4 << 20
 _TAG, _MAX_TAGS = 0x100, 0x4000
 
 
+def reduces_alike(op: ReduceOp, arr: np.ndarray) -> bool:
+    """Whether every rank can reduce ``op`` on ``arr`` itself with numpy (the ring, or the MPI
+    transport over its records' data): the ops numpy has, on numbers that have an order where
+    the op needs one."""
+    return op in shm.UFUNCS and arr.dtype.kind in "fiu"
+
+
 def takes(size: int, op: ReduceOp, wire: np.ndarray, out: np.ndarray, mpi_only: bool) -> bool:
     """Whether the ring takes a reduction of ``wire`` into ``out`` on ``size`` ranks: large
-    enough, of numbers numpy reduces alike on every rank with ``op``, and not a later buffer of
-    a reduction that ranks inside ``join()`` serve (``mpi_only``: their part is MPI's)."""
-    if mpi_only or size < 2 or op not in shm.UFUNCS or wire.dtype.kind not in "fiu":
+    enough, ``reduces_alike``, and not a later buffer of a reduction that ranks inside
+    ``join()`` serve (``mpi_only``: their part is MPI's)."""
+    if mpi_only or size < 2 or not reduces_alike(op, wire):
         return False
     return wire.nbytes >= (_BYTES if size == 2 and out is not wire else _WIDE_BYTES)
 

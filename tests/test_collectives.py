@@ -93,16 +93,32 @@ with open(f"{{sys.argv[1]}}/rank-{{hvd.rank()}}.json", "w") as f:  # ranks' stdo
 def test_hierarchical_allreduce_on_two_simulated_hosts(tmp_path):
     """2 hosts x 2 ranks: every collective case passes with allreduces reduced within each
     host in shared memory, then across hosts over MPI (``HOROVOD_HIERARCHICAL_ALLREDUCE``)."""
+    _every_case_on_hosts(tmp_path, 2, 2, "Hierarchy")
+
+
+@pytest.mark.mpi
+@pytest.mark.cluster
+@pytest.mark.parametrize("hosts", [2, 3])
+def test_every_case_with_one_rank_per_simulated_host(tmp_path, hosts):
+    """One rank per host, as Kubernetes runs us: every collective case passes over MPI
+    between hosts (TCP), large reductions in the MPI transport's own ring."""
+    _every_case_on_hosts(tmp_path, hosts, 1, "NoneType")
+
+
+def _every_case_on_hosts(tmp_path, hosts: int, per_host: int, path: str) -> None:
     require(namespaces_unavailable())
     names = [n for n in collective_cases.CASES if n not in _ONE_HOST_CASES]
     script = _HOSTS_SCRIPT.format(tests=str(Path(__file__).parent), names=names)
     env = {**os.environ, **MPI_TCP_ENV, shm.MODE_ENV: "auto"}
     del env["MPIR_CVAR_NOLOCAL"]  # MPICH's shared memory within a host, as on real hosts
-    command = mpiexec_on_hosts(tmp_path, 2, 2, [sys.executable, "-c", script, str(tmp_path)])
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    command = [sys.executable, "-c", script, str(tmp_path)]
+    done = subprocess.run(
+        mpiexec_on_hosts(tmp_path, hosts, per_host, command),
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
     results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank-*.json"))]
-    assert len(results) == 4, done.stdout[-3000:] + done.stderr[-3000:]
-    assert {r["path"] for r in results} == {"Hierarchy"}
+    assert len(results) == hosts * per_host, done.stdout[-3000:] + done.stderr[-3000:]
+    assert {r["path"] for r in results} == {path}  # NoneType: no segment, the MPI transport
     failures = {r["rank"]: r["failed"] for r in results if r["failed"]}
     assert not failures, json.dumps(failures, indent=1)[-6000:]
 

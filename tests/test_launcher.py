@@ -300,3 +300,61 @@ def test_a_rank_whose_supervisor_is_gone_removes_its_folder(tmp_path):
     with pytest.raises(ConnectionRefusedError):
         ControlClient(path, 0)
     assert not folder.exists()
+
+
+def _lingering_launcher(rank_code: str):
+    """A launcher like ``mpiexec.gforker`` when it lags: it starts the "rank" (a Python child
+    that prints its pid and runs ``rank_code``), and lingers for a minute after the rank is
+    gone before it exits 0."""
+    import subprocess
+    import sys
+
+    from flyte_hvd.launch.rank_process import RankProcess
+
+    state = RankProcess(0)
+    rank = f"import os; print(os.getpid(), flush=True); {rank_code}"
+    launcher = ["sh", "-c", f'"{sys.executable}" -c "$0"; sleep 60', rank]
+    state.proc = subprocess.Popen(launcher, stdout=subprocess.PIPE, start_new_session=True)
+    assert state.proc.stdout is not None
+    state.pid = int(state.proc.stdout.readline())
+    return state
+
+
+def test_a_launcher_lingering_after_its_rank_returned_and_exited_is_ended():
+    """The rank has reported its result and its own process is gone: its launcher is ended at
+    once (``mpiexec.gforker`` can sleep a second before it exits, a second added to every
+    run), with its session, and the rank counts as having exited 0."""
+    state = _lingering_launcher("pass")
+    state.done = True
+    deadline = time.monotonic() + 10
+    while state.exit_code() is None and time.monotonic() < deadline:
+        state.end_launcher_if_rank_gone()
+        time.sleep(0.02)
+    assert state.launcher_ended and state.exit_code() == 0 and not state.failed()
+    assert time.monotonic() < deadline
+
+
+@pytest.mark.parametrize("done", [False, True], ids=["not returned", "still running"])
+def test_a_launcher_is_left_alone_until_its_rank_returned_and_exited(done):
+    """No result yet (the rank is gone without one: its launcher says how it ended), or the
+    rank's process still runs (MPI_Finalize, say): the launcher stays."""
+    state = _lingering_launcher("pass" if not done else "import time; time.sleep(60)")
+    state.done = done
+    try:
+        time.sleep(0.3)  # the rank without a result is gone by now
+        state.end_launcher_if_rank_gone()
+        assert state.proc.poll() is None and not state.launcher_ended
+    finally:
+        os.killpg(state.proc.pid, 9)
+        state.proc.wait()
+
+
+def test_a_run_ends_as_its_ranks_exit(no_leftover_ranks):
+    """Two ranks that return at once end the run in well under the second that
+    ``mpiexec.gforker`` can take to exit after each of them (``launch_local`` measured 2.0 s
+    for two ranks before, 0.4 s after; the bound leaves room for a busy machine)."""
+    launch_local(FunctionJob(lambda: None), 2)  # the bytecode and page cache warm
+    started = time.monotonic()
+    for _ in range(3):
+        assert launch_local(FunctionJob(lambda: 1), 2) == [1, 1]
+    assert (time.monotonic() - started) / 3 < 1.5

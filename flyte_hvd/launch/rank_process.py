@@ -4,6 +4,7 @@ said and when, the pipes its output is read from as fast as it is written, what 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -46,6 +47,8 @@ class RankProcess:
         self.tail_splitter = LineSplitter(piece_bytes=4096)
         self.outputs: tuple[int, int] | None = None  # read ends of the rank's own pipes
         self.done = False
+        # The launcher was ended by the supervisor after the rank returned and exited.
+        self.launcher_ended = False
         self.times: dict[str, float] = {}  # event -> wall-clock time, comparable across hosts' logs
         self.pumps: list[threading.Thread] = []
         self.command: list[str] = []
@@ -148,9 +151,32 @@ class RankProcess:
 
     # -- how it ended ------------------------------------------------------------------------
 
+    def end_launcher_if_rank_gone(self) -> None:
+        """Once the rank has reported its result and its own process is gone, ends its
+        launcher, which has nothing left to do: ``mpiexec.gforker`` often sleeps a whole second
+        before it exits (when the rank's pipes close before its exit is reaped), a second added
+        to every run. The launcher's session goes with it (hydra's proxy, say). What the rank
+        did after it reported (MPI_Finalize, the interpreter's exit) no longer counts."""
+        if not self.done or self.pid is None or self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.kill(self.pid, 0)  # still there, or not yet reaped by its launcher
+            return
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # another process has that pid now: the rank is long gone
+            pass
+        self.launcher_ended = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
     def exit_code(self) -> int | None:
-        """The rank's exit status; -1 for a signal its launcher reported but exited 0 on."""
+        """The rank's exit status; -1 for a signal its launcher reported but exited 0 on; 0
+        once its launcher was ended after the rank returned (``end_launcher_if_rank_gone``)."""
         code = self.proc.poll() if self.proc is not None else None
+        if code is not None and self.launcher_ended:
+            return 0
         return -1 if code == 0 and self.exit_string else code
 
     def failed(self) -> bool:

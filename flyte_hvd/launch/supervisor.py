@@ -373,7 +373,10 @@ class RankSupervisor:
                 and time.monotonic() - first_failure_at >= _FAILURE_GRACE_S
             ):
                 self._raise_failures()
-            if not failed and all(s.proc and s.proc.poll() == 0 for s in self.ranks.values()):
+            if not failed:
+                for s in self.ranks.values():
+                    s.end_launcher_if_rank_gone()
+            if not failed and all(s.proc and s.exit_code() == 0 for s in self.ranks.values()):
                 for s in self.ranks.values():
                     for pump in s.pumps:
                         pump.join(timeout=5)

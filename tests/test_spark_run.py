@@ -281,7 +281,7 @@ def test_the_last_attempt_stops_at_once_for_a_killed_rank_and_waits_for_one_that
     assert handle(2, 1, "rank 1 died: Killed (signal 9)") is True
     assert len(cancels) == 1 and cancels[0] - started < 0.3  # the cause is known: at once
     time.sleep(0.6)
-    assert len(cancels) == 2  # the grace timer fires too; cancelling twice is harmless
+    assert len(cancels) == 1  # and the grace timer was stopped
 
     cancels.clear()
     started = time.monotonic()
@@ -292,6 +292,19 @@ def test_the_last_attempt_stops_at_once_for_a_killed_rank_and_waits_for_one_that
     assert handle(1, 0, "RuntimeError: Connection closed by peer") is True  # one timer only
     time.sleep(0.6)
     assert len(cancels) == 1 and 0.3 <= cancels[0] - started < 0.6
+
+    # Every rank has reported: nothing is left to wait for.
+    cancels.clear()
+    started = time.monotonic()
+    handle = on_rank_failure(
+        max_attempts=1, cancel=lambda: cancels.append(time.monotonic()), grace=0.3, num_proc=2
+    )
+    assert handle(1, 1, "ValueError: bad input") is True
+    assert cancels == []
+    assert handle(1, 0, "RuntimeError: Connection closed by peer") is True
+    assert len(cancels) == 1 and cancels[0] - started < 0.3
+    time.sleep(0.6)
+    assert len(cancels) == 1  # the grace timer was stopped
 
 
 def _driver_old_gen(spark):

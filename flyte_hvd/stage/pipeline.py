@@ -295,7 +295,10 @@ PEER_REPORT_GRACE_S = 2.0
 
 
 def on_rank_failure(
-    max_attempts: int, cancel: Callable[[], None], grace: float = PEER_REPORT_GRACE_S
+    max_attempts: int,
+    cancel: Callable[[], None],
+    grace: float = PEER_REPORT_GRACE_S,
+    num_proc: int | None = None,
 ) -> Callable[[int, int, str], bool]:
     """What the driver does when a rank fails in attempt ``attempts_started``: after the last
     attempt, or at once for a failure no retry can fix (an exception of the user's code,
@@ -303,11 +306,13 @@ def on_rank_failure(
     retried) and returns True (the run ends here); before that it says once per attempt that
     Spark retries the stage.
 
-    The cancel is immediate when a signal killed the rank (that is the cause), else ``grace``
+    The cancel is immediate when a signal killed the rank (that is the cause) or when every
+    one of the ``num_proc`` ranks has reported (no report is left to wait for), else ``grace``
     seconds later, so that the error names the rank that died rather than the peer that
     noticed it first."""
     told: set[int] = set()
     timers: list[threading.Timer] = []
+    reported: dict[int, set[int]] = {}  # attempt -> the ranks that failed in it
 
     def cancel_quietly() -> None:  # a timer may fire after the session went away
         try:
@@ -319,8 +324,12 @@ def on_rank_failure(
         # An exception of the user's code (``failures``) fails the same way on every attempt:
         # the run ends at its first, and a signal's death or a lost store gets Spark's retry.
         user_error = not failure_kinds.classify_text(traceback).recoverable
+        reported.setdefault(attempts_started, set()).add(rank)
         if attempts_started >= max_attempts or user_error:
-            if killed_by_signal(traceback) or grace <= 0:
+            everyone = num_proc is not None and len(reported[attempts_started]) >= num_proc
+            if killed_by_signal(traceback) or grace <= 0 or everyone:
+                for timer in timers:
+                    timer.cancel()
                 cancel()
             elif not timers:
                 timers.append(threading.Timer(grace, cancel_quietly))
@@ -485,7 +494,7 @@ def launch(spec: LaunchSpec, backend: StageBackend, data: DataFrame | None = Non
         stdout=spec.stdout,
         stderr=spec.stderr,
         prefix_output_with_timestamp=spec.prefix_output_with_timestamp,
-        on_failure=on_rank_failure(max_attempts, lambda: backend.cancel(tag)),
+        on_failure=on_rank_failure(max_attempts, lambda: backend.cancel(tag), num_proc=num_proc),
         watch=stall.StallWatch(num_proc, stall_config),
         on_stuck=lambda: backend.cancel(tag),
         max_result_bytes=spec.max_result_bytes,

@@ -7,10 +7,12 @@ On a warm local[2] SparkSession (classic, or Spark Connect on an in-process loca
 down into: stage scheduling (call to the barrier tasks starting), rank process start (task
 start to the rank connecting back: ``mpiexec -n 1`` plus Python and imports), rendezvous
 (joining the communicator and the secret check), job start (loading ``fn``) and
-``hvd.init()`` inside ``fn``. The floor, measured in the same run, is a barrier stage whose
-tasks only call ``allGather`` once: an RDD stage on a classic session, a
-``mapInArrow(barrier=True)`` stage on Connect. On a classic session the DataFrame stage's floor
-is measured too, to compare the two launch paths. Prints a table and ends with one JSON line.
+``hvd.init()`` inside ``fn``; and the way back, from the last rank's ``fn`` returning to
+``run()`` returning (the ranks' exit, the results to the driver). The floor, measured in the
+same run, is a barrier stage whose tasks only call ``allGather`` once: an RDD stage on a
+classic session, a ``mapInArrow(barrier=True)`` stage on Connect. On a classic session the
+DataFrame stage's floor is measured too, to compare the two launch paths. Prints a table and
+ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def _fn():
 
     before = time.perf_counter()
     hvd.init()
-    return started, time.perf_counter() - before
+    return started, time.perf_counter() - before, time.time()
 
 
 def _floor_task(_):
@@ -116,10 +118,12 @@ def _measure(repeats: int, kind: str) -> None:
     floor_once = dataframe_floor_once if kind == "connect" else rdd_floor_once
 
     def ours_once() -> dict[str, float]:
+        called = time.time()
         report = launch(_fn, num_proc=2, verbose=0)
+        returned = time.time()
         t0 = report.submitted_at
         ev = report.events
-        fn_start = max(started for started, _ in report.results)
+        fn_start = max(started for started, _, _ in report.results)
 
         def span(a: str, b: str) -> float:
             return max(ev[r][b] - ev[r][a] for r in ev)
@@ -130,7 +134,10 @@ def _measure(repeats: int, kind: str) -> None:
             "rank_process_start": span("task_started", "hello"),
             "rendezvous": span("hello", "joined"),
             "job_start": fn_start - max(ev[r]["joined"] for r in ev),
-            "init": max(init for _, init in report.results),
+            "init": max(init for _, init, _ in report.results),
+            # The ranks' exit and the results' way back, after the last rank's fn returned.
+            "fn_end_to_return": returned - max(ended for _, _, ended in report.results),
+            "whole_run": returned - called,
         }
 
     floor_once()  # warm: Python workers and the barrier coordinator exist afterwards
@@ -158,6 +165,8 @@ def _measure(repeats: int, kind: str) -> None:
     for key in ("stage_scheduling", "rank_process_start", "rendezvous", "job_start", "init"):
         print(f"{key:<28} {median[key]:8.4f}")
     print(f"{'run() to fn on every rank':<28} {median['to_fn_start']:8.3f}")
+    print(f"{'fn returned to run() returns':<28} {median['fn_end_to_return']:8.3f}")
+    print(f"{'run() whole':<28} {median['whole_run']:8.3f}")
     print(f"{'overhead above floor':<28} {overhead:8.3f}  (target <= 2 s)")
     summary = {
         "benchmark": "startup",

@@ -184,8 +184,10 @@ def test_driver_env_leaves_out_what_describes_the_driver(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     env = driver_env()
     assert env["HOROVOD_TIMELINE"] == "/tmp/t.json"
+    assert "PYTEST_CURRENT_TEST" in os.environ  # pytest's, in the process that runs the test
     for name in ("SPARK_HOME", "CUDA_VISIBLE_DEVICES", "PATH", "HOME", "PYTHONPATH"):
         assert name not in env
+    assert "PYTEST_CURRENT_TEST" not in env
 
 
 def test_nics_must_be_interface_names():

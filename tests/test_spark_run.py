@@ -608,3 +608,25 @@ def test_data_of_another_kind_is_refused_before_any_rank_starts(spark):
         f"`data` must be a Spark DataFrame of the active {kind} session, whose rows the "
         "ranks share; found pandas.DataFrame."
     )
+
+
+@pytest.mark.spark
+@pytest.mark.mpi
+def test_spares_serve_the_next_run_though_pytest_names_another_test(spark_local2, monkeypatch):
+    """pytest renames the test phase in ``PYTEST_CURRENT_TEST`` at every phase; the ranks do
+    not take it from the driver, so the spares one run leaves serve the next (with it, a
+    test suite's every fit started two spares that no run could use)."""
+    from conftest import idle_spares
+
+    from flyte_hvd.stage.dispatch import launch
+
+    module = "fractions"  # any module no other test preloads: the spares import it
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/a.py::test_one (call)")
+    launch(os.getpid, num_proc=2, preload=(module,), verbose=0)
+    deadline = time.monotonic() + 60
+    while len(idle_spares(module)) < 2:
+        assert time.monotonic() < deadline, "the run left no spare rank processes"
+        time.sleep(0.1)
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/a.py::test_two (call)")
+    report = launch(os.getpid, num_proc=2, preload=(module,), verbose=0)
+    assert all("spare_claimed" in report.events[r] for r in (0, 1)), report.events

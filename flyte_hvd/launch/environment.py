@@ -173,6 +173,10 @@ _HOST_ENV = frozenset(
         "OPENBLAS_NUM_THREADS",
         "DISPLAY",
         "TERM_SESSION_ID",
+        # pytest's name of the test phase the driver process runs, new at every phase: passed
+        # on, every run's ranks would start unlike the last run's, and no spare rank started
+        # ahead (``spare``, keyed by the rank's environment) would ever serve one.
+        "PYTEST_CURRENT_TEST",
         "FLYTE_HVD_SPARE",
         "FLYTE_HVD_SPARE_OWNER",
         "FLYTE_HVD_SPARE_PRELOAD",

@@ -445,7 +445,11 @@ class RankSupervisor:
             state.times["killed_by_us"] = time.time()
             if state.pid is not None:
                 _kill(state.pid, signal.SIGKILL)
-            _kill(state.proc.pid, signal.SIGTERM)
+            # The launcher's whole session (it has one of its own): asked to stop,
+            # mpiexec.gforker often sleeps a second after its rank is gone before it exits,
+            # and a failed run waits for every stopped rank.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(state.proc.pid, signal.SIGKILL)
         for state in self.ranks.values():
             if state.conn is not None:
                 _close(state.conn)

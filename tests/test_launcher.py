@@ -312,6 +312,7 @@ def _lingering_launcher(rank_code: str):
     from flyte_hvd.launch.rank_process import RankProcess
 
     state = RankProcess(0)
+    state.launcher_lingers = True
     rank = f"import os; print(os.getpid(), flush=True); {rank_code}"
     launcher = ["sh", "-c", f'"{sys.executable}" -c "$0"; sleep 60', rank]
     state.proc = subprocess.Popen(launcher, stdout=subprocess.PIPE, start_new_session=True)
@@ -380,3 +381,18 @@ def test_a_failed_run_stops_the_other_ranks_at_once(no_leftover_ranks):
         with pytest.raises(RanksFailedError, match="bad batch on rank one"):
             launch_local(FunctionJob(fails_on_rank_one), 2)
     assert (time.monotonic() - started) / 3 < 1.5
+
+
+def test_a_launcher_that_exits_by_itself_is_left_to_end():
+    """Hydra's ``mpiexec`` (ranks across hosts) exits as soon as its rank has, and removes its
+    temporary files only when it ends by itself or on SIGTERM: it is never ended early."""
+    state = _lingering_launcher("pass")
+    state.launcher_lingers = False
+    state.done = True
+    try:
+        time.sleep(0.3)  # the rank is gone by now
+        state.end_launcher_if_rank_gone()
+        assert state.proc.poll() is None and not state.launcher_ended
+    finally:
+        os.killpg(state.proc.pid, 9)
+        state.proc.wait()

@@ -49,6 +49,10 @@ class RankProcess:
         self.done = False
         # The launcher was ended by the supervisor after the rank returned and exited.
         self.launcher_ended = False
+        # Its launcher is ``mpiexec.gforker``, which may sleep a second once its rank is gone
+        # (``end_launcher_if_rank_gone``). Hydra's ``mpiexec`` exits at once and removes its
+        # temporary files only when it ends by itself or on SIGTERM.
+        self.launcher_lingers = False
         self.times: dict[str, float] = {}  # event -> wall-clock time, comparable across hosts' logs
         self.pumps: list[threading.Thread] = []
         self.command: list[str] = []
@@ -155,9 +159,11 @@ class RankProcess:
         """Once the rank has reported its result and its own process is gone, ends its
         launcher, which has nothing left to do: ``mpiexec.gforker`` often sleeps a whole second
         before it exits (when the rank's pipes close before its exit is reaped), a second added
-        to every run. The launcher's session goes with it (hydra's proxy, say). What the rank
-        did after it reported (MPI_Finalize, the interpreter's exit) no longer counts."""
-        if not self.done or self.pid is None or self.proc is None or self.proc.poll() is not None:
+        to every run. The launcher's session goes with it. What the rank did after it
+        reported (MPI_Finalize, the interpreter's exit) no longer counts."""
+        if not self.launcher_lingers or not self.done or self.pid is None:
+            return
+        if self.proc is None or self.proc.poll() is not None:
             return
         try:
             os.kill(self.pid, 0)  # still there, or not yet reaped by its launcher

@@ -266,6 +266,7 @@ class RankSupervisor:
 
     def _spawn(self, state: RankProcess, control: str, job_path: str, workdir: str) -> None:
         env, state.command = rank_start(self.env, self.single_host)
+        state.launcher_lingers = os.path.basename(state.command[0]) == "mpiexec.gforker"
         # The result limit is the run's, not the process's: it travels with the rank's
         # assignment, so a spare started before the run can take the rank.
         result_limit = env.pop(MAX_RESULT_ENV, "")
@@ -445,11 +446,14 @@ class RankSupervisor:
             state.times["killed_by_us"] = time.time()
             if state.pid is not None:
                 _kill(state.pid, signal.SIGKILL)
-            # The launcher's whole session (it has one of its own): asked to stop,
-            # mpiexec.gforker often sleeps a second after its rank is gone before it exits,
-            # and a failed run waits for every stopped rank.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(state.proc.pid, signal.SIGKILL)
+            if state.launcher_lingers:
+                # Its whole session (it has one of its own): asked to stop, mpiexec.gforker
+                # often sleeps a second after its rank is gone, and a failed run waits for
+                # every stopped rank.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(state.proc.pid, signal.SIGKILL)
+            else:  # hydra's mpiexec ends its proxy and removes its files itself
+                _kill(state.proc.pid, signal.SIGTERM)
         for state in self.ranks.values():
             if state.conn is not None:
                 _close(state.conn)

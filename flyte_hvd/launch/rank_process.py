@@ -168,14 +168,18 @@ class RankProcess:
         try:
             os.kill(self.pid, 0)  # still there, or not yet reaped by its launcher
             return
-        except ProcessLookupError:
-            pass
-        except PermissionError:  # another process has that pid now: the rank is long gone
+        except (ProcessLookupError, PermissionError):  # gone (or its pid taken by another)
             pass
         self.launcher_ended = True
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.kill_launcher_session()
         self.proc.wait()
+
+    def kill_launcher_session(self) -> None:
+        """SIGKILL to the launcher's session (it has one of its own): the launcher and
+        whatever of the rank is left in it."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
     def exit_code(self) -> int | None:
         """The rank's exit status; -1 for a signal its launcher reported but exited 0 on; 0

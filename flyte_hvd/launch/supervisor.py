@@ -447,11 +447,9 @@ class RankSupervisor:
             if state.pid is not None:
                 _kill(state.pid, signal.SIGKILL)
             if state.launcher_lingers:
-                # Its whole session (it has one of its own): asked to stop, mpiexec.gforker
-                # often sleeps a second after its rank is gone, and a failed run waits for
-                # every stopped rank.
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(state.proc.pid, signal.SIGKILL)
+                # Asked to stop, mpiexec.gforker often sleeps a second after its rank is gone,
+                # and a failed run waits for every stopped rank.
+                state.kill_launcher_session()
             else:  # hydra's mpiexec ends its proxy and removes its files itself
                 _kill(state.proc.pid, signal.SIGTERM)
         for state in self.ranks.values():

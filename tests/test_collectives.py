@@ -72,6 +72,35 @@ def test_collective(name: str, size: int | str):
     assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
 
 
+@pytest.mark.mpi
+def test_ranks_sharing_one_core_reduce_in_a_ring_without_waiting_out_time_slices():
+    """Two ranks over MPI on one core (more ranks than cores, or pods under a CPU limit): the
+    ring waits for its transfers in a fixed order, with waits that give the core to the peer;
+    MPICH's Waitany did not, and each 1 MB allreduce waited out a time slice (9 ms, not 1)."""
+
+    def median_ring_allreduce_seconds() -> float:
+        import time
+
+        from flyte_hvd.core.transport import ring
+
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # both ranks: the same core
+        hvd.init()
+        x = np.ones(1 << 18, np.float32)  # 1 MB: the ring's route for two ranks
+        assert ring.takes(hvd.size(), hvd.Sum, x, np.empty_like(x), False)
+        times = []
+        for _ in range(21):
+            start = time.perf_counter()
+            got = hvd.allreduce(x, op=hvd.Sum)
+            times.append(time.perf_counter() - start)
+        np.testing.assert_array_equal(got, np.full_like(x, 2.0))
+        return float(np.median(times))
+
+    seconds = launch_local(
+        FunctionJob(median_ring_allreduce_seconds), 2, start_timeout=60, env={shm.MODE_ENV: "off"}
+    )
+    assert max(seconds) < 0.004, f"median 1 MB allreduce per rank: {seconds}"
+
+
 # Cases that assume every rank on one host.
 _ONE_HOST_CASES = {"topology_single_host"}
 _HOSTS_SCRIPT = """

@@ -17,6 +17,8 @@ which waits longer.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,6 +37,11 @@ _CHUNK_BYTES = 4 << 20
 # The ring's point-to-point tags: from _TAG, fewer than _MAX_TAGS (below the agreement's
 # records' tag, 0x5244, for up to 2,000 ranks).
 _TAG, _MAX_TAGS = 0x100, 0x4000
+# The order a rank waits for its transfers in: every rank the same, each transfer after the
+# ones it depends on (a segment's stage s after stage s - 1 on the left neighbour, the whole
+# segments after the reductions). MPICH's Waitany never yields the core: where ranks share
+# one (more ranks than cores, a pod's CPU limit), a 1 MB ring took 9.3 ms against 0.9 ms.
+_ORDER = {"arrived": 0, "sent": 1, "gathered": 2}
 
 
 def reduces_alike(op: ReduceOp, arr: np.ndarray) -> bool:
@@ -87,14 +94,17 @@ def reduce(
         return _TAG + ((n if gathering else 0) + stage) * width + c
 
     partial = pool.empty((count,), src.dtype)  # the segments passing through, part-reduced
-    requests: list[MPI.Request] = []
-    roles: list[tuple[str, int, int, int]] = []  # (role, stage, segment, chunk)
+    # The transfers to wait for, in _ORDER: (order, stage, chunk, n-th, request, segment, role).
+    pending: list[tuple[int, int, int, int, MPI.Request, int, str]] = []
+    posted = itertools.count()  # never compares two requests
     later = []
+
+    def wait_for(request: MPI.Request, role: str, stage: int, k: int, c: int) -> None:
+        heapq.heappush(pending, (_ORDER[role], stage, c, next(posted), request, k, role))
 
     def expect(into: np.ndarray, role: str, stage: int, k: int, c: int) -> None:
         a, b = chunks[k][c]
-        requests.append(comm.Irecv(into[a:b], left, tag(role == "gathered", stage, c)))
-        roles.append((role, stage, k, c))
+        wait_for(comm.Irecv(into[a:b], left, tag(role == "gathered", stage, c)), role, stage, k, c)
 
     for stage in range(n - 1):  # segment r - stage - 1 arrives part-reduced from the left
         for c in range(len(chunks[(r - stage - 1) % n])):
@@ -104,12 +114,10 @@ def reduce(
             for c in range(len(chunks[(r - stage) % n])):
                 expect(dst, "gathered", stage, (r - stage) % n, c)
     for c, (a, b) in enumerate(chunks[r]):
-        requests.append(comm.Isend(src[a:b], right, tag(False, 0, c)))
-        roles.append(("sent", 0, r, c))
-    finished = 0
-    while finished < len(requests):
-        role, stage, k, c = roles[MPI.Request.Waitany(requests)]
-        finished += 1
+        wait_for(comm.Isend(src[a:b], right, tag(False, 0, c)), "sent", 0, r, c)
+    while pending:
+        _, stage, c, _, request, k, role = heapq.heappop(pending)
+        request.Wait()
         a, b = chunks[k][c]
         if role == "arrived":
             whole = stage == n - 2  # this rank's own segment, reduced by every rank now

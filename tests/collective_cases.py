@@ -136,9 +136,10 @@ def long_allreduces_back_to_back():
 
 @case
 def reductions_in_a_ring():
-    """Reductions from 1 MB (two ranks) and 32 MB (more, or in place), which ranks over MPI
-    reduce in a ring of their own, in chunks: every op and dtype, odd lengths, out of place
-    and in place, a fusion buffer of each dtype, and the same bits on every rank."""
+    """Reductions from 1 MB (two ranks; in place 32 MB) and 4 MB (more ranks; in place 8 MB),
+    which ranks over MPI reduce in a ring of their own, in chunks: every op and dtype, odd
+    lengths, out of place and in place, a fusion buffer of each dtype, and the same bits on
+    every rank."""
     from flyte_hvd.core.collectives import reduce_in_place
     from flyte_hvd.core.state import comm
 
@@ -153,7 +154,9 @@ def reductions_in_a_ring():
     np.testing.assert_allclose(mean, np.full(700_001, (n + 1) / 2))
     product = hvd.allreduce(np.full(1_200_000, 2.0, np.float32), op=hvd.Product)
     np.testing.assert_array_equal(product, np.full(1_200_000, 2.0**n, np.float32))
-    for count in (1_300_001, 8_400_001):  # the optimizers' in-place reduction (from 32 MB)
+    # The optimizers' in-place reduction: below both thresholds, the ring's with more ranks
+    # only, and the ring's with any.
+    for count in (1_300_001, 2_600_001, 8_400_001):
         values = (np.arange(count) % 1000).astype(np.float32)
         flat = values + r
         reduce_in_place(comm(), flat, hvd.Sum, hvd.Compression.none, 1.0, None, lambda: "flat")

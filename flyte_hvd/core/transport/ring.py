@@ -10,9 +10,9 @@ Every value is reduced on one rank only, so every rank ends with the same bits.
 Measured against MPICH's ``Allreduce`` (out of place, medians of 5): between two simulated
 hosts over TCP 1.0x at 1-4 MB, 1.2x at 16 MB, 1.8x at 64 MB, whichever of MPICH's algorithms
 it ran (ring, reduce-scatter + allgather, recursive doubling); two ranks on one host over MPI
-0.9x at 1 MB, 1.4x at 2 MB, 2.9x at 64 MB; four simulated hosts 0.66x at 4 MB, 1.0x at 16 MB,
-2.1x at 64 MB. In place a chunk's final values may land only once that chunk has been sent,
-which waits longer.
+0.9x at 1 MB, 1.4x at 2 MB, 2.9x at 64 MB; three and four simulated hosts on two cores (ranks
+sharing a core) 1.2-1.6x from 4 MB. In place a chunk's final values may land only once that
+chunk has been sent, which waits longer.
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ from flyte_hvd.core.reduce_ops import ReduceOp, finish_average
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-# Two ranks out of place pay from here; more ranks, or in place, from _WIDE_BYTES.
-_BYTES = 1 << 20
-_WIDE_BYTES = 32 << 20
+# Where the ring is faster than MPICH's Allreduce (simulated hosts over TCP, alternating):
+# two ranks out of place from 1 MB, in place from 32 MB (MPICH's in-place exchange is faster
+# below); more ranks out of place from 4 MB, in place from 8 MB.
+_TWO_RANKS_BYTES = (1 << 20, 32 << 20)  # (out of place, in place)
+_MORE_RANKS_BYTES = (4 << 20, 8 << 20)
 _CHUNK_BYTES = 4 << 20
 # The ring's point-to-point tags: from _TAG, fewer than _MAX_TAGS (below the agreement's
 # records' tag, 0x5244, for up to 2,000 ranks).
@@ -57,7 +59,8 @@ def takes(size: int, op: ReduceOp, wire: np.ndarray, out: np.ndarray, mpi_only: 
     ``join()`` serve (``mpi_only``: their part is MPI's)."""
     if mpi_only or size < 2 or not reduces_alike(op, wire):
         return False
-    return wire.nbytes >= (_BYTES if size == 2 and out is not wire else _WIDE_BYTES)
+    out_of_place, in_place = _TWO_RANKS_BYTES if size == 2 else _MORE_RANKS_BYTES
+    return wire.nbytes >= (in_place if out is wire else out_of_place)
 
 
 def allreduce(

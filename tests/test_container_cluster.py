@@ -280,6 +280,14 @@ def container_cluster():
     assert cluster.leftovers() == []
 
 
+def _attempt_lines(log: str) -> str:
+    """The lines of a driver log that tell its stage attempts apart: ranks starting, Spark's
+    and flyte_hvd's retries and errors, epochs."""
+    wanted = re.compile(r"rank \d+ of \d+ on host|retries the stage|Lost executor|ERROR|"
+                        r"Error|failed|Epoch \d+/")  # fmt: skip
+    return "\n".join(line[:300] for line in log.splitlines() if wanted.search(line))[-8000:]
+
+
 def _state(cluster: ContainerCluster) -> tuple[str, dict] | None:
     """The run's path and its state.json, once a first epoch has been recorded."""
     for key in cluster.keys(STORE_BUCKET, "rossmann/runs/"):
@@ -354,12 +362,18 @@ def test_rossmann_on_containers_survives_a_killed_worker(container_cluster):
     replacement = f"worker-{WORKERS + 1}"
     retry = plain[lost.end() :]
     ranks = [m.groups() for m in RANK_LINE.finditer(retry)]
-    assert sorted(int(r[0]) for r in ranks) == [0, 1], retry[-6000:]
-    assert {r[2] for r in ranks} == {"worker-2", replacement}
+    # Spark may take more than one attempt after the loss (each one logged; one CI run took
+    # two): every one runs on the survivor and the replacement only, and the last, whose two
+    # ranks are the last to start, trains to the end.
+    attempts = _attempt_lines(retry)
+    assert len(ranks) >= 2, attempts
+    assert sorted(int(r[0]) for r in ranks[-2:]) == [0, 1], attempts
+    assert {r[2] for r in ranks[-2:]} == {"worker-2", replacement}, attempts
+    assert {r[2] for r in ranks} <= {"worker-2", replacement}, attempts
     for _, size, _, local_rank, local_size, _, cross_size in ranks:
         assert (size, local_rank, local_size, cross_size) == ("2", "0", "1", "2")
     # The retried fit resumed after the recorded epoch(s): it never started at epoch 1.
-    assert not re.search(r"Epoch 1/", retry), retry[-6000:]
+    assert not re.search(r"Epoch 1/", retry), attempts
     assert re.search(rf"Epoch {epochs}/{epochs}", retry), retry[-6000:]
     # MPI between the containers: libfabric's tcp provider on a worker's own address, no UCX.
     worker_addresses = {cluster.addresses[r] for r in ("worker-2", replacement)}
@@ -401,5 +415,6 @@ def test_rossmann_on_containers_survives_a_killed_worker(container_cluster):
         assert scratch.strip() == "", f"{role}: {scratch}"
     print(
         f"container cluster: workflow {ran - started:.0f}s (killed at "
-        f"{killed_at - started:.0f}s), {len(output)} bytes of driver output"
+        f"{killed_at - started:.0f}s), {len(ranks)} rank starts after the loss, "
+        f"{len(output)} bytes of driver output"
     )

@@ -412,21 +412,28 @@ TIMES: dict[str, float] = {}
 @pytest.fixture(scope="module")
 def collective_failures(tmp_path_factory):
     """The HorovodSpark task failing as user code (ValueError on every rank) and stuck (rank 1
-    never joins rank 0's allreduce; the stall bound in a task, 5 check times of 1 s)."""
+    never joins rank 0's allreduce; the stall bound in a task, 5 check times of 1 s). Two
+    nodes of one execution, run side by side as Flyte runs them: each mostly starts up or
+    waits."""
     root = tmp_path_factory.mktemp("collective")
-    started = {"RETRY_TEST_STARTED": str(root / "started")}
-    raised = Attempt(root, "collective", "n0", 0, root / "cwd", env=started, mode="raise").wait()
+
+    def started(node: str) -> dict[str, str]:
+        return {"RETRY_TEST_STARTED": str(root / f"started-{node}")}
+
+    raising = Attempt(root, "collective", "n0", 0, root / "cwd-n0", started("n0"), mode="raise")
+    stall_env = {stall.CHECK_TIME_ENV: "1", **started("n1")}
+    stuck = Attempt(root, "collective", "n1", 0, root / "cwd-n1", stall_env, mode="stall")
+    raised = raising.wait()
+    stuck.wait()
     TIMES["ValueError on every rank: task"] = raised.seconds
-    TIMES["ValueError on every rank: body to exit"] = raised.ended - _started(root)
-    stuck = Attempt(root, "collective", "n1", 0, root / "cwd", mode="stall",
-                    env={stall.CHECK_TIME_ENV: "1", **started}).wait()  # fmt: skip
+    TIMES["ValueError on every rank: body to exit"] = raised.ended - _started(root, "n0")
     TIMES["stuck rank (check 1 s, bound 5 s): task"] = stuck.seconds
-    TIMES["stuck rank: body to exit"] = stuck.ended - _started(root)
+    TIMES["stuck rank: body to exit"] = stuck.ended - _started(root, "n1")
     return raised, stuck
 
 
-def _started(root: Path) -> float:
-    path = root / "started"
+def _started(root: Path, node: str) -> float:
+    path = root / f"started-{node}"
     return float(path.read_text()) if path.exists() else float("nan")
 
 

@@ -471,6 +471,7 @@ class MainJob(NamedTuple):
     stdout: str
     seconds: float
     work_dir: str
+    stderr: str = ""
 
     def line(self, prefix: str) -> str:
         return next(x for x in self.stdout.splitlines() if x.startswith(prefix))
@@ -490,7 +491,7 @@ def run_main_job(command: list[str], tmp_path) -> MainJob:
         text=True, timeout=660, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    return MainJob(out.stdout, time.monotonic() - started, work_dir)
+    return MainJob(out.stdout, time.monotonic() - started, work_dir, out.stderr)
 
 
 def check_main_job(job: MainJob, tmp_path) -> tuple[float, float]:
@@ -510,6 +511,10 @@ def check_main_job(job: MainJob, tmp_path) -> tuple[float, float]:
     closed = check_closed_and_open_rows(frame, default)
     assert re.search(rf"^test rows: +{len(frame)} predicted, {closed} of them closed", job.stdout,
                      re.M), job.stdout  # fmt: skip
+    # What the user reads on success: the epochs and the result, not pages around them (the
+    # sessions and processes the pipeline starts are quiet; the SDK prints a short Report).
+    printed = job.stdout.splitlines() + job.stderr.splitlines()
+    assert len(printed) <= 40, "\n".join(printed)
     return model, baseline
 
 

@@ -73,6 +73,14 @@ class Report:
     closed_test_rows: int  # of which predicted closed (Sales exactly 0)
     history: dict[str, list[float]] = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        # `pyflyte run` prints the outputs: the scores and the run, not every epoch's metrics
+        # and every path again (the summary printed above has them).
+        return (
+            f"Report(run_id={self.run_id!r}, val_rmspe={self.val_rmspe:.4f}, "
+            f"baseline_rmspe={self.baseline_rmspe:.4f})"
+        )
+
 
 class Prepared(NamedTuple):
     train: StructuredDataset

@@ -107,6 +107,14 @@ class Report:
     baseline_rmspe: float
     summary: steps.Summary  # the lines printed, the test rows predicted (closed), where
 
+    def __repr__(self) -> str:
+        # `flyte run` prints the outputs: the scores and the run, not every epoch's metrics and
+        # every path again (the summary printed above has them).
+        return (
+            f"Report(run_id={self.trained.run_id!r}, val_rmspe={self.predicted.val_rmspe:.4f}, "
+            f"baseline_rmspe={self.baseline_rmspe:.4f})"
+        )
+
 
 def _raw_path(name: str) -> str:
     """A new path under the run's raw data path: a local file uploaded there outlives the

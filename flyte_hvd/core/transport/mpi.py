@@ -135,7 +135,10 @@ class MpiTransport:
         self._fps = self._records[:, 0]
         self._datas = self._bytes[:, _HEADER_BYTES:]  # (size, eager) bytes
         self._peers = [r for r in range(self.size) if r != me]
+        self._peer_records = [self._bytes[peer] for peer in self._peers]
         self._p2p = 1 < self.size <= P2P_MAX_RANKS
+        self._inline_and_rows = self._records[:, 2:4].T  # (2, size): bytes in the record, rows
+        self._mpi = _mpi()  # an import statement per call costs a small call a microsecond
         # What a small allreduce needs that depends only on its kind (op, dtype, shape).
         self._plans: dict[tuple, tuple] = {}
 
@@ -154,16 +157,17 @@ class MpiTransport:
             record[2] = nbytes = data.nbytes
             if nbytes:
                 self._room[:nbytes] = data.data.cast("B")
-        comm, MPI = self.comm, _mpi()
+        comm = self.comm
         if self._p2p:
             # A shorter message than the receive buffer is fine in MPI, and messages between
             # two ranks with one tag arrive in order: round k meets round k.
             mine = self._bytes[self._me, : _HEADER_BYTES + nbytes]
-            requests = [comm.Irecv(self._bytes[peer], peer, _TAG) for peer in self._peers]
-            requests += [comm.Isend(mine, peer, _TAG) for peer in self._peers]
-            MPI.Request.Waitall(requests)
+            peers, records = self._peers, self._peer_records
+            requests = [comm.Irecv(records[i], peer, _TAG) for i, peer in enumerate(peers)]
+            requests += [comm.Isend(mine, peer, _TAG) for peer in peers]
+            self._mpi.Request.Waitall(requests)
         else:
-            comm.Allgather(MPI.IN_PLACE, self._records)
+            comm.Allgather(self._mpi.IN_PLACE, self._records)
         return self._fps.tolist().count(fp) == self.size
 
     def _data_of(self, rank: int) -> np.ndarray:
@@ -357,7 +361,7 @@ class MpiTransport:
             if not self._gather(fp, -fp, arr.shape[0], arr if fits else None):
                 agreement.settle(comm, fp, self._agreed_pair(), describe, None)
                 raise AssertionError("settle raises for a collective without a reduction")
-            inline, counts = self._records[:, 2:4].T.tolist()  # per rank (numpy: slower)
+            inline, counts = self._inline_and_rows.tolist()  # per rank (numpy: slower)
             if min(inline) >= 0:  # every part is in the records
                 out = pool.empty((sum(counts), *row_shape), arr.dtype)
                 _concatenate(self._datas, inline, out.reshape(-1).view(np.uint8))

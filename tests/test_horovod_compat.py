@@ -36,6 +36,10 @@ HOROVOD_MODULES = {
         "DBFSLocalStore",
     ],
     "flyte_hvd.spark.common.backend": ["SparkBackend"],
+    "flyte_hvd.spark.common.constants": [
+        "ARRAY", "DENSE_VECTOR", "SPARSE_VECTOR", "MIXED_SPARSE_DENSE_VECTOR",
+        "TOTAL_BUFFER_MEMORY_CAP_GIB", "BYTES_PER_GIB",
+    ],
     "flyte_hvd.spark.common.util": [
         "prepare_data", "get_simple_meta_from_parquet", "get_dataset_properties",
         "clear_training_cache", "to_list", "check_shape_compatibility",
@@ -54,6 +58,21 @@ def test_horovod_module_paths_export_horovods_names(module):
     imported = importlib.import_module(module)
     missing = [n for n in HOROVOD_MODULES[module] if not hasattr(imported, n)]
     assert not missing, f"{module} lacks {missing}"
+
+
+def test_horovods_column_kinds_are_the_prepared_datasets():
+    """What code written for Horovod compares a column's kind with names the kinds that
+    ``prepare_data`` records (a vector column with dense and sparse rows is ``vector``)."""
+    from flyte_hvd.data.dataset import KINDS, VECTOR_KINDS
+    from flyte_hvd.spark.common import constants
+
+    assert constants.ARRAY in KINDS
+    assert {
+        constants.DENSE_VECTOR,
+        constants.SPARSE_VECTOR,
+        constants.MIXED_SPARSE_DENSE_VECTOR,
+    } == (set(VECTOR_KINDS))
+    assert constants.BYTES_PER_GIB == 2**30 and constants.TOTAL_BUFFER_MEMORY_CAP_GIB == 4
 
 
 def test_horovod_names_are_ours_not_copies():

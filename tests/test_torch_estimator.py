@@ -322,6 +322,87 @@ def test_lightning_ddp_fit_trains_and_transforms(spark_local2, store, no_leftove
     assert len(rows) == 200 and np.corrcoef(truth, guess)[0, 1] > 0.8
 
 
+# -- a step that shapes its label itself, as Horovod's batches need ----------------------------
+
+
+class UnsqueezesItsLabel(Regressor):
+    """Horovod's convention (its own Lightning tests' XOR): a scalar label arrives as (B,),
+    and the steps make it (B, 1) for a binary cross-entropy against a (B, 1) output."""
+
+    def forward(self, x):
+        return torch.sigmoid(self.net(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch["features"], batch["label"].unsqueeze(1)
+        loss = F.binary_cross_entropy(self(x), y)
+        self.log("train_loss", loss, on_epoch=True, on_step=False, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        y = batch["label"]
+        loss = F.binary_cross_entropy(self(batch["features"]), y[:, None])
+        self.log("val_loss", loss, sync_dist=True)
+
+
+class ShapesByAlias(Regressor):
+    def training_step(self, batch, batch_idx):
+        target = batch["label"].float()
+        y = target
+        return F.mse_loss(self(batch["features"]), torch.unsqueeze(y, 1))
+
+
+class LeavesItsLabel(Regressor):
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self(batch["features"]), batch["label"])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.mse_loss(self(batch["features"]), batch["label"]))
+
+
+def test_labels_a_step_shapes_itself_are_found_in_its_source():
+    from flyte_hvd.estimators.lightning import labels_the_steps_shape
+
+    assert labels_the_steps_shape(UnsqueezesItsLabel(), ["label"]) == {"label"}
+    assert labels_the_steps_shape(ShapesByAlias(), ["label"]) == {"label"}
+    assert labels_the_steps_shape(Regressor(), ["label"]) == {"label"}  # .view(-1, 1)
+    assert labels_the_steps_shape(LeavesItsLabel(), ["label"]) == set()
+    assert labels_the_steps_shape(UnsqueezesItsLabel(), ["other"]) == set()
+
+
+class ExpectsWeightAveraging(pl.Callback):
+    """Fails the fit unless Lightning's SWA callback averaged the last epoch at the
+    optimizer's own learning rate (what Lightning 1.x's `stochastic_weight_avg=True` did)."""
+
+    def on_train_end(self, trainer, pl_module):
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+        (swa,) = [c for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)]
+        if not swa._initialized or swa._swa_lrs != [0.02]:
+            raise RuntimeError(f"no weight averaging at the optimizer's rate: {swa._swa_lrs}")
+
+
+def test_horovods_lightning_habits_train_as_under_horovod(spark_local2, store):
+    """A step that unsqueezes its label: given (B, 1), `batch["label"].unsqueeze(1)` would be
+    (B, 1, 1), which torch's binary cross-entropy refuses against a (B, 1) output (and MSE
+    would broadcast to (B, B, 1)); the label comes as Horovod gives it, (B,), and the model
+    learns the classes. And Lightning 1.x's `stochastic_weight_avg=True` averages weights."""
+    from pyspark.sql import functions as sf
+
+    df = _regression_df(spark_local2, rows=200)
+    df = df.withColumn("label", (sf.col("label") > 0.3).cast("double"))
+    fitted = LightningEstimator(
+        num_proc=2, store=store, model=UnsqueezesItsLabel(), feature_cols=["features"],
+        label_cols=["label"], validation="is_val", batch_size=16, epochs=3, verbose=0,
+        random_seed=2, run_id="unsqueezed", callbacks=[ExpectsWeightAveraging()],
+        trainer_args={"stochastic_weight_avg": True},
+    ).fit(df)  # fmt: skip
+    history = fitted.getHistory()
+    assert history["val_loss"][-1] < history["val_loss"][0]
+    rows = fitted.transform(df).select("label", "label__output").collect()
+    truth, guess = np.array([(r[0], r[1]) for r in rows]).T
+    assert np.mean((guess > 0.5) == (truth > 0.5)) > 0.8
+
+
 # -- bad input: each fails before any rank starts --------------------------------------------
 
 
@@ -370,6 +451,11 @@ def _bad(store, case):
         return LightningEstimator(num_proc=2, store=store, model=Regressor(),
                                   trainer_args={"max_epochs": 3}, feature_cols=["features"],
                                   label_cols=["label"])  # fmt: skip
+    if case in ("lightning_unknown_trainer_arg", "lightning_swa_not_bool"):
+        args = {"gradient_clip_vall": 1.0} if case == "lightning_unknown_trainer_arg" else {
+            "stochastic_weight_avg": "yes"}  # fmt: skip
+        return LightningEstimator(num_proc=2, store=store, model=Regressor(), trainer_args=args,
+                                  feature_cols=["features"], label_cols=["label"])  # fmt: skip
     if case == "distributed":
         return _torch_estimator(store, distributed="nccl")
     if case == "ddp_compression":
@@ -404,6 +490,12 @@ def _bad(store, case):
         ("label_in_features", r"column `label` is listed in both `feature_cols` and `label_cols`"),
         ("lightning_optimizer", "leave `optimizer` and `loss` unset"),
         ("lightning_trainer_args", r"`max_epochs`: set `epochs`"),
+        ("lightning_unknown_trainer_arg", r"^`trainer_args` has \['gradient_clip_vall'\], which "
+                                          r"lightning.pytorch.Trainer does not take \("
+                                          r"`gradient_clip_vall`: did you mean "
+                                          r"`gradient_clip_val`\?\)"),
+        ("lightning_swa_not_bool", r"`trainer_args\['stochastic_weight_avg'\]` must be a bool; "
+                                   r"found 'yes'"),
         ("lightning_not_a_module", "must be a LightningModule"),
         ("distributed", r"^`distributed` must be 'horovod' \(flyte_hvd's DistributedOptimizer\) "
                         r"or 'ddp' \(torch's DistributedDataParallel\); found 'nccl'\.$"),

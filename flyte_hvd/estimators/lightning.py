@@ -7,7 +7,9 @@ Lightning's own ``DDPStrategy`` (``flyte_hvd.torch.strategy.ddp_strategy``), on 
 shard of the prepared data. ``training_step`` and ``validation_step`` receive a dict of
 tensors keyed by column name: features reshaped by ``input_shapes``, labels as float32
 (int64 for integer columns) shaped as the model's output for them where the sizes agree (a
-scalar label is ``(B, 1)`` for a ``(B, 1)`` output), the sample weight column as float32. A
+scalar label is ``(B, 1)`` for a ``(B, 1)`` output) unless the steps reshape the label
+themselves, as Horovod's batches need (``batch["y"].unsqueeze(1)``: then ``(B,)``, as
+Horovod gives it), the sample weight column as float32. A
 ``training_step`` that unpacks its batch as a tuple (``x, y = batch``) is refused before any
 rank starts. Callbacks (``EarlyStopping``,
 ``ModelCheckpoint``, ...) and the logger work on every rank. Rank 0 records the run in the
@@ -20,6 +22,7 @@ Lightning's own restore (loops, optimizers, callbacks).
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib
 import inspect
 import io
@@ -134,6 +137,23 @@ def lightning_package(model: object) -> str | None:
     return None
 
 
+def _parsed_step(model: object, method: str) -> tuple[ast.FunctionDef, int, str] | None:
+    """``model``'s ``method`` (``training_step``, ...) parsed: its function node, its first
+    line and the name of its batch argument; None where there is no source to read."""
+    step = getattr(type(model), method, None)
+    if step is None:
+        return None
+    try:
+        source, first = inspect.getsourcelines(step)
+        tree = ast.parse(textwrap.dedent("".join(source)))
+    except (OSError, TypeError, SyntaxError):  # no source to read: nothing to say
+        return None
+    function = tree.body[0]
+    if not isinstance(function, ast.FunctionDef) or len(function.args.args) < 2:
+        return None
+    return function, first, function.args.args[1].arg  # training_step(self, batch, batch_idx)
+
+
 def _check_batch_use(
     model: object, features: list[str], labels: list[str], weight: str | None
 ) -> None:
@@ -141,18 +161,10 @@ def _check_batch_use(
     Lightning's tutorials unpack a tuple (``x, y = batch``) or indexes it by position
     (``batch[0]``) is refused before any rank starts (on the ranks it would fail with torch's
     "must be Tensor, not str")."""
-    step = getattr(type(model), "training_step", None)
-    if step is None:
+    parsed = _parsed_step(model, "training_step")
+    if parsed is None:
         return
-    try:
-        source, first = inspect.getsourcelines(step)
-        tree = ast.parse(textwrap.dedent("".join(source)))
-    except (OSError, TypeError, SyntaxError):  # no source to read: nothing to say
-        return
-    function = tree.body[0]
-    if not isinstance(function, ast.FunctionDef) or len(function.args.args) < 2:
-        return
-    name = function.args.args[1].arg  # training_step(self, batch, batch_idx)
+    function, first, name = parsed
     columns = [*features, *labels, *([weight] if weight else [])]
     for node in ast.walk(function):
         unpacked = (
@@ -178,6 +190,120 @@ def _check_batch_use(
                 f"LightningEstimator batch is a dict of tensors keyed by column name: "
                 f"{columns}. Read the columns by name: `{by_name}`."
             )
+
+
+# Lightning 1.x's Trainer argument, which Horovod's users pass: an SWA callback here.
+_SWA_ARG = "stochastic_weight_avg"
+
+
+def _check_trainer_args(args: dict[str, Any], package: str) -> None:
+    """Every key of ``trainer_args`` is an argument of ``package``'s ``Trainer`` the estimator
+    does not set itself (or Lightning 1.x's ``stochastic_weight_avg``); checked before any
+    rank starts, where each rank's ``Trainer`` would raise ``TypeError``."""
+    reserved = sorted(set(args) & set(_RESERVED_TRAINER_ARGS))
+    if reserved:
+        hints = "; ".join(f"`{k}`: {_RESERVED_TRAINER_ARGS[k]}" for k in reserved)
+        raise ValueError(f"`trainer_args` sets {reserved}, which the estimator sets: {hints}.")
+    accepted = inspect.signature(importlib.import_module(package).Trainer.__init__).parameters
+    unknown = sorted(k for k in args if k not in accepted and k != _SWA_ARG)
+    if unknown:
+        close = {k: difflib.get_close_matches(str(k), list(accepted), n=1) for k in unknown}
+        hints = "; ".join(f"`{k}`: did you mean `{m[0]}`?" for k, m in close.items() if m)
+        raise ValueError(
+            f"`trainer_args` has {unknown}, which {package}.Trainer does not take"
+            f"{' (' + hints + ')' if hints else ''}. Give only its arguments; see "
+            f"help({package}.Trainer)."
+        )
+    if not isinstance(args.get(_SWA_ARG, False), bool):
+        raise ValueError(f"`trainer_args['{_SWA_ARG}']` must be a bool; found {args[_SWA_ARG]!r}.")
+
+
+def _weight_averaging(package: ModuleType) -> pl.Callback:
+    """Lightning 1.x's ``Trainer(stochastic_weight_avg=True)``: Lightning's
+    ``StochasticWeightAveraging`` from 80% of the epochs, at the optimizer's own learning
+    rates when averaging starts (as 1.x did; Lightning 2 asks for them up front)."""
+    averaging = package.callbacks.StochasticWeightAveraging
+
+    class AtTheOptimizersRates(averaging):  # type: ignore[misc,valid-type]
+        def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: object) -> None:
+            if not self._initialized and self.swa_start <= trainer.current_epoch <= self.swa_end:
+                self._swa_lrs = [group["lr"] for group in trainer.optimizers[0].param_groups]
+            super().on_train_epoch_start(trainer, pl_module)
+
+    return AtTheOptimizersRates(swa_lrs=1.0)  # replaced by the optimizer's when it starts
+
+
+# Tensor methods and torch functions that give a label a shape of the step's choosing.
+_RESHAPES = frozenset({"unsqueeze", "unsqueeze_", "view", "reshape", "view_as", "reshape_as"})
+
+
+def _root(node: ast.expr) -> ast.expr:
+    """What a chain of method calls and attributes starts from (``batch["y"]`` in
+    ``batch["y"].float().unsqueeze(1)``)."""
+    while True:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            node = node.func.value
+        elif isinstance(node, ast.Attribute):
+            node = node.value
+        else:
+            return node
+
+
+def labels_the_steps_shape(model: object, labels: list[str]) -> set[str]:
+    """The label columns that ``training_step`` or ``validation_step`` reshape themselves, as
+    Horovod's batches need (a scalar label there is ``(B,)``): ``batch["y"].unsqueeze(1)``,
+    ``y.float().view(-1, 1)`` or ``y[:, None]`` after ``y = batch["y"]``,
+    ``torch.unsqueeze(y, 1)``. Those keep Horovod's shape; the others are shaped as the
+    model's output."""
+    shaped: set[str] = set()
+    for method in ("training_step", "validation_step"):
+        parsed = _parsed_step(model, method)
+        if parsed is not None:
+            shaped |= _labels_reshaped_in(parsed[0], parsed[2], labels)
+    return shaped
+
+
+def _labels_reshaped_in(function: ast.FunctionDef, batch: str, labels: list[str]) -> set[str]:
+    """``labels_the_steps_shape`` for one step, whose batch argument is named ``batch``."""
+    aliases: dict[str, str] = {}  # local names bound to a label (``y = batch["y"]``)
+
+    def label_of(node: ast.expr) -> str | None:
+        root = _root(node)
+        if (
+            isinstance(root, ast.Subscript)
+            and isinstance(root.value, ast.Name)
+            and root.value.id == batch
+            and isinstance(root.slice, ast.Constant)
+            and root.slice.value in labels
+        ):
+            return str(root.slice.value)
+        return aliases.get(root.id) if isinstance(root, ast.Name) else None
+
+    assigns = [n for n in ast.walk(function) if isinstance(n, ast.Assign)]
+    for _ in range(2):  # an alias of an alias
+        for node in assigns:
+            pairs = [(node.targets[0], node.value)]
+            if isinstance(node.targets[0], ast.Tuple) and isinstance(node.value, ast.Tuple):
+                pairs = list(zip(node.targets[0].elts, node.value.elts, strict=False))
+            for target, value in pairs:
+                found = label_of(value)
+                if isinstance(target, ast.Name) and found is not None:
+                    aliases[target.id] = found
+    shaped = set()
+    for expr in ast.walk(function):
+        found = None
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
+            if expr.func.attr in _RESHAPES:
+                found = label_of(expr.func.value)
+                if found is None and expr.args:  # torch.unsqueeze(y, 1)
+                    found = label_of(expr.args[0])
+        elif isinstance(expr, ast.Subscript):  # y[:, None]
+            index = expr.slice.elts if isinstance(expr.slice, ast.Tuple) else [expr.slice]
+            if any(isinstance(i, ast.Constant) and i.value is None for i in index):
+                found = label_of(expr.value)
+        if found is not None:
+            shaped.add(found)
+    return shaped
 
 
 @dataclass(kw_only=True)
@@ -326,10 +452,7 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
         args = self.getTrainerArgs() or {}
         if not isinstance(args, dict):
             raise ValueError(f"`trainer_args` must be a dict; found {type(args).__name__}.")
-        reserved = sorted(set(args) & set(_RESERVED_TRAINER_ARGS))
-        if reserved:
-            hints = "; ".join(f"`{k}`: {_RESERVED_TRAINER_ARGS[k]}" for k in reserved)
-            raise ValueError(f"`trainer_args` sets {reserved}, which the estimator sets: {hints}.")
+        _check_trainer_args(args, lightning_package(model) or LIGHTNING_PACKAGES[0])
         self._check_input_shapes(features)
         check_distributed(self.getDistributed(), self.getGradientCompression())
 
@@ -337,12 +460,18 @@ class LightningEstimator(ShapedInputs, HorovodEstimator):
         self, remote_store: RemoteStore, features: list[str], metadata: Metadata, num_proc: int
     ) -> LightningTrainingSpec:
         input_shapes = resolve_input_shapes(self.getInputShapes(), features, metadata[0])
+        labels = list(self.getLabelCols())
+        shaped_by_the_steps = labels_the_steps_shape(self.getModel(), labels)
+        output_shapes = probe_outputs(self.getModel(), input_shapes, labels)
         return LightningTrainingSpec(
             **self._spec_fields(remote_store, features, metadata),
             model_bytes=cloudpickle.dumps(self._lightning_module(features)),
             lightning_package=lightning_package(self.getModel()) or LIGHTNING_PACKAGES[0],
             input_shapes=input_shapes,
-            output_shapes=probe_outputs(self.getModel(), input_shapes, list(self.getLabelCols())),
+            output_shapes=[
+                [] if label in shaped_by_the_steps else shape
+                for label, shape in zip(labels, output_shapes, strict=True)
+            ],
             trainer_args=dict(self.getTrainerArgs() or {}),
             profiler=self.getProfiler(),
             log_every_n_steps=self.getLogEveryNSteps(),
@@ -578,6 +707,8 @@ def train_on_rank(spec: LightningTrainingSpec) -> dict:
             profiler=spec.profiler,
         )
         args.update(spec.trainer_args)
+        if args.pop(_SWA_ARG, False):
+            callbacks.append(_weight_averaging(pl))
         trainer = pl.Trainer(**args)
         with ddp_process_group(spec.distributed, None):  # the strategy initializes it
             trainer.fit(

@@ -105,12 +105,9 @@ def displacements(counts: np.ndarray) -> np.ndarray:
 
 
 class MpiTransport:
-    """How the collectives of ``comm`` move their data: here all over MPI.
-
-    Every method takes what the collective API has checked and laid out (C-contiguous
-    buffers, the fields the ranks agree on and how the call reads in an error) and records
-    the transfer in the timeline.
-    """
+    """How the collectives of ``comm`` move their data: here all over MPI. Every method takes
+    what the collective API has checked and laid out (C-contiguous buffers, the fields the ranks
+    agree on and how the call reads in an error) and records the transfer in the timeline."""
 
     # Whether ``reduce`` takes a fusion buffer's parts (``shm.Pieces``) instead of the packed
     # buffer; this one packs them itself.
@@ -134,8 +131,7 @@ class MpiTransport:
         self._room = self._bytes[me, _HEADER_BYTES:].data
         self._fps = self._records[:, 0]
         self._datas = self._bytes[:, _HEADER_BYTES:]  # (size, eager) bytes
-        self._peers = [r for r in range(self.size) if r != me]
-        self._peer_records = [self._bytes[peer] for peer in self._peers]
+        self._peers = [(r, self._bytes[r]) for r in range(self.size) if r != me]  # their records
         self._p2p = 1 < self.size <= P2P_MAX_RANKS
         self._inline_and_rows = self._records[:, 2:4].T  # (2, size): bytes in the record, rows
         self._mpi = _mpi()  # an import statement per call costs a small call a microsecond
@@ -162,9 +158,8 @@ class MpiTransport:
             # A shorter message than the receive buffer is fine in MPI, and messages between
             # two ranks with one tag arrive in order: round k meets round k.
             mine = self._bytes[self._me, : _HEADER_BYTES + nbytes]
-            peers, records = self._peers, self._peer_records
-            requests = [comm.Irecv(records[i], peer, _TAG) for i, peer in enumerate(peers)]
-            requests += [comm.Isend(mine, peer, _TAG) for peer in peers]
+            requests = [comm.Irecv(into, peer, _TAG) for peer, into in self._peers]
+            requests += [comm.Isend(mine, peer, _TAG) for peer, _ in self._peers]
             self._mpi.Request.Waitall(requests)
         else:
             comm.Allgather(self._mpi.IN_PLACE, self._records)

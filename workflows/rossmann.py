@@ -74,12 +74,7 @@ class Report:
     history: dict[str, list[float]] = field(default_factory=dict)
 
     def __repr__(self) -> str:
-        # `pyflyte run` prints the outputs: the scores and the run, not every epoch's metrics
-        # and every path again (the summary printed above has them).
-        return (
-            f"Report(run_id={self.run_id!r}, val_rmspe={self.val_rmspe:.4f}, "
-            f"baseline_rmspe={self.baseline_rmspe:.4f})"
-        )
+        return steps.report_repr(self.run_id, self.val_rmspe, self.baseline_rmspe)
 
 
 class Prepared(NamedTuple):

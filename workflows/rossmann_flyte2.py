@@ -108,12 +108,7 @@ class Report:
     summary: steps.Summary  # the lines printed, the test rows predicted (closed), where
 
     def __repr__(self) -> str:
-        # `flyte run` prints the outputs: the scores and the run, not every epoch's metrics and
-        # every path again (the summary printed above has them).
-        return (
-            f"Report(run_id={self.trained.run_id!r}, val_rmspe={self.predicted.val_rmspe:.4f}, "
-            f"baseline_rmspe={self.baseline_rmspe:.4f})"
-        )
+        return steps.report_repr(self.trained.run_id, self.predicted.val_rmspe, self.baseline_rmspe)
 
 
 def _raw_path(name: str) -> str:

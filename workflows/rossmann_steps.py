@@ -322,6 +322,14 @@ class Summary:
     submission_uri: str
 
 
+def report_repr(run_id: str, val_rmspe: float, baseline_rmspe: float) -> str:
+    """How a pipeline's ``Report`` prints: `pyflyte run` and `flyte run` print the outputs, and
+    the summary printed before them has every path; here the run and its scores."""
+    return (
+        f"Report(run_id={run_id!r}, val_rmspe={val_rmspe:.4f}, baseline_rmspe={baseline_rmspe:.4f})"
+    )
+
+
 def summarize(val_rmspe: float, best: int, baseline_rmspe: float, validation_rows: int,
               submission: str, store: Any, run_id: str,
               checkpoint_uri: str) -> Summary:  # fmt: skip

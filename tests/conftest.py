@@ -198,7 +198,7 @@ def spark_cluster(tmp_path_factory):
 _FIXTURE_MARKERS = {
     "spark_local2": "spark", "spark_cluster": "spark", "spark": "spark",
     "spark_connect": "spark", "spark_connect_url": "spark", "cli": "mpi",
-    "no_leftover_ranks": "mpi", "container_cluster": "container",
+    "no_leftover_ranks": "mpi", "container_cluster": "container", "pipeline_runs": "e2e",
 }  # fmt: skip
 
 
@@ -217,6 +217,23 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: "spark_cluster" in getattr(item, "fixturenames", ()))
     for item in items:
         _heavy_markers[item.nodeid] = tuple(m for m in _MARKERS if item.get_closest_marker(m))
+
+
+# -- the Rossmann pipelines --------------------------------------------------------------------
+# `make run`'s and `make run-flyte2`'s pipelines run once per session, side by side when the
+# session's tests ask for both (tests/pipelines.py), each in a folder of its own.
+
+
+@pytest.fixture(scope="session")
+def pipeline_runs(request, tmp_path_factory):
+    from pipelines import COMMANDS, PipelineRun
+
+    asked = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    wanted = [name for name in COMMANDS if name in asked]
+    runs = {name: PipelineRun(COMMANDS[name], tmp_path_factory.mktemp(name)) for name in wanted}
+    yield runs
+    for run in runs.values():
+        run.stop()
 
 
 # -- where the suite's time goes ---------------------------------------------------------------

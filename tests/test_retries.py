@@ -472,7 +472,7 @@ def _epochs(log: Path) -> list[tuple[int, int]]:
 def retried_fit(tmp_path_factory):
     """Node n0 of execution exec1 fits 4 epochs; attempt 0 is killed as a whole process group
     while epoch 3 starts (after epoch 2's checkpoint), attempt 1 runs to the end. Node n1 of
-    the same execution then fits with the same Store."""
+    the same execution fits with the same Store beside attempt 1."""
     root = tmp_path_factory.mktemp("fit")
     store, log = root / "store", root / "epochs-n0.log"
     inputs = {"epochs": 4, "work_dir": str(store), "log": str(log)}
@@ -485,12 +485,16 @@ def retried_fit(tmp_path_factory):
     first.kill_group()
     TIMES["attempt 0 to epoch 2's checkpoint"] = first.seconds
     time.sleep(1)  # its orphaned ranks stop once their supervisor is gone
-    second = Attempt(root, "fit", "n0", 1, root / "cwd", **inputs).wait()
-    TIMES["attempt 1 (resumes, 2 epochs)"] = second.seconds
+    # Attempt 1 and node n1 side by side, as Flyte runs two nodes of one execution: n1 starts
+    # with n0's run (epoch 2's checkpoint and state) in the Store, and must not resume it.
+    second = Attempt(root, "fit", "n0", 1, root / "cwd", **inputs)
     other_log = root / "epochs-n1.log"
     other = Attempt(root, "fit", "n1", 0, root / "cwd-n1", epochs=1, work_dir=str(store),
-                    log=str(other_log)).wait()  # fmt: skip
-    TIMES["another node (1 epoch)"] = other.seconds
+                    log=str(other_log))  # fmt: skip
+    second.wait()
+    other.wait()
+    TIMES["attempt 1 (resumes, 2 epochs)"] = second.seconds
+    TIMES["another node (1 epoch), beside it"] = other.seconds
     return root, log, other_log, second, other
 
 

@@ -10,15 +10,15 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import time
 import zipfile
-from typing import NamedTuple
 
 import pandas as pd
 import pytest
 from flytekit.types.structured import StructuredDataset
 
 pytest.importorskip("keras")
+
+from pipelines import MainJob
 
 from workflows import rossmann
 from workflows import rossmann_steps as steps
@@ -464,36 +464,6 @@ def test_train_gets_an_executor_per_rank_from_the_hyperparameters(monkeypatch):
     assert not [key for key in conf if "memory" in key]
 
 
-class MainJob(NamedTuple):
-    """One run of a pipeline's command line and what it left: its output, seconds and
-    ``work_dir``."""
-
-    stdout: str
-    seconds: float
-    work_dir: str
-    stderr: str = ""
-
-    def line(self, prefix: str) -> str:
-        return next(x for x in self.stdout.splitlines() if x.startswith(prefix))
-
-    def path(self, label: str) -> str:
-        """A path the summary prints (``model:``, ``submission:``)."""
-        return re.search(rf"^{label}: +(\S+)", self.stdout, re.M).group(1)
-
-
-def run_main_job(command: list[str], tmp_path) -> MainJob:
-    """Runs a pipeline's command line (the synthetic default, 2 ranks, ``work_dir`` under
-    ``tmp_path``) from the repository, as a user would, and asserts that it succeeded."""
-    started = time.monotonic()
-    work_dir = str(tmp_path / "work")
-    out = subprocess.run(
-        [*command, "--work_dir", work_dir], cwd=REPO, capture_output=True,
-        text=True, timeout=660, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    return MainJob(out.stdout, time.monotonic() - started, work_dir, out.stderr)
-
-
 def check_main_job(job: MainJob, tmp_path) -> tuple[float, float]:
     """The trained model beats the naive baseline on the same validation rows, in at most 10
     minutes, and the submission has every closed and blank-Open test row right. Returns (model
@@ -519,12 +489,11 @@ def check_main_job(job: MainJob, tmp_path) -> tuple[float, float]:
 
 
 @pytest.fixture(scope="module")
-def main_job(tmp_path_factory) -> MainJob:
+def main_job(pipeline_runs) -> MainJob:
     """What `make run` runs (pyflyte run, the synthetic default, 2 ranks), once for the
-    tests below, which each assert on its output and its Store."""
-    pyflyte = os.path.join(os.path.dirname(sys.executable), "pyflyte")
-    command = [pyflyte, "run", "workflows/rossmann.py", "horovod_spark_wf"]
-    return run_main_job(command, tmp_path_factory.mktemp("main-job"))
+    tests below, which each assert on its output and its Store (run beside the Flyte 2
+    pipeline when the session has its test too: tests/pipelines.py)."""
+    return pipeline_runs["main_job"].result()
 
 
 @pytest.mark.flyte

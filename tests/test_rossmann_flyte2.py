@@ -5,9 +5,7 @@ the whole pipeline from its command line against the same naive baseline as the 
 from __future__ import annotations
 
 import asyncio
-import os
 import pathlib
-import sys
 import time
 
 import flyte
@@ -23,7 +21,7 @@ from google.protobuf.json_format import MessageToDict
 from workflows import rossmann_flyte2 as r2
 from workflows import rossmann_steps as steps
 
-from test_rossmann import check_main_job, run_main_job
+from test_rossmann import check_main_job
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -94,18 +92,22 @@ def test_a_bad_work_dir_fails_the_pipeline_at_its_first_task(tmp_path, monkeypat
     assert prefix == str(tmp_path / "work")
 
 
+@pytest.fixture(scope="module")
+def flyte2_job(pipeline_runs):
+    """`make run-flyte2`'s command line, run once (beside `make run`'s when the session has the
+    main job's tests too: tests/pipelines.py)."""
+    return pipeline_runs["flyte2_job"].result()
+
+
 @pytest.mark.spark
 @pytest.mark.mpi
 @pytest.mark.flyte
 @pytest.mark.e2e
 @pytest.mark.timeout(720)
-def test_the_flyte2_pipeline_beats_the_baseline_within_ten_minutes(tmp_path):
+def test_the_flyte2_pipeline_beats_the_baseline_within_ten_minutes(flyte2_job, tmp_path):
     """What `make run-flyte2` runs (flyte run --local, the synthetic default, 2 ranks): the
     trained model beats the naive baseline on the same validation rows, as the flytekit run
     does, in at most 10 minutes."""
-    flyte = os.path.join(os.path.dirname(sys.executable), "flyte")
-    job = run_main_job(
-        [flyte, "run", "--local", "workflows/rossmann_flyte2.py", "rossmann"], tmp_path
-    )
+    job = flyte2_job
     model, baseline = check_main_job(job, tmp_path)
     print(f"flyte 2 pipeline: {job.seconds:.0f} s, RMSPE {model:.4f} (baseline {baseline:.4f})")

@@ -17,8 +17,9 @@ directory by flytekit's ``download_distribution``, as ``pyflyte-fast-execute`` d
 the two workers talk MPI over their own addresses (``MPIR_CVAR_CH4_NETMOD=ofi``,
 ``FI_PROVIDER=tcp`` on ``eth0``: the pod-to-pod choice).
 
-Storage: moto's S3 server on this machine, listening on the network's gateway address (the
-only address of this machine that the containers reach), holds the bundle, the Store
+Storage: moto's S3 server in a process of its own on this machine, listening on the network's
+gateway address (the only address of this machine that the containers reach), holds the
+bundle, the Store
 (``--work_dir s3://…``), the dataset, checkpoints and Flyte's raw outputs (through s3fs and
 boto3). The image here has no S3A jars (Maven Central cannot be reached: ``S3A_JARS=false``),
 so Spark's JVM has no S3 client, and Spark's own Parquet of Flyte's DataFrames goes, as in
@@ -33,6 +34,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,8 +47,7 @@ pytestmark = [pytest.mark.container, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGE = os.environ.get("FLYTE_HVD_TEST_IMAGE", "localhost/flyte-hvd:latest")
-# moto's in-process servers share one backend per test process: the simulated-host test's
-# Rossmann run leaves its runs in "flyte-hvd-store", so this test's store is a bucket of its own.
+# A bucket of its own, as the simulated-host test's store is "flyte-hvd-store".
 STORE_BUCKET = "flyte-hvd-container-store"
 ACCESS_KEY, SECRET_KEY = "container-key", "container-secret"
 SPARK_CONF_DIR = "/opt/flyte-hvd-conf"
@@ -113,22 +114,37 @@ class ContainerCluster:
             self.wait_for_log(f"worker-{i}", "Successfully registered with master", 180)
 
     def _start_s3(self) -> None:
-        import logging
+        """moto's S3 server in a process of its own, on the gateway address. Not a thread of
+        this test's process: a rank's S3 call after the killed worker's loss waited 25-30 s
+        there in about half the runs (the killed worker's uploads were cut mid-request)."""
+        import socket
 
         import boto3
-        from moto.server import ThreadedMotoServer
+        from botocore.exceptions import EndpointConnectionError
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        self.moto = ThreadedMotoServer(ip_address=self.gateway, port=0, verbose=False)
-        self.moto.start()
-        host, port = self.moto.get_host_and_port()
-        self.s3_endpoint = f"http://{host}:{port}"
+        with socket.socket() as probe:
+            probe.bind((self.gateway, 0))
+            port = probe.getsockname()[1]
+        moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
+        self.moto = subprocess.Popen(
+            [moto, "-H", self.gateway, "-p", str(port)], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        self.s3_endpoint = f"http://{self.gateway}:{port}"
         self.s3 = boto3.client(
             "s3", endpoint_url=self.s3_endpoint, aws_access_key_id=ACCESS_KEY,
             aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
         )  # fmt: skip
-        for bucket in (RAW_BUCKET, STORE_BUCKET):
-            self.s3.create_bucket(Bucket=bucket)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.s3.create_bucket(Bucket=RAW_BUCKET)
+                break
+            except EndpointConnectionError:
+                if self.moto.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        self.s3.create_bucket(Bucket=STORE_BUCKET)
         assert not self.keys(STORE_BUCKET, ""), f"s3://{STORE_BUCKET} is not empty"
 
     def _write_driver_conf(self) -> None:
@@ -225,7 +241,12 @@ class ContainerCluster:
             podman("rm", "--force", "--time", "0", *names, check=False, timeout=300)
         podman("network", "rm", "--force", self.tag, check=False)
         if self.moto is not None:
-            self.moto.stop()
+            self.moto.terminate()
+            try:
+                self.moto.wait(10)
+            except subprocess.TimeoutExpired:
+                self.moto.kill()
+                self.moto.wait()
             self.moto = None
         shutil.rmtree(self.root, ignore_errors=True)
 

@@ -19,12 +19,11 @@ the two workers talk MPI over their own addresses (``MPIR_CVAR_CH4_NETMOD=ofi``,
 
 Storage: moto's S3 server in a process of its own on this machine, listening on the network's
 gateway address (the only address of this machine that the containers reach), holds the
-bundle, the Store
-(``--work_dir s3://…``), the dataset, checkpoints and Flyte's raw outputs (through s3fs and
-boto3). The image here has no S3A jars (Maven Central cannot be reached: ``S3A_JARS=false``),
-so Spark's JVM has no S3 client, and Spark's own Parquet of Flyte's DataFrames goes, as in
-``tests/cluster_harness.py``, to one directory mounted into the driver and the workers, mapped
-by Hadoop's ``ViewFileSystemOverloadScheme`` (the one substitution).
+bundle, the Store (``--work_dir s3://…``), the dataset, checkpoints and Flyte's raw outputs
+(through s3fs and boto3). The image here has no S3A jars (Maven Central cannot be reached:
+``S3A_JARS=false``), so Spark's JVM has no S3 client, and Spark's own Parquet of Flyte's
+DataFrames goes, as in ``tests/cluster_harness.py``, to one directory mounted into the driver
+and the workers, mapped by Hadoop's ``ViewFileSystemOverloadScheme`` (the one substitution).
 """
 
 from __future__ import annotations

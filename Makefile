@@ -33,6 +33,11 @@ lock:
 	@test -x $(VENV)/bin/uv || { test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV); $(PY) -m pip install -q -c lock/dev.txt uv; }
 	UV=$(VENV)/bin/uv scripts/lock.sh $(LOCK_ARGS)
 
+# pytest ends within PYTEST_LIMIT (twice its usual 21 minutes on 2 cores): past it, an interrupt
+# makes pytest print its summary and the running test, where a suite held by a JVM that stopped
+# answering would otherwise run until CI's own limit and leave no summary.
+PYTEST_LIMIT ?= 45m
+
 # test-pythons first: the small suite on the other supported Pythons (scripts/test_pythons.sh).
 # As root, the container test's image is built beside it (scripts/build_image.sh --if-stale):
 # the build waits mostly on the disk and the network while those tests use the CPUs, and the
@@ -46,7 +51,7 @@ test: setup check docs
 	fi; \
 	scripts/test_pythons.sh; status=$$?; wait; exit $$status
 	@$(BYTECODE)
-	$(PY) -m pytest
+	timeout --foreground --signal=INT --kill-after=60 $(PYTEST_LIMIT) $(PY) -m pytest
 
 # The edit-test loop: every test that starts no Spark, no rank process and no Flyte execution
 # (markers `spark`, `mpi`, `flyte`, `e2e`, `cluster`, `container` deselected; one that starts

@@ -129,10 +129,12 @@ def cli():
 # tests) and a local-cluster one (separate executor processes); tests that need the cluster
 # run last, so each kind starts at most once.
 
-_spark: dict = {"kind": None, "session": None}
+_spark: dict = {"kind": None, "session": None, "last_test": None}
 
 
 def _spark_session(kind: str, configure):
+    _fail_if_the_jvm_ended()
+    _spark["last_test"] = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
     if _spark["kind"] != kind:
         if _spark["session"] is not None:
             _spark["session"].stop()
@@ -145,6 +147,10 @@ def _spark_session(kind: str, configure):
             .config("spark.ui.enabled", "false")
             .config("spark.ui.showConsoleProgress", "false")
             .config("spark.sql.shuffle.partitions", "4")
+            # One JVM serves every Spark test: its heap held 1.7 GB live at the suite's end
+            # (G1's log, 2026-12-01) where Spark's default driver heap is 1 GB, and in local
+            # mode a task's OutOfMemoryError ends the whole JVM (exit 52).
+            .config("spark.driver.memory", "4g")
         )
         for key, value in PYTHON_WORKER_CONF.items():  # as a HorovodSpark task's session
             builder = builder.config(key, value)
@@ -152,6 +158,38 @@ def _spark_session(kind: str, configure):
         _spark["session"].sparkContext.setLogLevel("ERROR")
         _spark["kind"] = kind
     return _spark["session"]
+
+
+def _fail_if_the_jvm_ended() -> None:
+    """Fails the test if the shared JVM has ended (killed, crashed) since the last test that
+    took it, and forgets it, so the next test starts a new one: one lost JVM costs one failed
+    test with what is known of why, not every Spark test after it."""
+    session = _spark["session"]
+    gateway = getattr(getattr(session, "sparkContext", None), "_gateway", None)
+    process = getattr(gateway, "proc", None)  # the JVM (spark-submit execs java)
+    status = None if process is None else process.poll()
+    if status is None:
+        return
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    with contextlib.suppress(Exception):  # its accumulator server; the JVM side is gone
+        session.sparkContext.stop()
+    SparkContext._gateway = SparkContext._jvm = SparkContext._active_spark_context = None
+    SparkSession._instantiatedSession = SparkSession._activeSession = None
+    kind, last = _spark["kind"], _spark["last_test"]
+    _spark.update(kind=None, session=None)
+    try:
+        kernel = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        kernel = ""
+    killed = [line for line in kernel.splitlines() if "Killed process" in line]
+    pytest.fail(
+        f"the tests' {kind} Spark JVM ended with status {status} (52: a task's "
+        f"OutOfMemoryError) during or after {last}; the next test starts a new one. The "
+        f"kernel's last memory kills: {killed[-3:] or 'none'}",
+        pytrace=False,
+    )
 
 
 @pytest.fixture
@@ -357,12 +395,32 @@ def pytest_sessionfinish(session, exitstatus):
     for path in set(glob.glob(_KEPT_OUTPUT)) - _kept_before:
         with contextlib.suppress(OSError):
             os.remove(path)
-    _connect_server.stop()
+    _within(60, "the Spark Connect server's stop", _connect_server.stop)
     if _spark["session"] is not None:
+        _within(60, "SparkSession.stop", _spark["session"].stop)
+
+
+def _within(seconds: float, what: str, stop) -> None:
+    """Runs ``stop`` for at most ``seconds``: a JVM that stopped answering must not hold the
+    end of the suite (its process ends with this one: Spark's gateway exits when the Python
+    side's pipe closes)."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
         try:
-            _spark["session"].stop()
+            stop()
         except Exception as error:  # a JVM a test already took down: nothing left to stop
-            print(f"SparkSession.stop at the end of the tests: {error}", file=sys.stderr)
+            errors.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        print(f"{what} at the end of the tests: no answer in {seconds:.0f} s", file=sys.stderr)
+    elif errors:
+        print(f"{what} at the end of the tests: {errors[0]}", file=sys.stderr)
 
 
 # -- Spark Connect -----------------------------------------------------------------------------

@@ -265,6 +265,49 @@ def test_copying_a_stream_drops_the_notices_and_keeps_every_other_byte():
     assert b"".join(got) == kept  # the last line has no newline: passed on as it is
 
 
+def _copied(chunks: list[bytes]) -> bytes:
+    """What ``copy_without_notices`` passes on of ``chunks`` written one after the other."""
+    read_end, write_end = os.pipe()
+    out_read, out_write = os.pipe()
+    copier = threading.Thread(target=copy_without_notices, args=(read_end, out_write))
+    copier.start()
+    for chunk in chunks:
+        os.write(write_end, chunk)
+    os.close(write_end)
+    copier.join(10)
+    assert not copier.is_alive()
+    os.close(out_write)
+    with os.fdopen(out_read, "rb") as out:
+        return out.read()
+
+
+_DAEMON = "/venv/lib/python3.12/site-packages/pyspark/daemon.py"
+_BROKEN_PIPE = (
+    b"Traceback (most recent call last):\n"
+    + f'  File "{_DAEMON}", line 264, in manager\n'.encode()
+    + b"    code = worker(sock, authenticated)\n"
+    + b"           ^^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
+    + f'  File "{_DAEMON}", line 95, in worker\n'.encode()
+    + b"    outfile.flush()\n"
+    + b"BrokenPipeError: [Errno 32] Broken pipe\n"
+)
+
+
+def test_a_spark_workers_closed_connection_traceback_is_dropped_and_any_other_kept():
+    other_error = _BROKEN_PIPE.replace(b"BrokenPipeError: [Errno 32] Broken pipe", b"KeyError: 1")
+    user_frame = _BROKEN_PIPE.replace(_DAEMON.encode(), b"/home/me/job.py", 1)
+    unfinished = b"Traceback (most recent call last):\n" + f'  File "{_DAEMON}"'.encode()
+    # cut anywhere, between tracebacks and lines that are not theirs
+    stream = b"before\n" + _BROKEN_PIPE + other_error + user_frame + _BROKEN_PIPE + b"after\n"
+    chunks = [stream[i : i + 7] for i in range(0, len(stream), 7)]
+    assert _copied(chunks) == b"before\n" + other_error + user_frame + b"after\n"
+    # a traceback that another traceback or the end of the stream interrupts is passed on
+    assert _copied([unfinished + b"\n" + _BROKEN_PIPE]) == unfinished + b"\n"
+    assert _copied([b"x\n" + unfinished]) == b"x\n" + unfinished
+    deep = _BROKEN_PIPE.replace(b"    outfile.flush()\n", b"    outfile.flush()\n" * 300)
+    assert _copied([deep]) == deep
+
+
 def test_an_import_inside_the_block_prints_no_notices_and_the_rest_reaches_stderr(capfd):
     with import_notices_dropped():
         os.write(2, _NOTICES[0] + b"\n" + b"a line of the import\n" + _NOTICES[1] + b"\n")

@@ -42,13 +42,58 @@ STREAMS = ("stdout", "stderr")
 _PENDING_BYTES = 1 << 20  # a line longer than this is passed on in pieces
 
 
+# What a Spark Python worker prints when the JVM closed its connection before the worker's last
+# flush (a task killed, a query that needed no more rows, a session stopped): a traceback through
+# PySpark's daemon only, ending in a broken pipe. The JVM side reports what the task's end meant;
+# on the console these lines only cost a user's attention.
+_TRACEBACK_START = b"Traceback (most recent call last):"
+_DAEMON_FRAME = re.compile(rb'  File ".*[/\\]pyspark[/\\]daemon\.py", line \d+, in ')
+_CLOSED_CONNECTION = re.compile(rb"(BrokenPipeError|ConnectionResetError)\b")
+_HELD_LINES = 200  # a longer traceback is passed on: none of PySpark's daemon is this deep
+
+
+class _ClosedConnectionTracebacks:
+    """Holds a traceback back until its last line says whether it is a Spark worker's
+    closed-connection traceback (dropped) or anything else (passed on, line for line)."""
+
+    def __init__(self) -> None:
+        self.held: list[bytes] = []
+
+    def lines_to_keep(self, line: bytes) -> list[bytes]:
+        kept: list[bytes] = []
+        if self.held:
+            if line.startswith(b" ") and len(self.held) < _HELD_LINES:
+                self.held.append(line)
+                return kept
+            if not line.startswith(_TRACEBACK_START):
+                block, self.held = [*self.held, line], []
+                return [] if self._from_a_closed_connection(block) else block
+            kept, self.held = self.held, []
+        if line.startswith(_TRACEBACK_START):
+            self.held = [line]
+        else:
+            kept.append(line)
+        return kept
+
+    @staticmethod
+    def _from_a_closed_connection(block: list[bytes]) -> bool:
+        frames = [line for line in block if line.startswith(b'  File "')]
+        return (
+            bool(frames)
+            and all(_DAEMON_FRAME.match(frame) for frame in frames)
+            and bool(_CLOSED_CONNECTION.match(block[-1]))
+        )
+
+
 def copy_without_notices(source: int, target: int, parent: int | None = None) -> None:
     """Copy the bytes read from the file descriptor ``source`` to ``target`` until the end of
-    the file, less the lines ``IMPORT_NOTICES`` matches (the stderr of Spark's Python workers:
+    the file, less the lines ``IMPORT_NOTICES`` matches and the tracebacks of Spark workers
+    whose JVM connection closed first (the stderr of Spark's Python workers:
     ``flyte_hvd.stage.worker_daemon``). With ``parent``, stop as soon as that process (the
     daemon this copy serves) has ended: what its orphaned workers write then is dropped, as it
     was when they wrote straight to the daemon's stderr."""
     pending = b""
+    tracebacks = _ClosedConnectionTracebacks()
     while True:
         if parent is not None:
             while not select.select([source], [], [], 0.2)[0]:
@@ -60,12 +105,17 @@ def copy_without_notices(source: int, target: int, parent: int | None = None) ->
         if not data:
             break
         *lines, pending = (pending + data).split(b"\n")
-        kept = b"".join(line + b"\n" for line in lines if not IMPORT_NOTICES.match(line))
+        kept = b"".join(
+            shown + b"\n"
+            for line in lines
+            if not IMPORT_NOTICES.match(line)
+            for shown in tracebacks.lines_to_keep(line)
+        )
         if len(pending) > _PENDING_BYTES:
             kept, pending = kept + pending, b""
         _write_all(target, kept)
-    if not IMPORT_NOTICES.match(pending):
-        _write_all(target, pending)
+    held = b"".join(line + b"\n" for line in tracebacks.held)
+    _write_all(target, held if IMPORT_NOTICES.match(pending) else held + pending)
 
 
 @contextlib.contextmanager

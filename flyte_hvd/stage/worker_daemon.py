@@ -14,8 +14,10 @@ off ``sys.path``, then runs PySpark's own daemon. Where pyspark is not installed
 The workers it forks write to its stderr, which the executor copies to its log (locally: the
 console). TensorFlow's C++ libraries print notices there when a worker imports them (a Keras
 model's ``transform``) that ``TF_CPP_MIN_LOG_LEVEL`` does not reach; a filter process between
-the workers and that stderr drops those lines (``launch.output.IMPORT_NOTICES``) and passes the
-rest, as the ranks' output is passed (``FLYTE_HVD_SPARK_LOG=warn`` keeps them).
+the workers and that stderr drops those lines (``launch.output.IMPORT_NOTICES``) and the
+traceback a worker prints when the JVM closed its connection before the worker's last flush (a
+broken pipe through PySpark's daemon), and passes the rest, as the ranks' output is passed
+(``FLYTE_HVD_SPARK_LOG=warn`` keeps them).
 
 Spark starts it for ``spark.python.daemon.module`` (see ``flyte_hvd.flyte.task``). Before
 PySpark it imports only this package's launcher modules (no pyspark, no threads started:

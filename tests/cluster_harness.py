@@ -216,22 +216,36 @@ class SimCluster:
         self._wait_for_workers(180)
 
     def _start_s3(self) -> None:
-        import logging
-
+        """moto's S3 server in a process of its own on a free loopback port (which every
+        simulated host shares). Not a thread of the test's process: moto keeps its
+        authentication switch per process, and the suite's signed S3 server (``s3_server``)
+        turns it on for the rest of the session."""
         import boto3
-        from moto.server import ThreadedMotoServer
+        from botocore.exceptions import EndpointConnectionError
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self._moto.start()
-        host, port = self._moto.get_host_and_port()
-        self.s3_endpoint = f"http://{host}:{port}"
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
+        self._moto = subprocess.Popen(
+            [moto, "-H", "127.0.0.1", "-p", str(port)], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        self.s3_endpoint = f"http://127.0.0.1:{port}"
         client = boto3.client(
             "s3", endpoint_url=self.s3_endpoint, aws_access_key_id=ACCESS_KEY,
             aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
         )  # fmt: skip
-        for bucket in (RAW_BUCKET, STORE_BUCKET):
-            client.create_bucket(Bucket=bucket)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.create_bucket(Bucket=RAW_BUCKET)
+                break
+            except EndpointConnectionError:
+                if self._moto.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        client.create_bucket(Bucket=STORE_BUCKET)
         self.s3 = client
 
     def stop(self) -> None:
@@ -250,7 +264,8 @@ class SimCluster:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     host.process.wait(timeout=30)
         if getattr(self, "_moto", None) is not None:
-            self._moto.stop()
+            self._moto.kill()
+            self._moto.wait()
             self._moto = None
         if os.environ.get("FLYTE_HVD_CLUSTER_KEEP_LOGS"):
             keep = Path(os.environ["FLYTE_HVD_CLUSTER_KEEP_LOGS"])

@@ -74,7 +74,9 @@ def idle_spares(module: str) -> set[int]:
 
 
 def idle_spare(pid: str) -> bool:
-    """Whether ``pid`` is an idle spare rank process or its mpiexec (its socket still there)."""
+    """Whether ``pid`` is an idle spare rank process or its mpiexec: its folder is still there
+    (made before the spare starts, so a spare still starting counts as idle too; removed once
+    it takes a rank or stops)."""
     from flyte_hvd.launch.spare import SPARE_ENV
 
     try:
@@ -84,7 +86,7 @@ def idle_spare(pid: str) -> bool:
         return False
     prefix = f"{SPARE_ENV}=".encode()
     paths = [e[len(prefix) :].decode() for e in entries if e.startswith(prefix)]
-    return bool(paths) and os.path.exists(paths[0])
+    return bool(paths) and os.path.isdir(os.path.dirname(paths[0]))
 
 
 def partition_leftovers() -> list[str]:
@@ -253,13 +255,80 @@ def pytest_collection_modifyitems(items):
             "test-fast` deselects them):\n  " + "\n  ".join(unmarked)
         )
     items.sort(key=lambda item: "spark_cluster" in getattr(item, "fixturenames", ()))
+    _place_the_container_test_after_the_waiting_ones(items)
+    _start_the_pipelines_with_the_fast_tests(items)
     for item in items:
         _heavy_markers[item.nodeid] = tuple(m for m in _MARKERS if item.get_closest_marker(m))
+
+
+# -- the container run beside the tests that wait ----------------------------------------------
+# The container test's run (tests/test_container_cluster.py) keeps about 1.5 of the 2 cores busy
+# for 100-150 s; the tests of test_faults.py and test_spark_run.py keep about one busy (their
+# ranks fail, hang or wait on deadlines). So the run starts in the background with the first of
+# those tests, and its test comes right after them. Measured on this project's 2-core machine
+# (2026-12-01, quiet): the two files 168 s and the container test 113 s one after the other;
+# side by side the files took 207 s and the container test 170 s.
+_WAITING_FILES = ("tests/test_faults.py", "tests/test_spark_run.py")
+_CONTAINER_FILE = "tests/test_container_cluster.py"
+_beside_the_waiting: dict[str, pytest.Item] = {}
+_background_runs: list = []
+
+
+def _file(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+def _place_the_container_test_after_the_waiting_ones(items: list[pytest.Item]) -> None:
+    # Their fast tests run with the others, first; those on the local-cluster session stay
+    # last (the sort above), with their session.
+    waiting = [
+        i for i in items
+        if _file(i) in _WAITING_FILES and any(i.get_closest_marker(m) for m in _MARKERS)
+        and "spark_cluster" not in getattr(i, "fixturenames", ())
+    ]  # fmt: skip
+    container = [i for i in items if _file(i) == _CONTAINER_FILE]
+    if not waiting or not container:
+        return
+    at = items.index(waiting[0])
+    moved = {id(i) for i in waiting + container}
+    rest = [i for i in items if id(i) not in moved]
+    at = sum(1 for i in items[:at] if id(i) not in moved)
+    items[:] = rest[:at] + waiting + container + rest[at:]
+    _beside_the_waiting.update(first=waiting[0], container=container[0])
+
+
+def pytest_runtest_setup(item):
+    if _beside_the_waiting and item is _beside_the_waiting["first"]:
+        run = _beside_the_waiting["container"].module.start_beside_other_tests()
+        if run is not None:
+            _background_runs.append(run)
 
 
 # -- the Rossmann pipelines --------------------------------------------------------------------
 # `make run`'s and `make run-flyte2`'s pipelines run once per session, side by side when the
 # session's tests ask for both (tests/pipelines.py), each in a folder of its own.
+
+
+# They start with the session's first test, and the tests that start no Spark, rank or Flyte
+# (about a minute, mostly one core busy) run first, beside them; the pipelines' own tests
+# follow, then the rest.
+_pipelines_start: dict[str, pytest.Item] = {}
+
+
+def _start_the_pipelines_with_the_fast_tests(items: list[pytest.Item]) -> None:
+    pipelines = [i for i in items if "pipeline_runs" in getattr(i, "fixturenames", ())]
+    if not pipelines:
+        return
+    fast = [i for i in items if not any(i.get_closest_marker(m) for m in _MARKERS)]
+    moved = {id(i) for i in fast + pipelines}
+    items[:] = fast + pipelines + [i for i in items if id(i) not in moved]
+    _pipelines_start["first"] = items[0]
+
+
+@pytest.fixture(autouse=True)
+def _pipelines_start_with_the_first_test(request):
+    if request.node is _pipelines_start.get("first"):
+        request.getfixturevalue("pipeline_runs")
 
 
 @pytest.fixture(scope="session")
@@ -396,6 +465,8 @@ def pytest_sessionfinish(session, exitstatus):
         with contextlib.suppress(OSError):
             os.remove(path)
     _within(60, "the Spark Connect server's stop", _connect_server.stop)
+    for run in _background_runs:  # a session that ended before the container test's end
+        _within(180, "the container run's clean-up", run.close)
     if _spark["session"] is not None:
         _within(60, "SparkSession.stop", _spark["session"].stop)
 

@@ -28,6 +28,7 @@ and the workers, mapped by Hadoop's ``ViewFileSystemOverloadScheme`` (the one su
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -35,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -262,8 +264,9 @@ class ContainerCluster:
         return left
 
 
-def _build_image() -> None:
-    """The image, built by the script `make image` runs, unless it is current."""
+def _build_image() -> str:
+    """The image, built by the script `make image` runs, unless it is current; what the build
+    said, for the test's output."""
     started = time.monotonic()
     build = subprocess.run(
         [str(REPO / "scripts" / "build_image.sh"), "--if-stale", IMAGE],
@@ -271,7 +274,7 @@ def _build_image() -> None:
     )  # fmt: skip
     assert build.returncode == 0, f"image build failed: {build.stderr[-6000:]}"
     said = build.stderr.strip().splitlines()[-1]
-    print(f"image {IMAGE}: {said} ({time.monotonic() - started:.0f}s)")
+    return f"image {IMAGE}: {said} ({time.monotonic() - started:.0f}s)"
 
 
 def _fast_registration_bundle(out: Path) -> Path:
@@ -287,17 +290,139 @@ def _fast_registration_bundle(out: Path) -> Path:
     return Path(fast_package(source, out / "bundle"))
 
 
+# Enough epochs that the kill lands mid-training on a quiet machine too (an epoch takes 3-7 s
+# here; the first one's state.json is seen within a second, and the kill follows it): two
+# epochs after the first are 6-14 s of margin.
+EPOCHS = 3
+WORK = "/home/spark/work"
+
+
+class KilledWorkerRun:
+    """The workflow run the test asserts on: the cluster started, the workflow run in the
+    driver container from its fast-registration bundle, worker-1 killed once the first epoch is
+    recorded and a replacement worker started, the driver waited for.
+
+    It runs in a thread of its own, so that the suite can run it beside the tests that leave a
+    core idle (``start_beside_other_tests``, called by tests/conftest.py); the thread only waits
+    on podman, moto and S3, and keeps its output for the test (nothing printed or logged
+    while other tests run). ``result`` waits for it; ``close`` removes everything it made."""
+
+    def __init__(self) -> None:
+        self.cluster = ContainerCluster()
+        self.error: BaseException | None = None
+        self.image_note = ""
+        self.state: tuple[str, dict] | None = None  # the run's path and state.json at the kill
+        self.driver_ran_past_the_kill = False
+        self.status = ""  # the driver container's exit status
+        self.started = self.killed_at = self.ran = 0.0
+        self._closing = self._closed = False
+        # Packed here, not in the thread: flytekit's import and logging stay out of it.
+        try:
+            self._bundle = _fast_registration_bundle(self.cluster.root)
+        except BaseException:
+            shutil.rmtree(self.cluster.root, ignore_errors=True)
+            raise
+        self._thread = threading.Thread(target=self._run, name="container run", daemon=True)
+
+    def start(self) -> KilledWorkerRun:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.image_note = _build_image()
+            if not self._closing:
+                self.cluster.start()
+            if not self._closing:
+                self._workflow()
+        except BaseException as error:  # raised again by result(), in the test
+            self.error = error
+
+    def _workflow(self) -> None:
+        cluster = self.cluster
+        self.started = time.monotonic()
+        fast_key = f"fast/{self._bundle.name}"
+        cluster.s3.upload_file(str(self._bundle), RAW_BUCKET, fast_key)
+        hp = {"num_proc": 2, "epochs": EPOCHS, "sample_rate": 0.3, "batch_size": 128}
+        unpack = (
+            "import sys; from flytekit.tools.fast_registration import download_distribution; "
+            "download_distribution(sys.argv[1], sys.argv[2])"
+        )
+        then_run = 'mkdir -p "$1" && cd "$1" && python -c "$2" "$3" "$1" && shift 3 && exec "$@"'
+        cluster.run("driver", [
+            "sh", "-c", then_run, "driver", WORK, unpack, f"s3://{RAW_BUCKET}/{fast_key}",
+            "pyflyte", "run", "--raw-output-data-prefix", f"s3://{RAW_BUCKET}/raw",
+            "workflows/rossmann.py", "horovod_spark_wf",
+            "--hp", json.dumps(hp), "--work_dir", f"s3://{STORE_BUCKET}/rossmann",
+        ], env={
+            "SPARK_CONF_DIR": SPARK_CONF_DIR,
+            "SPARK_DRIVER_BIND_ADDRESS": cluster.addresses["driver"],
+        }, mounts=[(cluster.root / "conf", f"{SPARK_CONF_DIR}:ro"),
+                   (cluster.root / "objstore", OBJSTORE)])  # fmt: skip
+
+        # Mid-training: once the first epoch is recorded, worker-1 dies (a node lost) and a
+        # fresh worker takes its place, as a replaced pod would.
+        deadline = time.monotonic() + 1500
+        polls = 0
+        while time.monotonic() < deadline and self.state is None and not self._closing:
+            # podman inspect costs a process start: asked once a second, S3 five times.
+            if polls % 5 == 0 and cluster.status("driver") == "exited":
+                break
+            polls += 1
+            self.state = _state(cluster)
+            time.sleep(0.2)
+        if self.state is None:
+            return  # the test names what the driver printed
+        self.killed_at = time.monotonic()
+        podman("kill", cluster.name("worker-1"))
+        self.driver_ran_past_the_kill = cluster.status("driver") != "exited"
+        cluster.start_worker(f"worker-{WORKERS + 1}")
+        self.status = podman("wait", cluster.name("driver"), timeout=1500).stdout.strip()
+        self.ran = time.monotonic()
+
+    def result(self, timeout: float) -> KilledWorkerRun:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the container run did not end within {timeout:.0f}s")
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def close(self) -> None:
+        """Removes the containers, the network, moto and the folder, also while the run is
+        still going (an interrupted session): its podman calls then fail and it ends."""
+        if self._closed:
+            return
+        self._closing = True
+        self.cluster.stop()
+        self._thread.join(120)
+        self.cluster.stop()  # whatever the run made while the first stop went on
+        self._closed = True
+
+
+_beside_other_tests: KilledWorkerRun | None = None
+
+
+def start_beside_other_tests() -> KilledWorkerRun | None:
+    """Starts the run in the background, when this machine can run it (else the test says
+    why, as without this); the test then waits for this run instead of starting one."""
+    global _beside_other_tests
+    if image_tools() is None and _beside_other_tests is None:
+        # What fails here fails again in the test's own start, which reports it there.
+        with contextlib.suppress(Exception):
+            _beside_other_tests = KilledWorkerRun().start()
+    return _beside_other_tests
+
+
 @pytest.fixture(scope="module")
 def container_cluster():
     require(image_tools())
-    _build_image()
-    cluster = ContainerCluster()
+    run = _beside_other_tests or KilledWorkerRun().start()
     try:
-        cluster.start()
-        yield cluster
+        yield run.result(timeout=2000)
     finally:
-        cluster.stop()
-    assert cluster.leftovers() == []
+        run.close()
+    assert run.cluster.leftovers() == []
 
 
 def _attempt_lines(log: str) -> str:
@@ -323,56 +448,15 @@ def test_rossmann_on_containers_survives_a_killed_worker(container_cluster):
     container is killed: Spark runs the stage again on the survivor and a replacement worker,
     and the fit resumes after the recorded epoch. The artefacts land in S3; the containers
     that remain run no rank process."""
-    cluster = container_cluster
-    started = time.monotonic()
-    bundle = _fast_registration_bundle(cluster.root)
-    fast_key = f"fast/{bundle.name}"
-    cluster.s3.upload_file(str(bundle), RAW_BUCKET, fast_key)
-    # Enough epochs that the kill below lands mid-training on a quiet machine too (an epoch
-    # takes 3-7 s here; the first one's state.json is seen within a second, and the kill
-    # follows it): two epochs after the first are 6-14 s of margin.
-    epochs = 3
-    hp = {"num_proc": 2, "epochs": epochs, "sample_rate": 0.3, "batch_size": 128}
-    work = "/home/spark/work"
-    unpack = (
-        "import sys; from flytekit.tools.fast_registration import download_distribution; "
-        "download_distribution(sys.argv[1], sys.argv[2])"
-    )
-    cluster.run("driver", [
-        "sh", "-c", 'mkdir -p "$1" && cd "$1" && python -c "$2" "$3" "$1" && shift 3 && exec "$@"',
-        "driver", work, unpack, f"s3://{RAW_BUCKET}/{fast_key}",
-        "pyflyte", "run", "--raw-output-data-prefix", f"s3://{RAW_BUCKET}/raw",
-        "workflows/rossmann.py", "horovod_spark_wf",
-        "--hp", json.dumps(hp), "--work_dir", f"s3://{STORE_BUCKET}/rossmann",
-    ], env={
-        "SPARK_CONF_DIR": SPARK_CONF_DIR,
-        "SPARK_DRIVER_BIND_ADDRESS": cluster.addresses["driver"],
-    }, mounts=[(cluster.root / "conf", f"{SPARK_CONF_DIR}:ro"),
-               (cluster.root / "objstore", OBJSTORE)])  # fmt: skip
-
-    # Mid-training: once the first epoch is recorded, worker-1 dies (a node lost) and a fresh
-    # worker takes its place, as a replaced pod would.
-    deadline = time.monotonic() + 1500
-    state = None
-    polls = 0
-    while time.monotonic() < deadline and state is None:
-        # podman inspect costs a process start: asked once a second, S3 five times.
-        if polls % 5 == 0 and cluster.status("driver") == "exited":
-            break
-        polls += 1
-        state = _state(cluster)
-        time.sleep(0.2)
+    run = container_cluster
+    cluster, epochs, work = run.cluster, EPOCHS, WORK
+    print(run.image_note)
+    state = run.state
     assert state, f"no state.json in S3: {cluster.log('driver')[-6000:]}"
     assert 1 <= state[1]["epoch"] < epochs, state
-    killed_at = time.monotonic()
-    podman("kill", cluster.name("worker-1"))
-    assert cluster.status("driver") != "exited", "the run ended before worker-1 was killed"
-    cluster.start_worker(f"worker-{WORKERS + 1}")
-
-    status = podman("wait", cluster.name("driver"), timeout=1500).stdout.strip()
+    assert run.driver_ran_past_the_kill, "the run ended before worker-1 was killed"
     output = cluster.log("driver")
-    ran = time.monotonic()
-    assert status == "0", f"driver exit {status}: {output[-8000:]}"
+    assert run.status == "0", f"driver exit {run.status}: {output[-8000:]}"
 
     # Spark lost worker-1's executor and ran the stage again on the survivor and the
     # replacement (Spark's own line; flyte_hvd adds `Spark retries the stage (attempt 2 of 4)`
@@ -435,7 +519,7 @@ def test_rossmann_on_containers_survives_a_killed_worker(container_cluster):
         scratch = cluster.exec(role, ["find", "/tmp", "-name", "flyte-hvd-run-*"]).stdout
         assert scratch.strip() == "", f"{role}: {scratch}"
     print(
-        f"container cluster: workflow {ran - started:.0f}s (killed at "
-        f"{killed_at - started:.0f}s), {len(ranks)} rank starts after the loss, "
+        f"container cluster: workflow {run.ran - run.started:.0f}s (killed at "
+        f"{run.killed_at - run.started:.0f}s), {len(ranks)} rank starts after the loss, "
         f"{len(output)} bytes of driver output"
     )

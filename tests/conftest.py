@@ -3,7 +3,9 @@ what they start."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import glob
 import os
 import subprocess
@@ -550,6 +552,16 @@ class _ConnectServer:
     def stop(self) -> None:
         if self.session is not None:
             self.session.stop()
+        # Every other Connect client of this process too (the sessions Flyte tasks built on
+        # this server): at exit pyspark sends each open client's cache clean-up to its server,
+        # and with the server gone it retried for 10 minutes after the suite's summary.
+        from pyspark.sql.connect.client.core import SparkConnectClient
+
+        for client in [o for o in gc.get_objects() if isinstance(o, SparkConnectClient)]:
+            atexit.unregister(client._on_exit)
+            if not client.is_closed:
+                with contextlib.suppress(Exception):
+                    client.close()
         if self.process is not None:
             self.process.stdin.close()
             try:

@@ -216,37 +216,12 @@ class SimCluster:
         self._wait_for_workers(180)
 
     def _start_s3(self) -> None:
-        """moto's S3 server in a process of its own on a free loopback port (which every
-        simulated host shares). Not a thread of the test's process: moto keeps its
-        authentication switch per process, and the suite's signed S3 server (``s3_server``)
-        turns it on for the rest of the session."""
-        import boto3
-        from botocore.exceptions import EndpointConnectionError
-
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
-        self._moto = subprocess.Popen(
-            [moto, "-H", "127.0.0.1", "-p", str(port)], stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        self.s3_endpoint = f"http://127.0.0.1:{port}"
-        client = boto3.client(
-            "s3", endpoint_url=self.s3_endpoint, aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
-        )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                client.create_bucket(Bucket=RAW_BUCKET)
-                break
-            except EndpointConnectionError:
-                if self._moto.poll() is not None or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        client.create_bucket(Bucket=STORE_BUCKET)
-        self.s3 = client
+        """moto on a free loopback port (which every simulated host shares), in a process of its
+        own: moto keeps its authentication switch per process, and the suite's signed S3
+        server (``s3_server``) turns it on for the rest of the session."""
+        self._moto, self.s3_endpoint, self.s3 = start_moto(
+            "127.0.0.1", (RAW_BUCKET, STORE_BUCKET), ACCESS_KEY, SECRET_KEY
+        )
 
     def stop(self) -> None:
         """Kill every host's processes, stop moto, remove ``root``; safe to call twice."""
@@ -494,6 +469,40 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def start_moto(host: str, buckets: tuple[str, ...], key: str, secret: str):
+    """moto's S3 server in a process of its own on a free port of ``host``, with ``buckets``
+    made: the process, its endpoint and a boto3 client signed with ``key`` and ``secret``."""
+    import boto3
+    from botocore.exceptions import EndpointConnectionError
+
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    process = subprocess.Popen(
+        [moto, "-H", host, "-p", str(port)], stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    endpoint = f"http://{host}:{port}"
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
+        region_name="us-east-1",
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client.create_bucket(Bucket=buckets[0])
+            break
+        except EndpointConnectionError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise
+            time.sleep(0.2)
+    for bucket in buckets[1:]:
+        client.create_bucket(Bucket=bucket)
+    return process, endpoint, client
 
 
 def driver_spark_defaults(master_url: str) -> str:

@@ -280,21 +280,25 @@ def _file(item: pytest.Item) -> str:
     return item.nodeid.split("::")[0]
 
 
+def _heavy(item: pytest.Item) -> bool:
+    """Whether the test starts Spark, ranks, Flyte or more (one of the markers)."""
+    return any(item.get_closest_marker(m) for m in _MARKERS)
+
+
 def _place_the_container_test_after_the_waiting_ones(items: list[pytest.Item]) -> None:
     # Their fast tests run with the others, first; those on the local-cluster session stay
     # last (the sort above), with their session.
     waiting = [
         i for i in items
-        if _file(i) in _WAITING_FILES and any(i.get_closest_marker(m) for m in _MARKERS)
+        if _file(i) in _WAITING_FILES and _heavy(i)
         and "spark_cluster" not in getattr(i, "fixturenames", ())
     ]  # fmt: skip
     container = [i for i in items if _file(i) == _CONTAINER_FILE]
     if not waiting or not container:
         return
-    at = items.index(waiting[0])
     moved = {id(i) for i in waiting + container}
+    at = sum(1 for i in items[: items.index(waiting[0])] if id(i) not in moved)
     rest = [i for i in items if id(i) not in moved]
-    at = sum(1 for i in items[:at] if id(i) not in moved)
     items[:] = rest[:at] + waiting + container + rest[at:]
     _beside_the_waiting.update(first=waiting[0], container=container[0])
 
@@ -321,7 +325,7 @@ def _start_the_pipelines_with_the_fast_tests(items: list[pytest.Item]) -> None:
     pipelines = [i for i in items if "pipeline_runs" in getattr(i, "fixturenames", ())]
     if not pipelines:
         return
-    fast = [i for i in items if not any(i.get_closest_marker(m) for m in _MARKERS)]
+    fast = [i for i in items if not _heavy(i)]
     moved = {id(i) for i in fast + pipelines}
     items[:] = fast + pipelines + [i for i in items if id(i) not in moved]
     _pipelines_start["first"] = items[0]

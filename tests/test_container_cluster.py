@@ -34,14 +34,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from cluster_harness import OBJSTORE, RAW_BUCKET, driver_spark_defaults
+from cluster_harness import OBJSTORE, RAW_BUCKET, driver_spark_defaults, start_moto
 from needs import image_tools, require
 
 pytestmark = [pytest.mark.container, pytest.mark.e2e]
@@ -115,37 +114,12 @@ class ContainerCluster:
             self.wait_for_log(f"worker-{i}", "Successfully registered with master", 180)
 
     def _start_s3(self) -> None:
-        """moto's S3 server in a process of its own, on the gateway address. Not a thread of
-        this test's process: a rank's S3 call after the killed worker's loss waited 25-30 s
-        there in about half the runs (the killed worker's uploads were cut mid-request)."""
-        import socket
-
-        import boto3
-        from botocore.exceptions import EndpointConnectionError
-
-        with socket.socket() as probe:
-            probe.bind((self.gateway, 0))
-            port = probe.getsockname()[1]
-        moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
-        self.moto = subprocess.Popen(
-            [moto, "-H", self.gateway, "-p", str(port)], stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        self.s3_endpoint = f"http://{self.gateway}:{port}"
-        self.s3 = boto3.client(
-            "s3", endpoint_url=self.s3_endpoint, aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
-        )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                self.s3.create_bucket(Bucket=RAW_BUCKET)
-                break
-            except EndpointConnectionError:
-                if self.moto.poll() is not None or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        self.s3.create_bucket(Bucket=STORE_BUCKET)
+        """moto on the gateway address, in a process of its own: as a thread of this test's
+        process, a rank's S3 call after the killed worker's loss waited 25-30 s in about half
+        the runs (the killed worker's uploads were cut mid-request)."""
+        self.moto, self.s3_endpoint, self.s3 = start_moto(
+            self.gateway, (RAW_BUCKET, STORE_BUCKET), ACCESS_KEY, SECRET_KEY
+        )
         assert not self.keys(STORE_BUCKET, ""), f"s3://{STORE_BUCKET} is not empty"
 
     def _write_driver_conf(self) -> None:

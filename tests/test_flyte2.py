@@ -3,6 +3,7 @@ a real SparkSession, real ranks) and serialize as the SparkJob flyteplugins-spar
 
 import dataclasses
 import doctest
+import gc
 import json
 import os
 import pathlib
@@ -93,6 +94,37 @@ def test_body_runs_on_every_rank_and_outputs_are_rank_0s(spark_local2, tmp_path,
     assert result.greeting.path.startswith(str(tmp_path / "raw"))
     with open(result.greeting.path) as f:
         assert f.read().startswith("hello from rank 0 of 2 in ")
+
+
+@pytest.mark.mpi
+@pytest.mark.spark
+def test_a_task_runs_on_a_spark_connect_endpoint(spark_connect_url, tmp_path, no_leftover_ranks):
+    """`connect_url`: Flyte 2 launches from a thread of its own, on the task's own Connect
+    session, which is released and closed with the task."""
+    from pyspark.sql.connect.client.core import SparkConnectClient
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    on_connect = flyte.TaskEnvironment(
+        name="hvd2connect", plugin_config=HorovodSpark(num_proc=2, connect_url=spark_connect_url)
+    )
+
+    @on_connect.task
+    def seen_by_ranks(offset: int) -> list[int]:
+        import numpy as np
+
+        import flyte_hvd.core as hvd
+
+        return hvd.allgather(np.array([hvd.rank() + offset])).tolist()
+
+    had = ConnectSession.getActiveSession()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, SparkConnectClient)}
+    (seen,) = local_run(tmp_path, seen_by_ranks, 3).outputs()
+    assert seen == [3, 4]
+    made = [
+        o for o in gc.get_objects() if isinstance(o, SparkConnectClient) and id(o) not in before
+    ]
+    assert made and all(client.is_closed for client in made)
+    assert ConnectSession.getActiveSession() is had
 
 
 @pytest.mark.mpi

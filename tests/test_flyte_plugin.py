@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from typing import NamedTuple
@@ -423,11 +424,16 @@ def test_a_task_runs_on_a_spark_connect_endpoint(spark_connect_url, no_leftover_
         seen = hvd.allgather(np.array([hvd.rank() + offset])).tolist()
         return RankInfo(hvd.rank(), hvd.size(), seen, hvd.is_initialized())
 
-    assert on_connect(offset=5) == RankInfo(0, 2, [5, 6], True)
-    # The Connect session stops being the active one with the task.
     from pyspark.sql.connect.session import SparkSession as ConnectSession
 
-    assert ConnectSession.getActiveSession() is None
+    had = ConnectSession.getActiveSession()  # the test session's own, or none
+    assert on_connect(offset=5) == RankInfo(0, 2, [5, 6], True)
+    # The task ran on a Connect session of its own, which stops being active with the task;
+    # one the process had stays active and working.
+    assert on_connect.sess is not had
+    assert ConnectSession.getActiveSession() is had
+    if had is not None:
+        assert had.range(3).count() == 3
 
     @task(
         task_config=HorovodSpark(
@@ -439,6 +445,57 @@ def test_a_task_runs_on_a_spark_connect_endpoint(spark_connect_url, no_leftover_
 
     with pytest.raises(RuntimeError, match=r"\['spark\.executor\.memory'\].*cannot change"):
         fixed_setting()
+    assert ConnectSession.getActiveSession() is had
+    # Each task's session was the task's own: released and its client closed, so pyspark
+    # has nothing to clean up at the process's exit.
+    assert on_connect.sess.client.is_closed
+
+
+_CONNECT_CHILD = """
+import socket, sys, time
+from flyte_hvd.flyte import HorovodSpark
+from flyte_hvd.stage import flyte_task
+
+gone = socket.socket()
+gone.bind(("127.0.0.1", 0))  # a port nothing listens on: the server is gone
+port = gone.getsockname()[1]
+gone.close()
+session = flyte_task.connect_session(f"sc://127.0.0.1:{port}", HorovodSpark(num_proc=2))
+print("built", flush=True)
+if sys.argv[1] == "release":
+    flyte_task.RELEASE_SECONDS = 1.0
+    flyte_task.release(session)
+    print("closed", session.client.is_closed, flush=True)
+"""
+
+
+def test_a_connect_session_a_task_built_ends_bounded_where_its_server_is_gone():
+    """A task's Connect session is released when its launch ends; where the server is gone
+    (its cluster ended with the task), the release gives up after its bound and the process
+    exits at once. Left open (the second process), pyspark's exit hook retries the client's
+    clean-up against the missing server for about 10 minutes."""
+
+    def start(mode: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-c", _CONNECT_CHILD, mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    released, left_open = start("release"), start("open")
+    try:
+        assert left_open.stdout.readline() == "built\n"
+        built = time.monotonic()
+        out, err = released.communicate(timeout=120)
+        assert out.splitlines() == ["built", "closed True"], err
+        assert "did not release this task's session within 1 s" in err
+        with pytest.raises(subprocess.TimeoutExpired):  # still in pyspark's exit hook
+            left_open.wait(timeout=max(0.0, built + 10 - time.monotonic()))
+    finally:
+        for child in (released, left_open):
+            child.kill()
+            child.communicate()
 
 
 def test_connect_url_must_be_a_spark_connect_url():

@@ -21,6 +21,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 import cloudpickle
 
 from flyte_hvd.core.checks import require_int
+from flyte_hvd.core.log import get_logger
 from flyte_hvd.core.types import UserValue
 from flyte_hvd.launch import progress
 from flyte_hvd.launch.supervisor import check_start_timeout
@@ -37,6 +39,8 @@ from flyte_hvd.stage import worker_daemon
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
     from pyspark.sql.connect.session import SparkSession as ConnectSparkSession
+
+logger = get_logger(__name__)
 
 Number = TypeVar("Number", int, float)  # a Spark setting read as a number
 T = TypeVar("T")  # what an awaited body gives back
@@ -362,17 +366,22 @@ def launch_body(
     session: ConnectSparkSession | None = None,
 ) -> BodyResult:
     """Run ``fn(**kwargs)`` on ``config.num_proc`` ranks of the active session. ``session``,
-    a Spark Connect session the task made active, stops being the active one afterwards."""
+    a Spark Connect session the task made active, stops being the active one afterwards
+    (``release``)."""
     from flyte_hvd.stage.dispatch import run
 
     try:
         payload = pickle_body(task_name, fn, kwargs, spec)
-        results = run(
-            run_rank, args=(payload,), num_proc=config.num_proc, start_timeout=config.start_timeout
-        )
+        with launching_on(session):
+            results = run(
+                run_rank,
+                args=(payload,),
+                num_proc=config.num_proc,
+                start_timeout=config.start_timeout,
+            )
     finally:
         if session is not None:
-            deactivate(session)
+            release(session)
     first = results[0]
     if not isinstance(first, dict) or first.get("outputs") is None:
         raise RuntimeError(
@@ -382,16 +391,34 @@ def launch_body(
     return BodyResult(first["outputs"], [r["host"] for r in results], first["epochs"])
 
 
+# How long ``release`` waits for the server to release a session before it closes the client.
+RELEASE_SECONDS = 10.0
+
+
 def connect_session(
     url: str, config: BarrierTaskConfig, code_dir: str | None = None
 ) -> ConnectSparkSession:
     """The Spark Connect session of ``url``, active in this thread, with the task's runtime
     settings and, when the task runs from shipped code (``code_dir``), that code as an
-    artifact (Connect's ``addPyFile``)."""
+    artifact (Connect's ``addPyFile``). The session is the task's own, new even where the
+    process has one active (``getOrCreate`` would hand back that one, whatever its URL), and
+    ``release`` stops it: at the launch's end, or here when its settings are refused. Like
+    any new session it becomes the active and default one where there is none."""
     from pyspark.sql.connect.session import SparkSession as ConnectSession
 
-    session = ConnectSession.builder.remote(url).getOrCreate()
-    ConnectSession._set_default_and_active_session(session)
+    session = ConnectSession.builder.remote(url).create()
+    try:
+        _apply_runtime_settings(session, url, config, code_dir)
+    except BaseException:
+        release(session)
+        raise
+    return session
+
+
+def _apply_runtime_settings(
+    session: ConnectSparkSession, url: str, config: BarrierTaskConfig, code_dir: str | None
+) -> None:
+    """``connect_session``'s settings and shipped code on ``session``."""
     fixed = []
     for key, value in (config.spark_conf or {}).items():
         if session.conf.isModifiable(key):
@@ -408,7 +435,63 @@ def connect_session(
     if code_dir is not None:
         archive = shutil.make_archive(os.path.join(tempfile.mkdtemp(), "flyte_wf"), "zip", code_dir)
         session.addArtifacts(archive, pyfile=True)
-    return session
+
+
+def release(session: ConnectSparkSession) -> None:
+    """The end of a task's Connect session (``connect_session``'s): it stops being the
+    active one (``deactivate``), the server releases it and its client closes.
+
+    Bounded: a client left open sends the server a clean-up at the process's exit, and
+    pyspark retries that for about 10 minutes where the server is gone (a cluster that
+    ended with the task's failure), so a task whose server was gone would hang at exit.
+    Here the release gets ``RELEASE_SECONDS``; then the client closes without it (the server
+    drops idle sessions itself) and the exit sends nothing."""
+    deactivate(session)
+    client = session.client
+    # In a thread of its own: pyspark's retries of an unanswered release are not bounded here.
+    releasing = threading.Thread(
+        target=_release_quietly, args=(client,), name="flyte-hvd-connect-release", daemon=True
+    )
+    releasing.start()
+    releasing.join(RELEASE_SECONDS)
+    if releasing.is_alive():
+        logger.warning(
+            "the Spark Connect server did not release this task's session within %.0f s "
+            "(unreachable?); its client is closed without it, and the server drops the "
+            "session when it times out.",
+            RELEASE_SECONDS,
+        )
+    try:
+        client.close()
+    except Exception as error:  # a closed or broken channel: nothing left to close
+        logger.debug("closing the Spark Connect client: %s", error)
+
+
+def _release_quietly(client: Any) -> None:
+    """``release``'s call to the server; its failure changes nothing for the task."""
+    try:
+        client.release_session()
+    except Exception as error:
+        logger.debug("releasing the Spark Connect session: %s", error)
+
+
+@contextmanager
+def launching_on(session: ConnectSparkSession | None) -> Iterator[None]:
+    """``session`` (when given) as this thread's active Connect session meanwhile, which is
+    the one ``run`` launches on: Flyte 2 launches from a thread of its own, and a session the
+    process already had stays the active one where it was."""
+    if session is None:
+        yield
+        return
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    local = ConnectSession._active_session
+    before = getattr(local, "session", None)
+    local.session = session
+    try:
+        yield
+    finally:
+        local.session = before
 
 
 def deactivate(session: ConnectSparkSession) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 
 from flyte_hvd.core import agreement, shm, state, timeline
 from flyte_hvd.core.agreement import ABSENT, Agreement, Reduction
-from flyte_hvd.core.buffers import pool
+from flyte_hvd.core.buffers import MIN_POOLED_BYTES, pool
 from flyte_hvd.core.reduce_ops import ReduceOp, finish_average, known_op, mpi_ops
 from flyte_hvd.core.transport import ring
 
@@ -86,19 +86,6 @@ def _reduce_parts(ufunc: np.ufunc, parts: np.ndarray, out: np.ndarray) -> None:
         ufunc.reduce(parts, axis=0, out=out.reshape(-1))
 
 
-def _concatenate(datas: np.ndarray, lengths: list[int], flat: np.ndarray) -> None:
-    """Every rank's data in the records (``lengths[r]`` bytes of row r) end to end into the
-    bytes ``flat``."""
-    if lengths.count(lengths[0]) == len(lengths):  # equal parts: one copy
-        if lengths[0]:
-            flat.reshape(len(lengths), -1)[...] = datas[:, : lengths[0]]
-        return
-    at = 0
-    for rank, nbytes in enumerate(lengths):
-        flat[at : at + nbytes] = datas[rank, :nbytes]
-        at += nbytes
-
-
 def displacements(counts: np.ndarray) -> np.ndarray:
     """Where each of ``counts`` starts when laid end to end."""
     return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
@@ -133,6 +120,7 @@ class MpiTransport:
         self._datas = self._bytes[:, _HEADER_BYTES:]  # (size, eager) bytes
         self._peers = [(r, self._bytes[r]) for r in range(self.size) if r != me]  # their records
         self._p2p = 1 < self.size <= P2P_MAX_RANKS
+        self._pair = self._peers[0] if self.size == 2 else None
         self._inline_and_rows = self._records[:, 2:4].T  # (2, size): bytes in the record, rows
         self._mpi = _mpi()  # an import statement per call costs a small call a microsecond
         # What a small allreduce needs that depends only on its kind (op, dtype, shape).
@@ -154,7 +142,11 @@ class MpiTransport:
             if nbytes:
                 self._room[:nbytes] = data.data.cast("B")
         comm = self.comm
-        if self._p2p:
+        if self._pair is not None:  # two ranks: one call, no request objects (0.4-1.2 us less)
+            peer, into = self._pair
+            mine = self._bytes[self._me, : _HEADER_BYTES + nbytes]
+            comm.Sendrecv(mine, peer, _TAG, into, peer, _TAG)
+        elif self._p2p:
             # A shorter message than the receive buffer is fine in MPI, and messages between
             # two ranks with one tag arrive in order: round k meets round k.
             mine = self._bytes[self._me, : _HEADER_BYTES + nbytes]
@@ -164,6 +156,29 @@ class MpiTransport:
         else:
             comm.Allgather(self._mpi.IN_PLACE, self._records)
         return self._fps.tolist().count(fp) == self.size
+
+    def _joined_parts(self, lengths: list[int], shape: tuple, dtype: np.dtype) -> np.ndarray:
+        """A new array of ``shape`` holding every rank's data in the last round's records
+        (``lengths[r]`` bytes of rank r's) end to end."""
+        total = sum(lengths)
+        # Below the pool's threshold its bookkeeping costs more than malloc (a small call is
+        # a few microseconds in all).
+        if total < MIN_POOLED_BYTES:
+            flat = np.empty(total, np.uint8)
+            out = flat.view(dtype).reshape(shape)
+        else:
+            out = pool.empty(shape, dtype)
+            flat = out.reshape(-1).view(np.uint8)
+        first = lengths[0]
+        if lengths.count(first) == self.size:  # equal parts: one copy
+            if first:
+                flat.reshape(self.size, first)[...] = self._datas[:, :first]
+            return out
+        at = 0
+        for rank, nbytes in enumerate(lengths):
+            flat[at : at + nbytes] = self._datas[rank, :nbytes]
+            at += nbytes
+        return out
 
     def _data_of(self, rank: int) -> np.ndarray:
         """The bytes of ``rank``'s data in the last round's records."""
@@ -358,8 +373,7 @@ class MpiTransport:
                 raise AssertionError("settle raises for a collective without a reduction")
             inline, counts = self._inline_and_rows.tolist()  # per rank (numpy: slower)
             if min(inline) >= 0:  # every part is in the records
-                out = pool.empty((sum(counts), *row_shape), arr.dtype)
-                _concatenate(self._datas, inline, out.reshape(-1).view(np.uint8))
+                out = self._joined_parts(inline, (sum(counts), *row_shape), arr.dtype)
                 timeline.end("allgather", name, out.nbytes, start)
                 return out
             rows = np.array(counts, dtype=np.int64)

@@ -1,6 +1,7 @@
-"""Where the time goes between hosts: ours against raw MPICH, one rank per host.
+"""Where the time goes between hosts: ours against raw MPICH, one rank per host and more.
 
     python -m benchmarks.across_hosts [--quick] [--rounds N] [--kinds allreduce,allgather,broadcast]
+        [--layouts 2x1,2x2,2x2-hier,4x1] [--sizes 4096,65536,...]
 
 How Kubernetes runs us: every executor pod is a host of its own, so each rank is alone on its
 host and every collective crosses the network. Two ranks, each on a simulated host (its own
@@ -18,6 +19,11 @@ call, the argument handling, the output buffer and its copies). Each launch time
 as the median of 5 batches of calls (~0.1 s each), best of 2; the table shows each side's
 median over the launches. Needs root and ``unshare`` (without them it says so and measures
 nothing). Prints a table and ends with one JSON line.
+
+``--layouts`` runs the same on other layouts of simulated hosts: ``HxR`` is H hosts of R ranks
+each (2x1 by default; with R > 1 MPICH uses shared memory within a host, as in a pod of
+several ranks), ``-hier`` with ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` (large reductions through
+each host's segment first). The JSON line then holds one entry per layout under ``layouts``.
 """
 
 from __future__ import annotations
@@ -81,25 +87,42 @@ def measure_on_rank(kind: str, side: str, sizes: list[int]) -> dict[int, float]:
     return out
 
 
-def launch(kind: str, side: str, sizes: list[int]) -> dict[int, float]:
-    """One launch of 2 ranks on 2 simulated hosts; rank 0's figures."""
+def parse_layout(text: str) -> tuple[int, int, bool]:
+    """``HxR`` or ``HxR-hier`` as (hosts, ranks per host, hierarchical)."""
+    shape, _, mode = text.partition("-")
+    hosts, _, per_host = shape.partition("x")
+    if not (hosts.isdigit() and per_host.isdigit() and mode in ("", "hier")) or int(hosts) < 2:
+        raise ValueError(
+            f"layout {text!r}: expected HOSTSxRANKS with at least 2 hosts, optionally with "
+            f"-hier (e.g. 2x1, 2x2-hier)"
+        )
+    return int(hosts), int(per_host), mode == "hier"
+
+
+def launch(kind: str, side: str, sizes: list[int], layout: str = "2x1") -> dict[int, float]:
+    """One launch on the simulated hosts of ``layout``; rank 0's figures."""
+    hosts, per_host, hierarchical = parse_layout(layout)
     env = {**os.environ, **MPI_TCP_ENV}
+    if per_host > 1:  # MPICH's shared memory within a host, as in a pod of several ranks
+        del env["MPIR_CVAR_NOLOCAL"]
     if side == "unchecked":
         env["FLYTE_HVD_CHECK_COLLECTIVES"] = "0"
+    if hierarchical:
+        env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
     command = [sys.executable, "-m", "benchmarks.across_hosts", "--rank", kind, side]
     command += ["--sizes", ",".join(map(str, sizes))]
     with tempfile.TemporaryDirectory() as folder:
         result = subprocess.run(
-            mpiexec_on_hosts(Path(folder), 2, 1, command),
+            mpiexec_on_hosts(Path(folder), hosts, per_host, command),
             env=env, cwd=str(Path(__file__).resolve().parent.parent),
-            capture_output=True, text=True, timeout=600,
+            capture_output=True, text=True, timeout=1200,
         )  # fmt: skip
     if result.returncode != 0:
-        raise RuntimeError(f"{kind} ({side}) failed:\n{result.stderr[-3000:]}")
+        raise RuntimeError(f"{kind} ({side}, {layout}) failed:\n{result.stderr[-3000:]}")
     out = json.loads([x for x in result.stdout.splitlines() if x.startswith("{")][-1])
-    hosts = out.pop("hosts")
-    if len(set(hosts)) != 2:
-        raise RuntimeError(f"{kind} ({side}): the ranks ran on {hosts}, not two hosts")
+    seen = out.pop("hosts")
+    if sorted(seen.count(h) for h in set(seen)) != [per_host] * hosts:
+        raise RuntimeError(f"{kind} ({side}, {layout}): the ranks ran on {seen}")
     return {int(k): v for k, v in out.items()}
 
 
@@ -129,7 +152,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="launches per side")
     parser.add_argument("--kinds", default=",".join(KINDS), help="e.g. broadcast,allgather")
     parser.add_argument("--rank", nargs=2, help=argparse.SUPPRESS)  # KIND SIDE, on each rank
-    parser.add_argument("--sizes", help=argparse.SUPPRESS)
+    parser.add_argument("--layouts", default="2x1", help="e.g. 2x1,2x2,2x2-hier,4x1")
+    parser.add_argument("--sizes", help="bytes per rank, e.g. 4096,268435456")
     args = parser.parse_args()
     if args.rank:
         from mpi4py import MPI
@@ -144,17 +168,40 @@ def main() -> None:
         print(json.dumps({"benchmark": "across_hosts", "skipped": why}))
         return
     sizes = QUICK_SIZES if args.quick else SIZES
+    if args.sizes:
+        sizes = [int(s) for s in args.sizes.split(",")]
     rounds = 2 if args.quick else args.rounds
     kinds = [k for k in KINDS if k in args.kinds.split(",")]
     if not kinds:
         parser.error(f"--kinds {args.kinds!r} names none of {', '.join(KINDS)}")
+    layouts = args.layouts.split(",")
+    try:
+        for layout in layouts:
+            parse_layout(layout)
+    except ValueError as error:
+        parser.error(str(error))
+    results = {layout: measure_layout(layout, kinds, sizes, rounds) for layout in layouts}
+    if layouts == ["2x1"]:  # the line as before: one layout
+        print(json.dumps(results["2x1"]))
+        return
+    print(json.dumps({"benchmark": "across_hosts", "rounds": rounds, "layouts": results}))
+
+
+def measure_layout(layout: str, kinds: list[str], sizes: list[int], rounds: int) -> dict:
+    """Every side of ``kinds`` at ``sizes`` on ``layout``, alternating launches; prints the
+    table and chart, returns the layout's summary."""
+    hosts, per_host, hierarchical = parse_layout(layout)
     runs: dict[tuple[str, str], list[dict[int, float]]] = {}
     for kind in kinds:
         for _ in range(rounds):
             for side in SIDES:  # alternating: the machine's load drifts within a minute
-                runs.setdefault((kind, side), []).append(launch(kind, side, sizes))
+                runs.setdefault((kind, side), []).append(launch(kind, side, sizes, layout))
     rows = []
-    print(f"2 hosts x 1 rank, MPICH over TCP, medians of {rounds} launches per side")
+    how = ", hierarchical" if hierarchical else ""
+    print(
+        f"{hosts} hosts x {per_host} rank{'s' if per_host > 1 else ''}{how}, MPICH over TCP "
+        f"between hosts, medians of {rounds} launches per side"
+    )
     print(
         f"{'kind':>10} {'size':>7} {'raw us':>9} {'ours us':>9} {'unchecked':>9} "
         f"{'agreement':>9} {'rest':>8} {'ratio':>6} {'unchecked':>9}"
@@ -179,10 +226,11 @@ def main() -> None:
             )
     print("ratio: raw's time over ours (above 1: ours is faster); agreement = ours - unchecked")
     print(mermaid_chart(rows))  # for docs/performance.md
-    summary = {
+    return {
         "benchmark": "across_hosts",
-        "hosts": 2,
-        "ranks_per_host": 1,
+        "hosts": hosts,
+        "ranks_per_host": per_host,
+        "hierarchical": hierarchical,
         "rounds": rounds,
         "rows": rows,
         **{
@@ -190,7 +238,6 @@ def main() -> None:
             for kind in kinds
         },
     }
-    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

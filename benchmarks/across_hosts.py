@@ -163,6 +163,12 @@ def main() -> None:
         if MPI.COMM_WORLD.Get_rank() == 0:
             print(json.dumps({**result, "hosts": hosts}), flush=True)
         return
+    layouts = args.layouts.split(",")
+    try:
+        for layout in layouts:
+            parse_layout(layout)
+    except ValueError as error:
+        parser.error(str(error))
     if why := namespaces_unavailable():  # nothing measured: say why, in the JSON line too
         print(f"benchmarks.across_hosts: skipped: {why}")
         print(json.dumps({"benchmark": "across_hosts", "skipped": why}))
@@ -174,12 +180,6 @@ def main() -> None:
     kinds = [k for k in KINDS if k in args.kinds.split(",")]
     if not kinds:
         parser.error(f"--kinds {args.kinds!r} names none of {', '.join(KINDS)}")
-    layouts = args.layouts.split(",")
-    try:
-        for layout in layouts:
-            parse_layout(layout)
-    except ValueError as error:
-        parser.error(str(error))
     results = {layout: measure_layout(layout, kinds, sizes, rounds) for layout in layouts}
     if layouts == ["2x1"]:  # the line as before: one layout
         print(json.dumps(results["2x1"]))

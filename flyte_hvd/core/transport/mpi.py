@@ -5,13 +5,13 @@ The ranks' agreement (``agreement.py``) goes over MPI as one round in which ever
 every other its record: the call's fingerprint and its negation, how many bytes of the
 call's data the record carries (-1: none), the rank's row count (allgather), then the data
 itself where it fits in ``FLYTE_HVD_EAGER_BYTES``. Up to ``P2P_MAX_RANKS`` ranks the records
-go point to point, each as long as it needs; above, as one ``Allgather`` of fixed-size
-records. Every rank sees every record, so every rank reaches the same verdict: a mismatch or
-joined ranks as before; agreed and every rank's data in its record, the collective is done
-(an allreduce reduced locally in rank order, an allgather concatenated, a broadcast copied
-from the root's record): one round between hosts instead of two; agreed otherwise, the data
-goes next. Every agreement round on a communicator is this one round, joined ranks' too, so
-the rounds always match.
+go point to point (two ranks: one ``Sendrecv``), each as long as it needs; above, as one
+``Allgather`` of fixed-size records. Every rank sees every record, so every rank reaches the
+same verdict: a mismatch or joined ranks as before; agreed and every rank's data in its
+record, the collective is done (an allreduce reduced locally in rank order, an allgather
+concatenated, a broadcast copied from the root's record): one round between hosts instead of
+two; agreed otherwise, the data goes next. Every agreement round on a communicator is this
+one round, joined ranks' too, so the rounds always match.
 """
 
 from __future__ import annotations
@@ -86,6 +86,32 @@ def _reduce_parts(ufunc: np.ufunc, parts: np.ndarray, out: np.ndarray) -> None:
         ufunc.reduce(parts, axis=0, out=out.reshape(-1))
 
 
+def _joined_parts(
+    datas: np.ndarray, lengths: list[int], shape: tuple, dtype: np.dtype
+) -> np.ndarray:
+    """A new array of ``shape`` holding every rank's data in the records (``datas``: a row
+    per rank, ``lengths[r]`` bytes of rank r's) end to end."""
+    total = sum(lengths)
+    # Below the pool's threshold its bookkeeping costs more than malloc (a small call is a few
+    # microseconds in all).
+    if total < MIN_POOLED_BYTES:
+        flat = np.empty(total, np.uint8)
+        out = flat.view(dtype).reshape(shape)
+    else:
+        out = pool.empty(shape, dtype)
+        flat = out.reshape(-1).view(np.uint8)
+    first = lengths[0]
+    if lengths.count(first) == len(lengths):  # equal parts: one copy
+        if first:
+            flat.reshape(len(lengths), first)[...] = datas[:, :first]
+        return out
+    at = 0
+    for rank, nbytes in enumerate(lengths):
+        flat[at : at + nbytes] = datas[rank, :nbytes]
+        at += nbytes
+    return out
+
+
 def displacements(counts: np.ndarray) -> np.ndarray:
     """Where each of ``counts`` starts when laid end to end."""
     return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
@@ -134,51 +160,23 @@ class MpiTransport:
         it fits and is C-contiguous). Returns whether every rank sent ``fp``."""
         record = self._record
         record[0], record[1], record[3] = fp, neg, rows
-        nbytes = 0
-        if data is None:
-            record[2] = -1
-        else:
-            record[2] = nbytes = data.nbytes
-            if nbytes:
-                self._room[:nbytes] = data.data.cast("B")
+        nbytes = 0 if data is None else data.nbytes
+        record[2] = -1 if data is None else nbytes
+        if nbytes:
+            self._room[:nbytes] = data.data.cast("B")  # type: ignore[union-attr]
         comm = self.comm
-        if self._pair is not None:  # two ranks: one call, no request objects (0.4-1.2 us less)
-            peer, into = self._pair
-            mine = self._bytes[self._me, : _HEADER_BYTES + nbytes]
-            comm.Sendrecv(mine, peer, _TAG, into, peer, _TAG)
+        # A shorter message than the receive buffer is fine in MPI, and messages between two
+        # ranks with one tag arrive in order: round k meets round k.
+        mine = self._bytes[self._me, : _HEADER_BYTES + nbytes]
+        if self._pair is not None:  # one call, no request objects: 1-3 us less a round
+            comm.Sendrecv(mine, self._pair[0], _TAG, self._pair[1], self._pair[0], _TAG)
         elif self._p2p:
-            # A shorter message than the receive buffer is fine in MPI, and messages between
-            # two ranks with one tag arrive in order: round k meets round k.
-            mine = self._bytes[self._me, : _HEADER_BYTES + nbytes]
             requests = [comm.Irecv(into, peer, _TAG) for peer, into in self._peers]
             requests += [comm.Isend(mine, peer, _TAG) for peer, _ in self._peers]
             self._mpi.Request.Waitall(requests)
         else:
             comm.Allgather(self._mpi.IN_PLACE, self._records)
         return self._fps.tolist().count(fp) == self.size
-
-    def _joined_parts(self, lengths: list[int], shape: tuple, dtype: np.dtype) -> np.ndarray:
-        """A new array of ``shape`` holding every rank's data in the last round's records
-        (``lengths[r]`` bytes of rank r's) end to end."""
-        total = sum(lengths)
-        # Below the pool's threshold its bookkeeping costs more than malloc (a small call is
-        # a few microseconds in all).
-        if total < MIN_POOLED_BYTES:
-            flat = np.empty(total, np.uint8)
-            out = flat.view(dtype).reshape(shape)
-        else:
-            out = pool.empty(shape, dtype)
-            flat = out.reshape(-1).view(np.uint8)
-        first = lengths[0]
-        if lengths.count(first) == self.size:  # equal parts: one copy
-            if first:
-                flat.reshape(self.size, first)[...] = self._datas[:, :first]
-            return out
-        at = 0
-        for rank, nbytes in enumerate(lengths):
-            flat[at : at + nbytes] = self._datas[rank, :nbytes]
-            at += nbytes
-        return out
 
     def _data_of(self, rank: int) -> np.ndarray:
         """The bytes of ``rank``'s data in the last round's records."""
@@ -373,7 +371,7 @@ class MpiTransport:
                 raise AssertionError("settle raises for a collective without a reduction")
             inline, counts = self._inline_and_rows.tolist()  # per rank (numpy: slower)
             if min(inline) >= 0:  # every part is in the records
-                out = self._joined_parts(inline, (sum(counts), *row_shape), arr.dtype)
+                out = _joined_parts(self._datas, inline, (sum(counts), *row_shape), arr.dtype)
                 timeline.end("allgather", name, out.nbytes, start)
                 return out
             rows = np.array(counts, dtype=np.int64)

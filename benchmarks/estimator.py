@@ -23,7 +23,9 @@ medians, both sides seeing the same neighbours:
   breakdown (the same transform on the DataFrame's own partitions, one per 10 k rows as
   ``createDataFrame`` of pandas makes them, instead of the ones it merges them into; on the
   merged partitions, the query's input alone, in the JVM, and the same Spark query with a UDF
-  that does not call the model; larger Arrow batches), against a row-at-a-time UDF (Horovod's
+  that does not call the model; larger Arrow batches; the default against Spark's Arrow
+  batches one model call each, as before ``transform_batch_rows`` joined them, alternating),
+  against a row-at-a-time UDF (Horovod's
   way; measured on a sample), and the CPU seconds of one transform in Spark's JVM and in its
   Python workers, against plain predict's, with the CPU one more Spark task costs.
 
@@ -391,6 +393,14 @@ def main() -> None:
     transform_rps, plain_rps, transform_pairs = _alternate(args.rounds, transform, plain_predict)
     breakdown = _transform_breakdown(spark, big, partitions["transform"], model, timed_rps)
     breakdown["as_given_partitions"] = round(transform(as_given))
+    # The model calls joined (``transform_batch_rows``, the default) against Spark's Arrow
+    # batches as they come, one model call each (before they were joined), alternating.
+    spark_batches = model.copy().setTransformBatchRows(None)
+    joined_rps, batches_rps, joined_pairs = _alternate(
+        args.rounds, transform, lambda: transform(spark_batches)
+    )
+    breakdown["joined_batches"] = round(joined_rps)
+    breakdown["spark_batches"] = round(batches_rps)
     # Where the CPU goes: Spark's JVM (local mode: driver and executors in one) against its
     # Python workers (model calls, Arrow in and out), and plain predict in this process.
     jvm_pid = int(spark._jvm.java.lang.ProcessHandle.current().pid())
@@ -494,7 +504,8 @@ def main() -> None:
         "spark_conf": spark_conf,
         "targets": results,
         "pairs": {"keras_epoch_s": keras_pairs, "torch_epoch_s": torch_pairs,
-                  "transform_rows_per_s": transform_pairs},
+                  "transform_rows_per_s": transform_pairs,
+                  "joined_vs_spark_batches_rows_per_s": joined_pairs},
         "first_step_s": {"cold": round(cold["to_first_step_s"], 2),
                          "warm": round(warm["to_first_step_s"], 2),
                          "prepare_data_s": round(prepare_s, 2),

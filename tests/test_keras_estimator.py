@@ -572,6 +572,77 @@ def test_transform_merges_small_partitions_and_each_row_keeps_its_prediction(spa
         np.testing.assert_allclose([got[k] for k in range(rows)], expected, rtol=1e-5, atol=1e-6)
 
 
+def test_transform_joins_sparks_arrow_batches_and_each_row_keeps_its_prediction(spark):
+    """On both session kinds: with Spark's Arrow batches of 16 rows, a transform joining them
+    into model calls of up to 50 rows (three batches) and one taking them as they come give
+    every row its own prediction."""
+    from pyspark.ml.functions import array_to_vector
+    from pyspark.sql import functions as F
+
+    from flyte_hvd.estimators.keras import model_to_bytes
+
+    network = _mlp()
+    model = KerasModel(
+        model_bytes=model_to_bytes(network), feature_columns=["features"], label_columns=["label"]
+    )
+    assert model.getTransformBatchRows() == 40_000
+    rows = 600
+    ids = F.col("id").cast("double")
+    df = spark.range(0, rows, numPartitions=2).select(
+        "id", array_to_vector(F.array(F.sin(ids), F.cos(ids), ids / 100)).alias("features")
+    )
+    i = np.arange(rows, dtype=np.float64)
+    expected = network.predict(np.stack([np.sin(i), np.cos(i), i / 100], 1), verbose=0)[:, 0]
+    key = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    before = spark.conf.get(key)
+    spark.conf.set(key, "16")
+    try:
+        for batch_rows in (50, None):
+            out = model.copy().setTransformBatchRows(batch_rows).transform(df)
+            got = dict(out.select("id", "label__output").collect())
+            assert sorted(got) == list(range(rows))
+            np.testing.assert_allclose(
+                [got[k] for k in range(rows)], expected, rtol=1e-5, atol=1e-6
+            )
+    finally:
+        spark.conf.set(key, before)
+
+
+def test_arrow_batches_are_joined_in_order_up_to_the_rows_asked():
+    import pyarrow as pa
+
+    from flyte_hvd.estimators.prediction import joined_batches
+
+    single = [pa.array(range(n * 10, n * 10 + n)) for n in (3, 3, 3, 7, 1)]
+    joined = [batch[0].to_pylist() for batch in joined_batches(iter(single), 6)]
+    # 3 + 3, then 3 (a 7 would pass 6), the 7 alone (above 6 as it came), then the 1.
+    assert joined == [[30, 31, 32, 30, 31, 32], [30, 31, 32], list(range(70, 77)), [10]]
+    # Several columns come as a tuple: joined column by column.
+    pairs = [(pa.array([n, n]), pa.array([-n, -n])) for n in range(3)]
+    assert [[c.to_pylist() for c in b] for b in joined_batches(iter(pairs), 4)] == [
+        [[0, 0, 1, 1], [0, 0, -1, -1]],
+        [[2, 2], [-2, -2]],
+    ]
+    # One row per model call: each batch alone, as before joining.
+    assert len(list(joined_batches(iter(single), 1))) == len(single)
+
+
+def test_transform_batch_rows_must_be_a_positive_int_or_none(spark_local2):
+    model = KerasModel(model_bytes=None, feature_columns=["features"], label_columns=["label"])
+    for bad in (0, -1, 2.5, "40k", True):
+        with pytest.raises(ValueError, match=r"`transform_batch_rows` must be an int >= 1"):
+            model.setTransformBatchRows(bad)
+    assert model.setTransformBatchRows(None).getTransformBatchRows() is None
+    # Given to the constructor, it is checked when transform is called, before any Spark work.
+    df = _regression_df(spark_local2, rows=20)
+    unchecked = KerasModel(
+        model_bytes=None, feature_columns=["features"], label_columns=["label"],
+        transform_batch_rows=0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"`transform_batch_rows` must be an int >= 1.*found 0"):
+        unchecked.transform(df)
+
+
 def test_transform_partition_bytes_must_be_a_positive_int_or_none(spark_local2):
     model = KerasModel(model_bytes=None, feature_columns=["features"], label_columns=["label"])
     for bad in (0, -1, 2.5, "64MB", True):

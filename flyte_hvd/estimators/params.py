@@ -156,6 +156,11 @@ MODEL_PARAMS: dict[str, tuple[Any, str]] = {
         "transform merges the input's partitions into ones of about this many bytes (Spark's "
         "size estimate), no fewer than the cluster's default parallelism; None keeps them",
     ),
+    "transform_batch_rows": (
+        40_000,
+        "rows per model call in transform: Spark's Arrow batches (10,000 rows by default) are "
+        "joined up to this many; a model call's memory grows with it; None: Spark's batches",
+    ),
 }
 
 

@@ -5,7 +5,7 @@ model outputs back into Arrow columns."""
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -50,6 +50,31 @@ def column_array(values: pa.Array, dims: tuple) -> np.ndarray:
     if None not in dims:
         array = array.reshape((rows, *dims))
     return array
+
+
+def joined_batches(
+    batches: Iterator[pa.Array | tuple[pa.Array, ...]], max_rows: int
+) -> Iterator[list[pa.Array]]:
+    """Spark's Arrow batches (one array, or a tuple of arrays: one per column) joined in order
+    into batches of at most ``max_rows`` rows, each as a list of columns; a batch above
+    ``max_rows`` goes alone, as it came."""
+    pending: list[tuple[pa.Array, ...]] = []
+    rows = 0
+    for batch in batches:
+        columns = batch if isinstance(batch, tuple) else (batch,)
+        if pending and rows + len(columns[0]) > max_rows:
+            yield _joined(pending)
+            pending, rows = [], 0
+        pending.append(columns)
+        rows += len(columns[0])
+    if pending:
+        yield _joined(pending)
+
+
+def _joined(pending: list[tuple[pa.Array, ...]]) -> list[pa.Array]:
+    if len(pending) == 1:
+        return list(pending[0])
+    return [pa.concat_arrays([batch[i] for batch in pending]) for i in range(len(pending[0]))]
 
 
 def prediction_columns(outputs: list[Any], rows: int) -> list[pa.Array]:

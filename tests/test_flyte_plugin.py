@@ -4,6 +4,7 @@ SparkSession) and serialize to the SparkJob the Spark operator reads."""
 import dataclasses
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +23,7 @@ from flytekit.types.file import FlyteFile
 from flytekitplugins.spark import Spark
 
 from flyte_hvd.core.errors import RanksFailedError
+from flyte_hvd.estimators.tracking import MlflowConfig
 from flyte_hvd.flyte import HorovodSpark, HorovodSparkFunctionTask
 from flyte_hvd.flyte.rank import RankSpec, _to_literal_map
 from flyte_hvd.stage.flyte_task import (
@@ -449,6 +451,25 @@ def test_a_task_runs_on_a_spark_connect_endpoint(spark_connect_url, no_leftover_
     # Each task's session was the task's own: released and its client closed, so pyspark
     # has nothing to clean up at the process's exit.
     assert on_connect.sess.client.is_closed
+
+    # A task that fails after its session opened and before its launch releases it too.
+    gone = socket.socket()
+    gone.bind(("127.0.0.1", 0))
+    uri = f"http://127.0.0.1:{gone.getsockname()[1]}"
+    gone.close()
+
+    @task(
+        task_config=HorovodSpark(
+            num_proc=2, connect_url=spark_connect_url, mlflow=MlflowConfig(tracking_uri=uri)
+        )
+    )
+    def tracked() -> int:
+        return 0
+
+    with pytest.raises(RuntimeError, match=r"tracking server at .* is not reachable"):
+        tracked()
+    assert tracked.sess.client.is_closed
+    assert ConnectSession.getActiveSession() is had
 
 
 _CONNECT_CHILD = """

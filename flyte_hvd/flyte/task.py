@@ -34,6 +34,7 @@ from flyte_hvd.stage.flyte_task import (
     BodyResult,
     connect_session,
     launch_body,
+    release,
     start_local_session,
 )
 
@@ -145,6 +146,8 @@ class HorovodSparkFunctionTask(PysparkFunctionTask):
             raise SystemExit(130) from None
         finally:
             tracking.end_run(mlflow_run, failed)
+            if connect is not None:  # also where the task failed before its launch
+                release(connect)
         self._report(result, mlflow_run, time.monotonic() - started)
         return literal_map_from_bytes(result.outputs)
 

@@ -108,19 +108,24 @@ class HorovodSparkTask(PysparkFunctionTask):
             kwargs = {**dict(zip(self.interface.inputs, args, strict=False)), **kwargs}
         data = await self.pre()
         connect = data["spark_session"] if self.plugin_config.connect_url is not None else None
-        spec = RankSpec.of(self)
-        # The launch blocks until the ranks end: off the event loop, in the context of the run.
-        # A failure leaves as the kind Flyte 2 retries (or not): ``flyte_hvd.launch.failures``.
-        with failures.as_flyte_errors():
-            result = await asyncio.to_thread(
-                flyte_task.launch_body,
-                self.name,
-                self.func,
-                kwargs,
-                spec,
-                self.plugin_config,
-                connect,
-            )
+        try:
+            spec = RankSpec.of(self)
+            # The launch blocks until the ranks end: off the event loop, in the context of the
+            # run. A failure leaves as the kind Flyte 2 retries (or not):
+            # ``flyte_hvd.launch.failures``.
+            with failures.as_flyte_errors():
+                result = await asyncio.to_thread(
+                    flyte_task.launch_body,
+                    self.name,
+                    self.func,
+                    kwargs,
+                    spec,
+                    self.plugin_config,
+                    connect,
+                )
+        finally:
+            if connect is not None:  # also where the task failed before its launch
+                flyte_task.release(connect)
         value = await outputs_from_bytes(spec, result.outputs)
         if connect is None:  # the session flyteplugins-spark stops in a debug run
             await self.post(value)

@@ -402,7 +402,8 @@ def connect_session(
     settings and, when the task runs from shipped code (``code_dir``), that code as an
     artifact (Connect's ``addPyFile``). The session is the task's own, new even where the
     process has one active (``getOrCreate`` would hand back that one, whatever its URL), and
-    ``release`` stops it: at the launch's end, or here when its settings are refused. Like
+    ``release`` stops it: at the task's end (the plugins' ``execute``, the launch's end), or
+    here when its settings are refused. Like
     any new session it becomes the active and default one where there is none."""
     from pyspark.sql.connect.session import SparkSession as ConnectSession
 
@@ -439,7 +440,8 @@ def _apply_runtime_settings(
 
 def release(session: ConnectSparkSession) -> None:
     """The end of a task's Connect session (``connect_session``'s): it stops being the
-    active one (``deactivate``), the server releases it and its client closes.
+    active one (``deactivate``), the server releases it and its client closes. Again on a
+    released session: nothing more.
 
     Bounded: a client left open sends the server a clean-up at the process's exit, and
     pyspark retries that for about 10 minutes where the server is gone (a cluster that
@@ -448,6 +450,8 @@ def release(session: ConnectSparkSession) -> None:
     drops idle sessions itself) and the exit sends nothing."""
     deactivate(session)
     client = session.client
+    if client.is_closed:  # released already (the launch's end, then the task's)
+        return
     # In a thread of its own: pyspark's retries of an unanswered release are not bounded here.
     releasing = threading.Thread(
         target=_release_quietly, args=(client,), name="flyte-hvd-connect-release", daemon=True

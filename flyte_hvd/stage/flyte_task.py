@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import importlib.resources
 import inspect
 import os
@@ -474,6 +475,10 @@ def release(session: ConnectSparkSession) -> None:
 def _release_quietly(client: Any) -> None:
     """``release``'s call to the server; its failure changes nothing for the task."""
     try:
+        # The client releases each finished query's results in the background; a session
+        # released before those arrive makes the server log an error per query.
+        pending = list(getattr(client, "_release_futures", ()))
+        concurrent.futures.wait(pending, timeout=RELEASE_SECONDS)
         client.release_session()
     except Exception as error:
         logger.debug("releasing the Spark Connect session: %s", error)

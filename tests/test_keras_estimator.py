@@ -627,35 +627,38 @@ def test_arrow_batches_are_joined_in_order_up_to_the_rows_asked():
     assert len(list(joined_batches(iter(single), 1))) == len(single)
 
 
-def test_transform_batch_rows_must_be_a_positive_int_or_none(spark_local2):
+@pytest.mark.parametrize(
+    ("param", "setter", "bad_values", "constructor_value"),
+    [
+        ("transform_batch_rows", "setTransformBatchRows", (0, -1, 2.5, "40k", True), 0),
+        (
+            "transform_partition_bytes",
+            "setTransformPartitionBytes",
+            (0, -1, 2.5, "64MB", True),
+            1.5,
+        ),
+    ],
+)
+def test_transform_sizes_must_be_positive_ints_or_none(
+    spark_local2, param, setter, bad_values, constructor_value
+):
     model = KerasModel(model_bytes=None, feature_columns=["features"], label_columns=["label"])
-    for bad in (0, -1, 2.5, "40k", True):
-        with pytest.raises(ValueError, match=r"`transform_batch_rows` must be an int >= 1"):
-            model.setTransformBatchRows(bad)
-    assert model.setTransformBatchRows(None).getTransformBatchRows() is None
+    for bad in bad_values:
+        with pytest.raises(ValueError, match=rf"`{param}` must be an int >= 1"):
+            getattr(model, setter)(bad)
+    assert model.getOrDefault(param) is not None
+    assert model.getOrDefault(getattr(model, setter)(None).getParam(param)) is None
     # Given to the constructor, it is checked when transform is called, before any Spark work.
     df = _regression_df(spark_local2, rows=20)
     unchecked = KerasModel(
-        model_bytes=None, feature_columns=["features"], label_columns=["label"],
-        transform_batch_rows=0,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match=r"`transform_batch_rows` must be an int >= 1.*found 0"):
-        unchecked.transform(df)
-
-
-def test_transform_partition_bytes_must_be_a_positive_int_or_none(spark_local2):
-    model = KerasModel(model_bytes=None, feature_columns=["features"], label_columns=["label"])
-    for bad in (0, -1, 2.5, "64MB", True):
-        with pytest.raises(ValueError, match=r"`transform_partition_bytes` must be an int >= 1"):
-            model.setTransformPartitionBytes(bad)
-    assert model.setTransformPartitionBytes(None).getTransformPartitionBytes() is None
-    # Given to the constructor, it is checked when transform is called, before any Spark work.
-    df = _regression_df(spark_local2, rows=20)
-    unchecked = KerasModel(
-        model_bytes=None, feature_columns=["features"], label_columns=["label"],
-        transform_partition_bytes=1.5,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match=r"found 1.5"):
+        model_bytes=None,
+        feature_columns=["features"],
+        label_columns=["label"],
+        **{param: constructor_value},
+    )
+    with pytest.raises(
+        ValueError, match=rf"`{param}` must be an int >= 1.*found {constructor_value}"
+    ):
         unchecked.transform(df)
 
 

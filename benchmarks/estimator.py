@@ -60,6 +60,7 @@ TARGETS = {  # from issue 20
     "first_step_cold_s_max": 8.0,
     "first_step_warm_s_max": 3.0,
     "transform_vs_plain_min": 0.6,
+    "transform_small_vs_plain_min": 0.75,  # issue 50, at 100 k rows
     "transform_vs_row_udf_min": 100.0,
 }
 
@@ -295,6 +296,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--predict-rows", type=int, default=1_000_000)
+    parser.add_argument("--small-predict-rows", type=int, default=100_000)
     parser.add_argument("--row-udf-rows", type=int, default=3_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--epoch-rounds", type=int, default=5)
@@ -400,6 +402,7 @@ def main() -> None:
         args.rounds, transform, lambda: transform(spark_batches)
     )
     breakdown["joined_batches"] = round(joined_rps)
+    small = _small_transform(spark, model, keras_model, args.small_predict_rows, args.rounds)
     breakdown["spark_batches"] = round(batches_rps)
     # Where the CPU goes: Spark's JVM (local mode: driver and executors in one) against its
     # Python workers (model calls, Arrow in and out), and plain predict in this process.
@@ -469,6 +472,13 @@ def main() -> None:
             True,
             transform_rps / plain_rps,
         ),
+        "transform_small_vs_plain": _target(
+            small["transform"],
+            small["plain"],
+            limits["transform_small_vs_plain_min"],
+            True,
+            small["transform"] / small["plain"],
+        ),
         "transform_vs_row_udf": _target(
             transform_rps,
             row_rps,
@@ -491,6 +501,10 @@ def main() -> None:
         f" after transform merged them; one more task costs {task_cpu_ms} ms of CPU"
     )
     print(f"transform breakdown: {json.dumps(breakdown)}")
+    floor = small["spark_count"] / small["plain"]
+    print(f"{args.small_predict_rows} rows, rows/s: transform {small['transform']:,.0f}, plain "
+          f"{small['plain']:,.0f}, Spark counting the same rows {small['spark_count']:,.0f} "
+          f"(the most any transform reaches: {floor:.2f}x plain)")  # fmt: skip
     print(f"CPU, {args.predict_rows} rows: {json.dumps(cpu)}")
     print(f"cold first step: machine {cold['to_first_step_cpu_busy']:.0%} busy; a rank's "
           f"framework import costs {import_cpu:.2f} CPU s ({import_cpu_collector_on:.2f} with "
@@ -514,9 +528,47 @@ def main() -> None:
                          "framework_import_cpu_s_collector_on": import_cpu_collector_on},
         "transform_partitions": partitions,
         "transform_breakdown_rows_per_s": breakdown,
+        "transform_small_rows_per_s": small,
         "predict_cpu": cpu,
         "transform_task_cpu_ms": task_cpu_ms,
     }))  # fmt: skip
+
+
+def _small_transform(spark, model, keras_model, rows: int, rounds: int) -> dict:
+    """rows/s on ``rows`` rows (a cached DataFrame) of the transform, of plain predict and of
+    Spark counting the same rows (a query that reads them and runs nothing else: no
+    transform of them can be faster), the three alternating; medians and each round."""
+    import pandas as pd
+    from pyspark.ml.functions import array_to_vector
+    from pyspark.sql import functions as F
+
+    x, _ = _data(rows)
+    df = spark.createDataFrame(pd.DataFrame({"features": list(x)})).select(
+        array_to_vector("features").alias("features")
+    ).cache()  # fmt: skip
+    df.count()
+    frame = pd.DataFrame({"features": list(x)})
+    sides = {
+        "transform": lambda: model.transform(df).agg(F.sum("label__output")).collect(),
+        "plain": lambda: keras_model.predict(
+            np.stack(frame["features"].to_numpy()), batch_size=10_000, verbose=0
+        ),
+        "spark_count": lambda: df.agg(F.count("*")).collect(),
+    }
+    for side in sides.values():  # each side's first run, untimed
+        side()
+    measured: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(rounds):
+        for name, side in sides.items():
+            start = time.perf_counter()
+            side()
+            measured[name].append(rows / (time.perf_counter() - start))
+    df.unpersist()
+    return {
+        **{name: round(statistics.median(values)) for name, values in measured.items()},
+        "rows": rows,
+        "rounds": [[round(v) for v in values] for values in zip(*measured.values(), strict=True)],
+    }
 
 
 def _transform_breakdown(spark, big, partitions: int, model, timed_rps) -> dict:

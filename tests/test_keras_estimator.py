@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -537,26 +538,34 @@ def _partition_ids(df) -> int:
     return df.select(F.spark_partition_id().alias("p")).distinct().count()
 
 
-def test_transform_merges_small_partitions_and_each_row_keeps_its_prediction(spark):
-    """On both session kinds: 30 small partitions become one per task slot (local[2]: 2), or
-    as many as the size target asks; None keeps them; every row gets its own prediction."""
+def _transform_case(spark, rows: int, partitions: int):
+    """A model of ``_mlp()``, a DataFrame of ``rows`` rows (``id`` and 3 features) in
+    ``partitions`` partitions, and the model's prediction for each row in ``id`` order."""
     from pyspark.ml.functions import array_to_vector
     from pyspark.sql import functions as F
 
     from flyte_hvd.estimators.keras import model_to_bytes
-    from flyte_hvd.stage.dispatch import estimated_bytes
 
     network = _mlp()
     model = KerasModel(
         model_bytes=model_to_bytes(network), feature_columns=["features"], label_columns=["label"]
     )
-    rows = 600
     ids = F.col("id").cast("double")
-    df = spark.range(0, rows, numPartitions=30).select(
+    df = spark.range(0, rows, numPartitions=partitions).select(
         "id", array_to_vector(F.array(F.sin(ids), F.cos(ids), ids / 100)).alias("features")
     )
     i = np.arange(rows, dtype=np.float64)
     expected = network.predict(np.stack([np.sin(i), np.cos(i), i / 100], 1), verbose=0)[:, 0]
+    return model, df, expected
+
+
+def test_transform_merges_small_partitions_and_each_row_keeps_its_prediction(spark):
+    """On both session kinds: 30 small partitions become one per task slot (local[2]: 2), or
+    as many as the size target asks; None keeps them; every row gets its own prediction."""
+    from flyte_hvd.stage.dispatch import estimated_bytes
+
+    rows = 600
+    model, df, expected = _transform_case(spark, rows, 30)
 
     size = estimated_bytes(df)
     assert size is not None and 0 < size < 1 << 20
@@ -576,23 +585,9 @@ def test_transform_joins_sparks_arrow_batches_and_each_row_keeps_its_prediction(
     """On both session kinds: with Spark's Arrow batches of 16 rows, a transform joining them
     into model calls of up to 50 rows (three batches) and one taking them as they come give
     every row its own prediction."""
-    from pyspark.ml.functions import array_to_vector
-    from pyspark.sql import functions as F
-
-    from flyte_hvd.estimators.keras import model_to_bytes
-
-    network = _mlp()
-    model = KerasModel(
-        model_bytes=model_to_bytes(network), feature_columns=["features"], label_columns=["label"]
-    )
-    assert model.getTransformBatchRows() == 40_000
     rows = 600
-    ids = F.col("id").cast("double")
-    df = spark.range(0, rows, numPartitions=2).select(
-        "id", array_to_vector(F.array(F.sin(ids), F.cos(ids), ids / 100)).alias("features")
-    )
-    i = np.arange(rows, dtype=np.float64)
-    expected = network.predict(np.stack([np.sin(i), np.cos(i), i / 100], 1), verbose=0)[:, 0]
+    model, df, expected = _transform_case(spark, rows, 2)
+    assert model.getTransformBatchRows() == 40_000
     key = "spark.sql.execution.arrow.maxRecordsPerBatch"
     before = spark.conf.get(key)
     spark.conf.set(key, "16")
@@ -606,6 +601,37 @@ def test_transform_joins_sparks_arrow_batches_and_each_row_keeps_its_prediction(
             )
     finally:
         spark.conf.set(key, before)
+
+
+def test_transform_ships_the_model_once_per_session_and_param_values(spark):
+    """On both session kinds: a model's second transform reuses the prediction UDF the first
+    built (the model is not shipped again); a param set on it, or on a copy, builds a new
+    one, each predicting with its own values, and the original keeps its own."""
+    rows = 50
+    model, df, expected = _transform_case(spark, rows, 2)
+    shipped = []
+    build = model._batch_predictor
+    model._batch_predictor = lambda sc: shipped.append(1) or build(sc)
+
+    def predictions(transformer, column="label__output"):
+        got = dict(transformer.transform(df).select("id", column).collect())
+        assert sorted(got) == list(range(rows))
+        np.testing.assert_allclose([got[k] for k in range(rows)], expected, rtol=1e-5, atol=1e-6)
+
+    predictions(model)
+    predictions(model)
+    assert len(shipped) == 1
+    renamed = model.copy({model.output_cols: ["p"]})
+    predictions(renamed, "p")
+    assert len(shipped) == 2
+    predictions(model)  # the original's UDF is still its own
+    assert len(shipped) == 2
+    model.setTransformBatchRows(7)
+    predictions(model)
+    assert len(shipped) == 3
+    # Pickled or deep-copied, a model leaves its UDF (and the session it holds) behind.
+    for again in (cloudpickle.loads(cloudpickle.dumps(model)), copy.deepcopy(model)):
+        predictions(again)
 
 
 def test_arrow_batches_are_joined_in_order_up_to_the_rows_asked():

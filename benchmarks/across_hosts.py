@@ -1,7 +1,7 @@
 """Where the time goes between hosts: ours against raw MPICH, one rank per host and more.
 
     python -m benchmarks.across_hosts [--quick] [--rounds N] [--kinds allreduce,allgather,broadcast]
-        [--layouts 2x1,2x2,2x2-hier,4x1] [--sizes 4096,65536,...]
+        [--layouts 2x1,2x2,2x2-hier,4x1,containers] [--sizes 4096,65536,...]
 
 How Kubernetes runs us: every executor pod is a host of its own, so each rank is alone on its
 host and every collective crosses the network. Two ranks, each on a simulated host (its own
@@ -23,7 +23,12 @@ nothing). Prints a table and ends with one JSON line.
 ``--layouts`` runs the same on other layouts of simulated hosts: ``HxR`` is H hosts of R ranks
 each (2x1 by default; with R > 1 MPICH uses shared memory within a host, as in a pod of
 several ranks), ``-hier`` with ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` (large reductions through
-each host's segment first). The JSON line then holds one entry per layout under ``layouts``.
+each host's segment first). ``containers`` is two containers of the project's image, one rank
+each, on an internal podman network the benchmark creates (each its own network namespace,
+veth and bridge between them: two pods' way), whose ranks join as a task's ranks do (each
+under its own ``mpiexec -n 1``, one ``Accept``/``Connect``), the repository mounted read-only;
+it needs the image (``make image``) and says so without it. The JSON line then holds one
+entry per layout under ``layouts``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -50,19 +56,21 @@ SIDES = ("raw", "ours", "unchecked")
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4 << 10, 1 << 20]
 ROUNDS = 5
+CONTAINERS = "containers"  # the layout of two containers of the image, one rank each
 
 
-def measure_on_rank(kind: str, side: str, sizes: list[int]) -> dict[int, float]:
-    """Seconds per call of ``kind`` at each size, on this rank (every rank runs it)."""
+def measure_on_rank(kind: str, side: str, sizes: list[int], world=None) -> dict[int, float]:
+    """Seconds per call of ``kind`` at each size, on this rank (every rank runs it), on
+    ``world`` (default ``COMM_WORLD``)."""
     from mpi4py import MPI
 
     if side == "raw":
-        comm = MPI.COMM_WORLD
+        comm = world or MPI.COMM_WORLD
     else:
         import flyte_hvd.core as hvd
         from flyte_hvd.core import state
 
-        hvd.init()
+        hvd.init(world)
         comm = state.comm()
     size = comm.Get_size()
     out = {}
@@ -87,6 +95,112 @@ def measure_on_rank(kind: str, side: str, sizes: list[int]) -> dict[int, float]:
     return out
 
 
+def joined_world(folder: Path, rank: int):
+    """Two singleton MPI processes (rank 0 and 1) as one communicator, as a task's ranks join
+    (``flyte_hvd.launch.rendezvous``): rank 0 opens a port and writes its name into
+    ``folder``, rank 1 connects to it, and the two merge."""
+    import time
+
+    from mpi4py import MPI
+
+    port_file = folder / "port"
+    if rank == 0:
+        port = MPI.Open_port()
+        (folder / "port.tmp").write_text(port)
+        (folder / "port.tmp").rename(port_file)  # whole or absent for the reader
+        inter = MPI.COMM_SELF.Accept(port)
+        MPI.Close_port(port)
+    else:
+        deadline = time.monotonic() + 120
+        while not port_file.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no port name in {port_file} after 120 s")
+            time.sleep(0.05)
+        inter = MPI.COMM_SELF.Connect(port_file.read_text())
+    return inter.Merge(high=rank == 1)
+
+
+class ContainerPair:
+    """Two containers of the image on an internal podman network of their own, the
+    repository mounted read-only; ``launch`` runs one rank in each."""
+
+    def __init__(self) -> None:
+        from test_container_cluster import IMAGE, MPI_ENV, PODMAN_CONF, RUN_OPTIONS, podman
+
+        self.podman, self.image = podman, IMAGE
+        self.podman_env = {**os.environ, "CONTAINERS_CONF": PODMAN_CONF}
+        self.tag = f"flyte-hvd-bench-{os.getpid()}"
+        self.root = Path(tempfile.mkdtemp(prefix="flyte-hvd-bench-", dir="/var/tmp"))
+        self.root.chmod(0o777)  # the image's user (uid 185) writes the port names there
+        self.env = {k: v for k, v in MPI_ENV.items() if k != "MPIR_CVAR_DEBUG_SUMMARY"}
+        self.launches = 0
+        podman("network", "create", "--internal", "--label", self.tag, self.tag)
+        repo = Path(__file__).resolve().parent.parent
+        for rank in (0, 1):
+            podman(
+                "run", "--detach", *RUN_OPTIONS, "--name", f"{self.tag}-{rank}",
+                "--label", self.tag, "--hostname", f"rank-host-{rank}", "--network", self.tag,
+                "--volume", f"{repo}:/bench:ro", "--volume", f"{self.root}:/join",
+                IMAGE, "sleep", "infinity",
+            )  # fmt: skip
+
+    def launch(self, kind: str, side: str, sizes: list[int]) -> dict[int, float]:
+        self.launches += 1
+        folder = self.root / f"launch-{self.launches}"
+        folder.mkdir(mode=0o777)
+        folder.chmod(0o777)
+        env = {**self.env, **({"FLYTE_HVD_CHECK_COLLECTIVES": "0"} if side == "unchecked" else {})}
+        exec_options = ["--workdir", "/bench", *[f"--env={k}={v}" for k, v in env.items()]]
+        command = [
+            "/opt/venv/bin/mpiexec", "-n", "1", "/opt/venv/bin/python", "-m",
+            "benchmarks.across_hosts", "--rank", kind, side, "--sizes", ",".join(map(str, sizes)),
+            "--join", f"/join/{folder.name}",
+        ]  # fmt: skip
+        ranks = [
+            subprocess.Popen(
+                ["podman", "exec", *exec_options, f"{self.tag}-{rank}", *command, str(rank)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=self.podman_env,
+            )
+            for rank in (0, 1)
+        ]
+        outputs = [rank.communicate(timeout=1200) for rank in ranks]
+        failed = [i for i, rank in enumerate(ranks) if rank.returncode != 0]
+        if failed:
+            raise RuntimeError(
+                f"{kind} ({side}, containers): rank {failed[0]} failed:\n"
+                f"{outputs[failed[0]][1][-3000:]}"
+            )
+        out = json.loads([x for x in outputs[0][0].splitlines() if x.startswith("{")][-1])
+        seen = out.pop("hosts")
+        if len(set(seen)) != 2:
+            raise RuntimeError(f"{kind} ({side}, containers): the ranks ran on {seen}")
+        return {int(k): v for k, v in out.items()}
+
+    def stop(self) -> None:
+        listed = self.podman("ps", "--all", "--filter", f"label={self.tag}", "--format",
+                             "{{.Names}}", check=False).stdout.split()  # fmt: skip
+        if listed:
+            self.podman("rm", "--force", "--time", "0", *listed, check=False, timeout=300)
+        self.podman("network", "rm", "--force", self.tag, check=False)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def image_unavailable() -> str | None:
+    """Why two containers of the image cannot run here, or None when they can."""
+    from needs import image_tools
+
+    if missing := image_tools():
+        return missing
+    from test_container_cluster import IMAGE, podman
+
+    if podman("image", "exists", IMAGE, check=False).returncode != 0:
+        return f"no image {IMAGE}: build it with `make image`"
+    return None
+
+
 def parse_layout(text: str) -> tuple[int, int, bool]:
     """``HxR`` or ``HxR-hier`` as (hosts, ranks per host, hierarchical)."""
     shape, _, mode = text.partition("-")
@@ -94,7 +208,7 @@ def parse_layout(text: str) -> tuple[int, int, bool]:
     if not (hosts.isdigit() and per_host.isdigit() and mode in ("", "hier")) or int(hosts) < 2:
         raise ValueError(
             f"layout {text!r}: expected HOSTSxRANKS with at least 2 hosts, optionally with "
-            f"-hier (e.g. 2x1, 2x2-hier)"
+            f"-hier (e.g. 2x1, 2x2-hier), or {CONTAINERS}"
         )
     return int(hosts), int(per_host), mode == "hier"
 
@@ -152,24 +266,32 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="launches per side")
     parser.add_argument("--kinds", default=",".join(KINDS), help="e.g. broadcast,allgather")
     parser.add_argument("--rank", nargs=2, help=argparse.SUPPRESS)  # KIND SIDE, on each rank
-    parser.add_argument("--layouts", default="2x1", help="e.g. 2x1,2x2,2x2-hier,4x1")
+    parser.add_argument("--layouts", default="2x1", help="e.g. 2x1,2x2,2x2-hier,4x1,containers")
     parser.add_argument("--sizes", help="bytes per rank, e.g. 4096,268435456")
+    parser.add_argument("--join", nargs=2, help=argparse.SUPPRESS)  # FOLDER RANK, in a container
     args = parser.parse_args()
     if args.rank:
         from mpi4py import MPI
 
-        result = measure_on_rank(*args.rank, [int(s) for s in args.sizes.split(",")])
-        hosts = MPI.COMM_WORLD.gather(socket.gethostname(), root=0)
-        if MPI.COMM_WORLD.Get_rank() == 0:
+        world = joined_world(Path(args.join[0]), int(args.join[1])) if args.join else None
+        comm = world or MPI.COMM_WORLD
+        result = measure_on_rank(*args.rank, [int(s) for s in args.sizes.split(",")], world)
+        hosts = comm.gather(socket.gethostname(), root=0)
+        if comm.Get_rank() == 0:
             print(json.dumps({**result, "hosts": hosts}), flush=True)
         return
     layouts = args.layouts.split(",")
     try:
         for layout in layouts:
-            parse_layout(layout)
+            if layout != CONTAINERS:
+                parse_layout(layout)
     except ValueError as error:
         parser.error(str(error))
-    if why := namespaces_unavailable():  # nothing measured: say why, in the JSON line too
+    if CONTAINERS in layouts and (why := image_unavailable()):
+        print(f"benchmarks.across_hosts: skipped: {why}")
+        print(json.dumps({"benchmark": "across_hosts", "skipped": why}))
+        return
+    if layouts != [CONTAINERS] and (why := namespaces_unavailable()):  # say why, in JSON too
         print(f"benchmarks.across_hosts: skipped: {why}")
         print(json.dumps({"benchmark": "across_hosts", "skipped": why}))
         return
@@ -190,17 +312,28 @@ def main() -> None:
 def measure_layout(layout: str, kinds: list[str], sizes: list[int], rounds: int) -> dict:
     """Every side of ``kinds`` at ``sizes`` on ``layout``, alternating launches; prints the
     table and chart, returns the layout's summary."""
-    hosts, per_host, hierarchical = parse_layout(layout)
+    pair = ContainerPair() if layout == CONTAINERS else None
+    hosts, per_host, hierarchical = (2, 1, False) if pair else parse_layout(layout)
     runs: dict[tuple[str, str], list[dict[int, float]]] = {}
-    for kind in kinds:
-        for _ in range(rounds):
-            for side in SIDES:  # alternating: the machine's load drifts within a minute
-                runs.setdefault((kind, side), []).append(launch(kind, side, sizes, layout))
+    try:
+        for kind in kinds:
+            for _ in range(rounds):
+                for side in SIDES:  # alternating: the machine's load drifts within a minute
+                    run = (
+                        pair.launch(kind, side, sizes)
+                        if pair
+                        else launch(kind, side, sizes, layout)
+                    )
+                    runs.setdefault((kind, side), []).append(run)
+    finally:
+        if pair:
+            pair.stop()
     rows = []
     how = ", hierarchical" if hierarchical else ""
+    where = "containers" if pair else "hosts"
     print(
-        f"{hosts} hosts x {per_host} rank{'s' if per_host > 1 else ''}{how}, MPICH over TCP "
-        f"between hosts, medians of {rounds} launches per side"
+        f"{hosts} {where} x {per_host} rank{'s' if per_host > 1 else ''}{how}, MPICH over TCP "
+        f"between {where}, medians of {rounds} launches per side"
     )
     print(
         f"{'kind':>10} {'size':>7} {'raw us':>9} {'ours us':>9} {'unchecked':>9} "
@@ -228,7 +361,7 @@ def measure_layout(layout: str, kinds: list[str], sizes: list[int], rounds: int)
     print(mermaid_chart(rows))  # for docs/performance.md
     return {
         "benchmark": "across_hosts",
-        "hosts": hosts,
+        "containers" if pair else "hosts": hosts,
         "ranks_per_host": per_host,
         "hierarchical": hierarchical,
         "rounds": rounds,

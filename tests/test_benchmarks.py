@@ -1,10 +1,13 @@
 """The benchmarks' own arguments: a layout of simulated hosts that cannot be run is refused
-before anything is launched."""
+before anything is launched; the ranks of the containers layout join as two singletons."""
 
+import json
+import os
 import subprocess
 import sys
 
 import pytest
+from cluster_harness import MPI_TCP_ENV, VENV_BIN
 from conftest import REPO
 
 from benchmarks.across_hosts import parse_layout
@@ -32,3 +35,30 @@ def test_the_benchmark_refuses_a_bad_layout_before_it_launches():
     assert done.returncode == 2, done.stderr
     assert "layout '3': expected HOSTSxRANKS with at least 2 hosts" in done.stderr
     assert "MPICH" not in done.stdout  # nothing measured
+
+
+@pytest.mark.parametrize("side", ["raw", "ours"])
+def test_two_singleton_ranks_join_and_measure_as_in_the_containers_layout(tmp_path, side):
+    """What each container runs: a rank under its own ``mpiexec -n 1``, the two joined by a
+    port name in a shared folder, then the side measured on the joined pair."""
+    command = [sys.executable, "-m", "benchmarks.across_hosts", "--rank", "allreduce", side,
+               "--sizes", "4096", "--join", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, **MPI_TCP_ENV}
+    ranks = [
+        subprocess.Popen(
+            [str(VENV_BIN / "mpiexec"), "-n", "1", *command, str(rank)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    (line,) = [x for x in outputs[0][0].splitlines() if x.startswith("{")]
+    result = json.loads(line)
+    assert len(result.pop("hosts")) == 2
+    assert 0 < result["4096"] < 0.1  # seconds per call
+    assert not [x for x in outputs[1][0].splitlines() if x.startswith("{")]  # rank 0 reports

@@ -95,10 +95,11 @@ def measure_on_rank(kind: str, side: str, sizes: list[int], world=None) -> dict[
     return out
 
 
-def joined_world(folder: Path, rank: int):
+def joined_world(folder: Path, rank: int, wait_s: float = 120):
     """Two singleton MPI processes (rank 0 and 1) as one communicator, as a task's ranks join
     (``flyte_hvd.launch.rendezvous``): rank 0 opens a port and writes its name into
-    ``folder``, rank 1 connects to it, and the two merge."""
+    ``folder``, rank 1 connects to it (waiting up to ``wait_s`` for the name), and the two
+    merge."""
     import time
 
     from mpi4py import MPI
@@ -111,10 +112,13 @@ def joined_world(folder: Path, rank: int):
         inter = MPI.COMM_SELF.Accept(port)
         MPI.Close_port(port)
     else:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + wait_s
         while not port_file.exists():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no port name in {port_file} after 120 s")
+                raise TimeoutError(
+                    f"no port name in {port_file} after {wait_s} s: rank 0 did not start or "
+                    f"cannot write there; see its output"
+                )
             time.sleep(0.05)
         inter = MPI.COMM_SELF.Connect(port_file.read_text())
     return inter.Merge(high=rank == 1)
@@ -127,22 +131,26 @@ class ContainerPair:
     def __init__(self) -> None:
         from test_container_cluster import IMAGE, MPI_ENV, PODMAN_CONF, RUN_OPTIONS, podman
 
-        self.podman, self.image = podman, IMAGE
+        self.podman = podman
         self.podman_env = {**os.environ, "CONTAINERS_CONF": PODMAN_CONF}
         self.tag = f"flyte-hvd-bench-{os.getpid()}"
         self.root = Path(tempfile.mkdtemp(prefix="flyte-hvd-bench-", dir="/var/tmp"))
         self.root.chmod(0o777)  # the image's user (uid 185) writes the port names there
         self.env = {k: v for k, v in MPI_ENV.items() if k != "MPIR_CVAR_DEBUG_SUMMARY"}
         self.launches = 0
-        podman("network", "create", "--internal", "--label", self.tag, self.tag)
         repo = Path(__file__).resolve().parent.parent
-        for rank in (0, 1):
-            podman(
-                "run", "--detach", *RUN_OPTIONS, "--name", f"{self.tag}-{rank}",
-                "--label", self.tag, "--hostname", f"rank-host-{rank}", "--network", self.tag,
-                "--volume", f"{repo}:/bench:ro", "--volume", f"{self.root}:/join",
-                IMAGE, "sleep", "infinity",
-            )  # fmt: skip
+        try:
+            podman("network", "create", "--internal", "--label", self.tag, self.tag)
+            for rank in (0, 1):
+                podman(
+                    "run", "--detach", *RUN_OPTIONS, "--name", f"{self.tag}-{rank}",
+                    "--label", self.tag, "--hostname", f"rank-host-{rank}", "--network", self.tag,
+                    "--volume", f"{repo}:/bench:ro", "--volume", f"{self.root}:/join",
+                    IMAGE, "sleep", "infinity",
+                )  # fmt: skip
+        except BaseException:  # nothing left behind: what started is removed
+            self.stop()
+            raise
 
     def launch(self, kind: str, side: str, sizes: list[int]) -> dict[int, float]:
         self.launches += 1
@@ -194,6 +202,8 @@ def image_unavailable() -> str | None:
 
     if missing := image_tools():
         return missing
+    if not shutil.which("podman"):
+        return "podman not found: `make image` installs it"
     from test_container_cluster import IMAGE, podman
 
     if podman("image", "exists", IMAGE, check=False).returncode != 0:
@@ -287,11 +297,10 @@ def main() -> None:
                 parse_layout(layout)
     except ValueError as error:
         parser.error(str(error))
-    if CONTAINERS in layouts and (why := image_unavailable()):
-        print(f"benchmarks.across_hosts: skipped: {why}")
-        print(json.dumps({"benchmark": "across_hosts", "skipped": why}))
-        return
-    if layouts != [CONTAINERS] and (why := namespaces_unavailable()):  # say why, in JSON too
+    why = (image_unavailable() if CONTAINERS in layouts else None) or (
+        namespaces_unavailable() if layouts != [CONTAINERS] else None
+    )
+    if why:  # nothing measured: say why, in the JSON line too
         print(f"benchmarks.across_hosts: skipped: {why}")
         print(json.dumps({"benchmark": "across_hosts", "skipped": why}))
         return

@@ -361,10 +361,7 @@ def main() -> None:
     model = warm["model"]
     keras_model = model.getModel()
     xp, _ = _data(args.predict_rows)
-    big = spark.createDataFrame(pd.DataFrame({"features": list(xp)})).select(
-        array_to_vector("features").alias("features")
-    ).cache()  # fmt: skip
-    big.count()
+    big = _cached_features(spark, xp)
     # Warm up every Python worker first (TensorFlow import, model load), as plain predict
     # runs in a process that has both already; then one untimed full run of each side, so
     # that both are measured in their steady state (the JVM compiles the transform's per-row
@@ -402,8 +399,8 @@ def main() -> None:
         args.rounds, transform, lambda: transform(spark_batches)
     )
     breakdown["joined_batches"] = round(joined_rps)
-    small = _small_transform(spark, model, keras_model, args.small_predict_rows, args.rounds)
     breakdown["spark_batches"] = round(batches_rps)
+    small = _small_transform(spark, model, keras_model, args.small_predict_rows, args.rounds)
     # Where the CPU goes: Spark's JVM (local mode: driver and executors in one) against its
     # Python workers (model calls, Arrow in and out), and plain predict in this process.
     jvm_pid = int(spark._jvm.java.lang.ProcessHandle.current().pid())
@@ -534,19 +531,28 @@ def main() -> None:
     }))  # fmt: skip
 
 
+def _cached_features(spark, x: np.ndarray):
+    """The rows of ``x`` as a cached DataFrame of one vector column, ``features``, in the
+    partitions ``createDataFrame`` of pandas makes (one per 10 k rows)."""
+    import pandas as pd
+    from pyspark.ml.functions import array_to_vector
+
+    df = spark.createDataFrame(pd.DataFrame({"features": list(x)})).select(
+        array_to_vector("features").alias("features")
+    ).cache()  # fmt: skip
+    df.count()
+    return df
+
+
 def _small_transform(spark, model, keras_model, rows: int, rounds: int) -> dict:
     """rows/s on ``rows`` rows (a cached DataFrame) of the transform, of plain predict and of
     Spark counting the same rows (a query that reads them and runs nothing else: no
     transform of them can be faster), the three alternating; medians and each round."""
     import pandas as pd
-    from pyspark.ml.functions import array_to_vector
     from pyspark.sql import functions as F
 
     x, _ = _data(rows)
-    df = spark.createDataFrame(pd.DataFrame({"features": list(x)})).select(
-        array_to_vector("features").alias("features")
-    ).cache()  # fmt: skip
-    df.count()
+    df = _cached_features(spark, x)
     frame = pd.DataFrame({"features": list(x)})
     sides = {
         "transform": lambda: model.transform(df).agg(F.sum("label__output")).collect(),

@@ -62,3 +62,31 @@ def test_two_singleton_ranks_join_and_measure_as_in_the_containers_layout(tmp_pa
     assert len(result.pop("hosts")) == 2
     assert 0 < result["4096"] < 0.1  # seconds per call
     assert not [x for x in outputs[1][0].splitlines() if x.startswith("{")]  # rank 0 reports
+
+
+def test_the_containers_layout_says_why_it_measures_nothing_without_the_image():
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.across_hosts", "--layouts", "containers"],
+        cwd=REPO,
+        env={**os.environ, "FLYTE_HVD_TEST_IMAGE": "localhost/flyte-hvd-absent:none"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["benchmark"] == "across_hosts"
+    # Here: no such image (or, on a machine without podman, podman not found).
+    assert "localhost/flyte-hvd-absent:none" in result["skipped"] or "podman" in result["skipped"]
+    assert "MPICH" not in done.stdout  # nothing measured
+
+
+def test_a_rank_whose_peer_never_writes_the_port_name_stops_and_says_so(tmp_path):
+    script = ("import sys; from pathlib import Path; from benchmarks.across_hosts import "
+              "joined_world; joined_world(Path(sys.argv[1]), 1, 0.3)")  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        cwd=REPO, env={**os.environ, **MPI_TCP_ENV}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert f"TimeoutError: no port name in {tmp_path / 'port'} after 0.3 s" in done.stderr

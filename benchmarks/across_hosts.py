@@ -1,6 +1,7 @@
 """Where the time goes between hosts: ours against raw MPICH, one rank per host and more.
 
-    python -m benchmarks.across_hosts [--quick] [--rounds N] [--kinds allreduce,allgather,broadcast]
+    python -m benchmarks.across_hosts [--quick] [--rounds N]
+        [--kinds allreduce,allgather,broadcast,broadcast_in_place]
         [--layouts 2x1,2x2,2x2-hier,4x1,containers] [--sizes 4096,65536,...]
 
 How Kubernetes runs us: every executor pod is a host of its own, so each rank is alone on its
@@ -11,7 +12,11 @@ float32 buffers, 4 KB to 64 MB per rank, three sides in alternating launches:
 
 - raw: mpi4py's ``Allreduce``/``Allgather``/``Bcast`` on preallocated buffers;
 - ours: ``hvd.allreduce``/``hvd.allgather``/``hvd.broadcast`` with the defaults (the argument
-  check on: one agreement round before each call);
+  check on: one agreement round before each call); ``broadcast_in_place`` is
+  ``hvd.broadcast(x, 0, in_place=True)``, what raw ``Bcast`` does (the root sends from the
+  caller's array, the others receive into theirs; Horovod's ``broadcast_``, and how
+  ``broadcast_parameters``/``broadcast_variables`` move a model), where ``broadcast`` returns a
+  new array (the root copies its input into it);
 - unchecked: ours with ``FLYTE_HVD_CHECK_COLLECTIVES=0`` (no agreement round).
 
 ours - unchecked is what the agreement costs; unchecked - raw is the rest of ours (the Python
@@ -51,7 +56,7 @@ from benchmarks.allreduce import size_label, time_per_call
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from cluster_harness import MPI_TCP_ENV, mpiexec_on_hosts, namespaces_unavailable
 
-KINDS = ("allreduce", "allgather", "broadcast")
+KINDS = ("allreduce", "allgather", "broadcast", "broadcast_in_place")
 SIDES = ("raw", "ours", "unchecked")
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4 << 10, 1 << 20]
@@ -82,12 +87,14 @@ def measure_on_rank(kind: str, side: str, sizes: list[int], world=None) -> dict[
                 "allreduce": lambda x=x, r=into: comm.Allreduce(x, r, MPI.SUM),
                 "allgather": lambda x=x, r=into: comm.Allgather(x, r),
                 "broadcast": lambda x=x: comm.Bcast(x, root=0),
+                "broadcast_in_place": lambda x=x: comm.Bcast(x, root=0),
             }[kind]
         else:
             call = {
                 "allreduce": lambda x=x: hvd.allreduce(x, op=hvd.Sum),
                 "allgather": lambda x=x: hvd.allgather(x),
                 "broadcast": lambda x=x: hvd.broadcast(x, root_rank=0),
+                "broadcast_in_place": lambda x=x: hvd.broadcast(x, root_rank=0, in_place=True),
             }[kind]
         out[nbytes] = min(
             time_per_call(call, comm.Barrier, lambda n: comm.bcast(n, root=0)) for _ in range(2)
@@ -274,7 +281,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="two sizes, two rounds")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="launches per side")
-    parser.add_argument("--kinds", default=",".join(KINDS), help="e.g. broadcast,allgather")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="e.g. allreduce,allgather")
     parser.add_argument("--rank", nargs=2, help=argparse.SUPPRESS)  # KIND SIDE, on each rank
     parser.add_argument("--layouts", default="2x1", help="e.g. 2x1,2x2,2x2-hier,4x1,containers")
     parser.add_argument("--sizes", help="bytes per rank, e.g. 4096,268435456")
@@ -345,7 +352,7 @@ def measure_layout(layout: str, kinds: list[str], sizes: list[int], rounds: int)
         f"between {where}, medians of {rounds} launches per side"
     )
     print(
-        f"{'kind':>10} {'size':>7} {'raw us':>9} {'ours us':>9} {'unchecked':>9} "
+        f"{'kind':>18} {'size':>7} {'raw us':>9} {'ours us':>9} {'unchecked':>9} "
         f"{'agreement':>9} {'rest':>8} {'ratio':>6} {'unchecked':>9}"
     )
     for kind in kinds:
@@ -362,7 +369,7 @@ def measure_layout(layout: str, kinds: list[str], sizes: list[int], rounds: int)
             }
             rows.append(row)
             print(
-                f"{kind:>10} {size_label(nbytes):>7} {row['raw_us']:9.1f} {row['ours_us']:9.1f} "
+                f"{kind:>18} {size_label(nbytes):>7} {row['raw_us']:9.1f} {row['ours_us']:9.1f} "
                 f"{row['unchecked_us']:9.1f} {row['agreement_us']:9.1f} {row['rest_us']:8.1f} "
                 f"{row['ratio_vs_raw']:6.2f} {row['unchecked_ratio_vs_raw']:9.2f}"
             )

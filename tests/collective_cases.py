@@ -245,13 +245,46 @@ def allgather_ragged():
     np.testing.assert_array_equal(
         hvd.allgather(np.full((0 if r else 1, 3), 7.0)), np.full((1, 3), 7.0)
     )
-    # Parts on both sides of what the agreement's record carries over MPI (64 KB by default):
-    # in the records, some in and some not, none in.
-    for rows in ([1, 2, 3], [1, 20_000, 3], [20_000, 30_000, 15_000]):
+    # Parts on both sides of what the agreement's record carries over MPI (256 KB between two
+    # ranks, 64 KB for more; from 32 KB sent from the caller's array): in the records, some
+    # in and some not, none in.
+    for rows in ([1, 2, 3], [1, 20_000, 3], [20_000, 60_000, 3], [40_000, 50_000, 45_000]):
         mine = np.full((rows[r % 3], 2), r, np.float32)
         out = hvd.allgather(mine)
         expected = np.concatenate([np.full((rows[k % 3], 2), k, np.float32) for k in range(n)])
         np.testing.assert_array_equal(out, expected)
+
+
+@case
+def calls_of_32_to_256_kib_give_every_rank_the_same_bits():
+    """Over MPI such calls ride in the agreement's records, sent from the caller's array
+    behind the record's header (no copy into the record): every rank reduces to the same bits,
+    broadcasts land whole from any root, and the callers' arrays are left as they were."""
+    r, n = hvd.rank(), hvd.size()
+    rng = np.random.default_rng(7 + r)
+    for count in (4_000, 6_000, 10_000, 40_000, 70_000):  # 16 KB to 280 KB of float32
+        x = rng.normal(size=count).astype(np.float32)
+        kept = x.copy()
+        parts = hvd.allgather(x[None])  # every rank's input, in rank order
+        for op in (hvd.Sum, hvd.Min, hvd.Max, hvd.Average):
+            out = hvd.allreduce(x, op=op)
+            everyone = hvd.allgather(out[None])
+            assert (everyone == everyone[0]).all(), (count, op)
+        np.testing.assert_allclose(
+            hvd.allreduce(x, op=hvd.Sum), parts.sum(axis=0), rtol=1e-5, atol=1e-5
+        )
+        np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Max), parts.max(axis=0))
+        # A fusion buffer is reduced in place: on every rank its own part is the output too.
+        for got, times in zip(hvd.grouped_allreduce([x, x * 2], op=hvd.Sum), (1, 2), strict=True):
+            everyone = hvd.allgather(got[None])
+            assert (everyone == everyone[0]).all(), count
+            np.testing.assert_allclose(got, parts.sum(axis=0) * times, rtol=1e-5, atol=1e-5)
+        for root in range(n):
+            np.testing.assert_array_equal(hvd.broadcast(x, root_rank=root), parts[root])
+            y = x.copy()
+            assert hvd.broadcast(y, root_rank=root, in_place=True) is y
+            np.testing.assert_array_equal(y, parts[root])
+        np.testing.assert_array_equal(x, kept)
 
 
 @case
@@ -526,15 +559,15 @@ def records_in_one_allgather_above_eight_ranks():
     records: the same collectives and the same errors, here on a communicator of this run
     that takes that way."""
     from flyte_hvd.core import collectives, state, transport
-    from flyte_hvd.core.transport import mpi
+    from flyte_hvd.core.transport import mpi, records
 
     comm = state.comm().Dup()
-    limit, mpi.P2P_MAX_RANKS = mpi.P2P_MAX_RANKS, 1
+    limit, records.P2P_MAX_RANKS = records.P2P_MAX_RANKS, 1
     try:
         route = transport.of(comm)
         if type(route) is not mpi.MpiTransport or route.size == 1:
             return  # shared memory or one rank: no records over MPI
-        assert not route._p2p and route.eager <= 65536 // route.size
+        assert not route.records.p2p and route.eager <= 65536 // route.size
         r, n = hvd.rank(), hvd.size()
         for count in (3, 5000, 100_000):  # in the records, then not
             got = collectives.allreduce_on(comm, np.full(count, r + 1.0), hvd.Sum)
@@ -555,7 +588,7 @@ def records_in_one_allgather_above_eight_ranks():
             else:
                 raise AssertionError("mismatch was not detected")
     finally:
-        mpi.P2P_MAX_RANKS = limit
+        records.P2P_MAX_RANKS = limit
         transport.forget(comm)
         comm.Free()
 

@@ -238,14 +238,21 @@ def test_bad_shared_memory_setting_is_refused_at_init(monkeypatch):
     assert not hvd.is_initialized()
 
 
-def test_records_carry_at_most_64_kib(monkeypatch):
-    """Point to point (up to 8 ranks) a record is as long as its data, up to 64 KiB; in an
-    Allgather every record has the room, so 64 KiB over all ranks."""
-    from flyte_hvd.core.transport.mpi import P2P_MAX_RANKS, eager_bytes
+def test_records_carry_at_most_256_kib_between_two_ranks_and_64_kib_for_more(monkeypatch):
+    """Between two ranks a record is as long as its data, up to 256 KiB; point to point for up
+    to 8 ranks up to 64 KiB; in an Allgather every record has the room, so 64 KiB over all."""
+    from flyte_hvd.core.transport.records import P2P_MAX_RANKS, eager_bytes
 
-    assert state.EAGER_DEFAULT == 65536 and P2P_MAX_RANKS == 8
+    assert state.EAGER_DEFAULT == 256 << 10 and P2P_MAX_RANKS == 8
     monkeypatch.setattr(state._state, "eager_bytes", 1 << 20)
-    assert [eager_bytes(n) for n in (2, 8, 16, 1000, 20000)] == [65536, 65536, 4096, 64, 0]
+    assert [eager_bytes(n) for n in (2, 3, 8, 16, 1000, 20000)] == [
+        262144,
+        65536,
+        65536,
+        4096,
+        64,
+        0,
+    ]
     monkeypatch.setattr(state._state, "eager_bytes", 1001)  # whole int64 slots
     assert eager_bytes(2) == 1000
 

@@ -336,6 +336,37 @@ def broadcast_optimizer_state_and_object():
 
 
 @case
+def broadcast_parameters_writes_only_the_receivers():
+    import torch
+
+    import flyte_hvd.torch as hvd
+
+    # float32, int64 and bfloat16 (which travels as float32): one buffer per dtype, sent from
+    # the root's own copy and received into the other ranks' tensors; the root's are not
+    # written (its version counters stay), every other rank's hold the root's values.
+    root = hvd.size() - 1
+    rank = float(hvd.rank())
+    state = {
+        "w": torch.full((3, 4), rank),
+        "steps": torch.full((2,), int(rank), dtype=torch.int64),
+        "scale": torch.full((5,), rank + 0.5, dtype=torch.bfloat16),
+        "bias": torch.arange(4.0) + rank,
+    }
+    versions = {name: t._version for name, t in state.items()}
+    hvd.broadcast_parameters(state, root_rank=root)
+    expected = {
+        "w": torch.full((3, 4), float(root)),
+        "steps": torch.full((2,), root, dtype=torch.int64),
+        "scale": torch.full((5,), root + 0.5, dtype=torch.bfloat16),
+        "bias": torch.arange(4.0) + root,
+    }
+    for name, t in state.items():
+        assert torch.equal(t, expected[name]), (name, t, expected[name])
+        written = t._version != versions[name]
+        assert written == (hvd.rank() != root), (name, hvd.rank(), written)
+
+
+@case
 def tensor_collectives():
     import torch
 

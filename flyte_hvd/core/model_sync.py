@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from flyte_hvd.core import collectives
+from flyte_hvd.core import collectives, state
 
 # (name, shape, dtype) of one tensor, as a framework describes it.
 Described = tuple[str, tuple[int, ...], str]
@@ -63,14 +63,21 @@ def _mismatch(
 
 def broadcast_by_dtype(arrays: list[np.ndarray], root_rank: int, name: str) -> list[np.ndarray]:
     """``root_rank``'s values of ``arrays``, in order and in their shapes: one broadcast per
-    dtype of all arrays of that dtype, flattened end to end."""
+    dtype of all arrays of that dtype, end to end. The buffer is this function's own, so the
+    broadcast sends from it and receives into it (no copy of the model besides the root's
+    concatenation), and the other ranks receive into an empty one: their values are not read.
+    At ``root_rank`` the values are its own: callers need not write them back there."""
     out: list[np.ndarray | None] = [None] * len(arrays)
     by_dtype: dict[np.dtype, list[int]] = {}
     for i, a in enumerate(arrays):
         by_dtype.setdefault(a.dtype, []).append(i)
-    for indices in by_dtype.values():
-        flat = np.concatenate([np.asarray(arrays[i]).reshape(-1) for i in indices])
-        flat = collectives.broadcast(flat, root_rank=root_rank, name=name)
+    at_root = state.rank() == root_rank
+    for dtype, indices in by_dtype.items():
+        if at_root:
+            flat = np.concatenate([np.asarray(arrays[i]).reshape(-1) for i in indices])
+        else:
+            flat = np.empty(sum(arrays[i].size for i in indices), dtype)
+        collectives.broadcast(flat, root_rank=root_rank, name=name, in_place=True)
         offset = 0
         for i in indices:
             n = arrays[i].size

@@ -32,7 +32,7 @@ HIERARCHICAL_ENV = "HOROVOD_HIERARCHICAL_ALLREDUCE"
 # Bytes of a call's data that ride in the agreement's own message over MPI (the MPI
 # transport's records): a collective that small takes one round between hosts, not two.
 EAGER_ENV = "FLYTE_HVD_EAGER_BYTES"
-EAGER_DEFAULT = 64 << 10
+EAGER_DEFAULT = 256 << 10
 
 
 @dataclass(frozen=True)

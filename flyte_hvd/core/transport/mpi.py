@@ -1,14 +1,10 @@
 """The MPI transport: every collective of a communicator through mpi4py's buffer methods
 (arrays never pickled), and the base the other transports fall back to.
 
-The ranks' agreement (``agreement.py``) goes over MPI as one round in which every rank sends
-every other its record: the call's fingerprint and its negation, how many bytes of the
-call's data the record carries (-1: none), the rank's row count (allgather), then the data
-itself where it fits in ``FLYTE_HVD_EAGER_BYTES``. Up to ``P2P_MAX_RANKS`` ranks the records
-go point to point (two ranks: one ``Sendrecv``), each as long as it needs; above, as one
-``Allgather`` of fixed-size records. Every rank sees every record, so every rank reaches the
-same verdict: a mismatch or joined ranks as before; agreed and every rank's data in its
-record, the collective is done (an allreduce reduced locally in rank order, an allgather
+The ranks' agreement (``agreement.py``) goes over MPI as one round of records
+(``records.py``): every rank sees every record, so every rank reaches the same verdict: a
+mismatch or joined ranks as before; agreed and every rank's data in its record, the
+collective is done here (an allreduce reduced locally in rank order, an allgather
 concatenated, a broadcast copied from the root's record): one round between hosts instead of
 two; agreed otherwise, the data goes next. Every agreement round on a communicator is this
 one round, joined ranks' too, so the rounds always match.
@@ -29,6 +25,7 @@ from flyte_hvd.core.agreement import ABSENT, Agreement, Reduction
 from flyte_hvd.core.buffers import MIN_POOLED_BYTES, pool
 from flyte_hvd.core.reduce_ops import ReduceOp, finish_average, known_op, mpi_ops
 from flyte_hvd.core.transport import ring
+from flyte_hvd.core.transport.records import Records
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -57,40 +54,31 @@ def mpi_type(dtype: np.dtype) -> MPI.Datatype:
     return _mpi()._typedict[dtype.char]
 
 
-# A record's header, in int64 slots: fingerprint, -fingerprint, inline bytes, rows.
-_HEADER_SLOTS = 4
-_HEADER_BYTES = _HEADER_SLOTS * 8
-# Up to this many ranks each rank sends its record to every other point to point, only as
-# long as its data: between two simulated hosts a round of bare headers took 22 us, one of
-# records with room for 4 KB 43 us, so calls whose data does not ride pay no room for it.
-# Above, one Allgather of fixed-size records (MPICH's algorithm scales; n-1 sends do not).
-P2P_MAX_RANKS = 8
-_TAG = 0x5244  # the records' tag; collectives never match point-to-point messages
-# An Allgather's records stay below this over all ranks: their bytes grow with the ranks.
-_EAGER_TOTAL = 64 << 10
 _MAX_PLANS = 256  # kinds of small allreduce kept per transport
 
 
-def eager_bytes(size: int) -> int:
-    """Bytes of a call's data a record carries on a communicator of ``size`` ranks."""
-    room = _EAGER_TOTAL if size <= P2P_MAX_RANKS else _EAGER_TOTAL // max(size, 1)
-    return min(state.eager_bytes(), room) // 8 * 8
-
-
-def _reduce_parts(ufunc: np.ufunc, parts: np.ndarray, out: np.ndarray) -> None:
-    """Every rank's data in the records (``parts``: one row per rank) reduced in rank order
-    into ``out``, so every rank gets the same bits."""
+def _reduce_parts(ufunc: np.ufunc, parts: np.ndarray | list[np.ndarray], out: np.ndarray) -> None:
+    """Every rank's data (``parts``: one row per rank) reduced in rank order into ``out``, so
+    every rank gets the same bits."""
+    flat = out.reshape(-1)
     if len(parts) == 2:
-        ufunc(parts[0], parts[1], out=out.reshape(-1))  # 1.6 us where ``reduce`` takes 2.6
-    else:
-        ufunc.reduce(parts, axis=0, out=out.reshape(-1))
+        ufunc(parts[0], parts[1], out=flat)  # 1.6 us where ``reduce`` takes 2.6
+    elif isinstance(parts, np.ndarray):
+        ufunc.reduce(parts, axis=0, out=flat)
+    else:  # the same order as ``reduce`` along the ranks
+        # In place, this rank's part (sent from the caller's array) is ``out`` itself: a part
+        # read after ``out`` is first written is copied before.
+        later = [p.copy() if np.may_share_memory(p, flat) else p for p in parts[2:]]
+        ufunc(parts[0], parts[1], out=flat)
+        for part in later:
+            ufunc(flat, part, out=flat)
 
 
 def _joined_parts(
-    datas: np.ndarray, lengths: list[int], shape: tuple, dtype: np.dtype
+    datas: np.ndarray | list[np.ndarray], lengths: list[int], shape: tuple, dtype: np.dtype
 ) -> np.ndarray:
-    """A new array of ``shape`` holding every rank's data in the records (``datas``: a row
-    per rank, ``lengths[r]`` bytes of rank r's) end to end."""
+    """A new array of ``shape`` holding every rank's data (``datas``: bytes, a row per rank,
+    ``lengths[r]`` of rank r's) end to end."""
     total = sum(lengths)
     # Below the pool's threshold its bookkeeping costs more than malloc (a small call is a few
     # microseconds in all).
@@ -101,13 +89,13 @@ def _joined_parts(
         out = pool.empty(shape, dtype)
         flat = out.reshape(-1).view(np.uint8)
     first = lengths[0]
-    if lengths.count(first) == len(lengths):  # equal parts: one copy
+    if lengths.count(first) == len(lengths) and isinstance(datas, np.ndarray):  # one copy
         if first:
             flat.reshape(len(lengths), first)[...] = datas[:, :first]
         return out
     at = 0
     for rank, nbytes in enumerate(lengths):
-        flat[at : at + nbytes] = datas[rank, :nbytes]
+        flat[at : at + nbytes] = datas[rank][:nbytes]
         at += nbytes
     return out
 
@@ -132,65 +120,17 @@ class MpiTransport:
     def __init__(self, comm: MPI.Comm):
         self.comm = comm
         self.size = comm.Get_size()
-        # The same on every rank (a record's size must be), whatever each was given.
-        eager = eager_bytes(self.size)
-        self.eager = min(comm.allgather(eager)) if self.size > 1 else eager
-        slots = _HEADER_SLOTS + self.eager // 8
-        self._records = np.zeros((self.size, slots), dtype=np.int64)
-        self._me = me = comm.Get_rank()
-        self._record = self._records[me]  # this rank's, written in place
-        # Views made once: a numpy view costs about a microsecond, a tenth of a small call.
-        self._bytes = self._records.view(np.uint8)  # (size, record bytes)
-        self._room = self._bytes[me, _HEADER_BYTES:].data
-        self._fps = self._records[:, 0]
-        self._datas = self._bytes[:, _HEADER_BYTES:]  # (size, eager) bytes
-        self._peers = [(r, self._bytes[r]) for r in range(self.size) if r != me]  # their records
-        self._p2p = 1 < self.size <= P2P_MAX_RANKS
-        self._pair = self._peers[0] if self.size == 2 else None
-        self._inline_and_rows = self._records[:, 2:4].T  # (2, size): bytes in the record, rows
-        self._mpi = _mpi()  # an import statement per call costs a small call a microsecond
+        self.records = Records(comm)
+        self.eager = self.records.eager
         # What a small allreduce needs that depends only on its kind (op, dtype, shape).
         self._plans: dict[tuple, tuple] = {}
 
     # -- agreement ---------------------------------------------------------------------------
 
-    def _gather(self, fp: int, neg: int, rows: int = 0, data: np.ndarray | None = None) -> bool:
-        """One agreement round: every rank's record into ``self._records`` (valid until the
-        next round), this rank's made of the fields given and ``data`` (None: no data; else
-        it fits and is C-contiguous). Returns whether every rank sent ``fp``."""
-        record = self._record
-        record[0], record[1], record[3] = fp, neg, rows
-        nbytes = 0 if data is None else data.nbytes
-        record[2] = -1 if data is None else nbytes
-        if nbytes:
-            self._room[:nbytes] = data.data.cast("B")  # type: ignore[union-attr]
-        comm = self.comm
-        # A shorter message than the receive buffer is fine in MPI, and messages between two
-        # ranks with one tag arrive in order: round k meets round k.
-        mine = self._bytes[self._me, : _HEADER_BYTES + nbytes]
-        if self._pair is not None:  # one call, no request objects: 1-3 us less a round
-            comm.Sendrecv(mine, self._pair[0], _TAG, self._pair[1], self._pair[0], _TAG)
-        elif self._p2p:
-            requests = [comm.Irecv(into, peer, _TAG) for peer, into in self._peers]
-            requests += [comm.Isend(mine, peer, _TAG) for peer, _ in self._peers]
-            self._mpi.Request.Waitall(requests)
-        else:
-            comm.Allgather(self._mpi.IN_PLACE, self._records)
-        return self._fps.tolist().count(fp) == self.size
-
-    def _data_of(self, rank: int) -> np.ndarray:
-        """The bytes of ``rank``'s data in the last round's records."""
-        return self._datas[rank, : int(self._records[rank, 2])]
-
-    def _agreed_pair(self) -> tuple[int, int]:
-        """The elementwise max of the last round's (fingerprint, -fingerprint): ``settle``'s
-        input where the ranks did not all agree."""
-        return int(self._records[:, 0].max()), int(self._records[:, 1].max())
-
     def exchange(self, pair: tuple[int, int], describe: Callable[[], str]) -> tuple[int, int]:
         """The elementwise max of every rank's ``pair``: one agreement round."""
-        self._gather(*pair)
-        return self._agreed_pair()
+        self.records.round(*pair)
+        return self.records.agreed_pair()
 
     def check_same(
         self, fields: tuple, describe: Callable[[], str], reduction: Reduction = None
@@ -231,11 +171,11 @@ class MpiTransport:
         reduce_op, fp, describe, parts, ufunc = plan
         out = np.empty(arr.shape, arr.dtype)
         start = timeline.begin()
-        if not self._gather(fp, -fp, 0, arr):
-            agreement.settle(self.comm, fp, self._agreed_pair(), describe, (reduce_op, arr))
+        if not self.records.round(fp, -fp, 0, arr):
+            agreement.settle(self.comm, fp, self.records.agreed_pair(), describe, (reduce_op, arr))
             self.reduce_agreed(reduce_op, arr, out, "allreduce", name)  # joined ranks: over MPI
             return out
-        _reduce_parts(ufunc, parts, out)
+        _reduce_parts(ufunc, self.records.parts(parts), out)
         timeline.end("allreduce", name, out.nbytes, start)
         if reduce_op is ReduceOp.AVERAGE:
             finish_average(out, self.size, reduce_op)
@@ -267,7 +207,7 @@ class MpiTransport:
         if reduce_op is None or not ring.reduces_alike(reduce_op, arr):
             return None
         fields, describe = agreement.allreduce_call(reduce_op, arr.dtype, arr.shape)
-        parts = self._datas[:, : arr.nbytes].view(arr.dtype)
+        parts = self.records.rows(arr.nbytes, arr.dtype)
         return reduce_op, agreement.fingerprint(fields), describe, parts, shm.UFUNCS[reduce_op]
 
     def reduce(
@@ -298,12 +238,13 @@ class MpiTransport:
             fields, describe, reduction = agreed  # agreement and data in one round
             fp = agreement.fingerprint(fields)
             start = timeline.begin()
-            if self._gather(fp, -fp, 0, wire):
-                _reduce_parts(shm.UFUNCS[op], self._datas[:, : wire.nbytes].view(wire.dtype), out)
+            if self.records.round(fp, -fp, 0, wire):
+                parts = self.records.parts(self.records.rows(wire.nbytes, wire.dtype))
+                _reduce_parts(shm.UFUNCS[op], parts, out)
                 timeline.end(kind, name, out.nbytes, start)
                 finish_average(out, self.size, op)
                 return True
-            agreement.settle(self.comm, fp, self._agreed_pair(), describe, reduction)
+            agreement.settle(self.comm, fp, self.records.agreed_pair(), describe, reduction)
         elif agreed is None or self.check_same(*agreed):
             # A fusion buffer's parts (not an ndarray) go to MPI packed.
             if isinstance(wire, np.ndarray) and ring.takes(self.size, op, wire, out, mpi_only):
@@ -366,12 +307,13 @@ class MpiTransport:
             fp = agreement.fingerprint(fields) if state.checks_collectives() else 0
             start = timeline.begin()
             fits = arr.nbytes <= self.eager
-            if not self._gather(fp, -fp, arr.shape[0], arr if fits else None):
-                agreement.settle(comm, fp, self._agreed_pair(), describe, None)
+            if not self.records.round(fp, -fp, arr.shape[0], arr if fits else None):
+                agreement.settle(comm, fp, self.records.agreed_pair(), describe, None)
                 raise AssertionError("settle raises for a collective without a reduction")
-            inline, counts = self._inline_and_rows.tolist()  # per rank (numpy: slower)
+            inline, counts = self.records.inline_and_rows()
             if min(inline) >= 0:  # every part is in the records
-                out = _joined_parts(self._datas, inline, (sum(counts), *row_shape), arr.dtype)
+                datas = self.records.parts(self.records.rows(self.eager, np.dtype(np.uint8)))
+                out = _joined_parts(datas, inline, (sum(counts), *row_shape), arr.dtype)
                 timeline.end("allgather", name, out.nbytes, start)
                 return out
             rows = np.array(counts, dtype=np.int64)
@@ -383,8 +325,8 @@ class MpiTransport:
             # time from 1 MB (2 ranks on 2 hosts: 16 MB 18.3-18.6 ms against 9.5-11.1 ms).
             comm.Allgather([arr, dtype], [out, dtype])
         else:
-            counts = rows * math.prod(row_shape)
-            comm.Allgatherv(arr, [out, counts, displacements(counts), dtype])
+            items = rows * math.prod(row_shape)
+            comm.Allgatherv(arr, [out, items, displacements(items), dtype])
         timeline.end("allgather", name, out.nbytes, start)
         return out
 
@@ -405,11 +347,11 @@ class MpiTransport:
             start = timeline.begin()
             at_root = self.comm.Get_rank() == root
             sent = np.ascontiguousarray(buf if source is None else source) if at_root else None
-            if not self._gather(fp, -fp, 0, sent):
-                agreement.settle(self.comm, fp, self._agreed_pair(), describe, None)
+            if not self.records.round(fp, -fp, 0, sent):
+                agreement.settle(self.comm, fp, self.records.agreed_pair(), describe, None)
                 raise AssertionError("settle raises for a collective without a reduction")
             if not at_root:
-                buf.reshape(-1).view(np.uint8)[...] = self._data_of(root)
+                buf.reshape(-1).view(np.uint8)[...] = self.records.data_of(root)
             elif source is not None:
                 np.copyto(buf, source)
             timeline.end("broadcast", name, buf.nbytes, start)

@@ -61,13 +61,14 @@ def _mismatch(
     )
 
 
-def broadcast_by_dtype(arrays: list[np.ndarray], root_rank: int, name: str) -> list[np.ndarray]:
-    """``root_rank``'s values of ``arrays``, in order and in their shapes: one broadcast per
-    dtype of all arrays of that dtype, end to end. The buffer is this function's own, so the
-    broadcast sends from it and receives into it (no copy of the model besides the root's
-    concatenation), and the other ranks receive into an empty one: their values are not read.
-    At ``root_rank`` the values are its own: callers need not write them back there."""
-    out: list[np.ndarray | None] = [None] * len(arrays)
+def broadcast_by_dtype(
+    arrays: list[np.ndarray], root_rank: int, name: str, write: Callable[[int, np.ndarray], object]
+) -> None:
+    """Give every rank ``root_rank``'s values of ``arrays``: one broadcast per dtype of all
+    arrays of that dtype, end to end, then ``write(i, value)`` for each array on every rank but
+    the root (whose values they are). The buffer is this function's own, so the broadcast sends
+    from it and receives into it (no copy of the model besides the root's concatenation), and
+    the other ranks receive into an empty one: their values are not read."""
     by_dtype: dict[np.dtype, list[int]] = {}
     for i, a in enumerate(arrays):
         by_dtype.setdefault(a.dtype, []).append(i)
@@ -78,9 +79,10 @@ def broadcast_by_dtype(arrays: list[np.ndarray], root_rank: int, name: str) -> l
         else:
             flat = np.empty(sum(arrays[i].size for i in indices), dtype)
         collectives.broadcast(flat, root_rank=root_rank, name=name, in_place=True)
+        if at_root:
+            continue
         offset = 0
         for i in indices:
             n = arrays[i].size
-            out[i] = flat[offset : offset + n].reshape(arrays[i].shape)
+            write(i, flat[offset : offset + n].reshape(arrays[i].shape))
             offset += n
-    return [a for a in out if a is not None]

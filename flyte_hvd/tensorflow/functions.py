@@ -475,10 +475,9 @@ def broadcast_variables(
     # Shapes and dtypes must agree; names may not (Keras numbers layers per process).
     model_sync.check_same_tensors(described, root_rank, compare_names=False, noun="variable")
     values = [np.asarray(v.numpy()) for v in variables]
-    received = model_sync.broadcast_by_dtype(values, root_rank, "broadcast_variables")
-    if state.rank() != root_rank:  # the root's variables hold these values already
-        for v, value in zip(variables, received, strict=True):
-            v.assign(value)
+    model_sync.broadcast_by_dtype(
+        values, root_rank, "broadcast_variables", lambda i, value: variables[i].assign(value)
+    )
     return None
 
 

@@ -46,10 +46,13 @@ def broadcast_parameters(params: Params, root_rank: int = 0) -> None:
             (t.detach().float() if t.dtype == torch.bfloat16 else t.detach()).cpu().numpy()
             for _, t in named
         ]
-        received = model_sync.broadcast_by_dtype(values, root_rank, "broadcast_parameters")
-        if state.rank() != root_rank:  # the root's tensors hold these values already
-            for (_, t), value in zip(named, received, strict=True):
-                t.copy_(torch.from_numpy(value).view(t.shape))
+        tensors = [t for _, t in named]
+        model_sync.broadcast_by_dtype(
+            values,
+            root_rank,
+            "broadcast_parameters",
+            lambda i, value: tensors[i].copy_(torch.from_numpy(value).view(tensors[i].shape)),
+        )
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:

@@ -247,8 +247,15 @@ def allgather_ragged():
     )
     # Parts on both sides of what the agreement's record carries over MPI (256 KB between two
     # ranks, 64 KB for more; from 32 KB sent from the caller's array): in the records, some
-    # in and some not, none in.
-    for rows in ([1, 2, 3], [1, 20_000, 3], [20_000, 60_000, 3], [40_000, 50_000, 45_000]):
+    # in and some not, none in; between two ranks the other's part received into the output
+    # and longer or shorter than this rank's.
+    for rows in (
+        [1, 2, 3],
+        [1, 20_000, 3],
+        [5_000, 20_000, 3],
+        [20_000, 60_000, 3],
+        [40_000, 50_000, 45_000],
+    ):
         mine = np.full((rows[r % 3], 2), r, np.float32)
         out = hvd.allgather(mine)
         expected = np.concatenate([np.full((rows[k % 3], 2), k, np.float32) for k in range(n)])
@@ -414,6 +421,7 @@ def mismatched_shapes_raise_on_every_rank():
     if hvd.size() == 1:
         return
     r = hvd.rank()
+    kept = np.full(10_000 + 20_000 * r, -1.0, np.float32)
     for call in (
         lambda: hvd.allreduce(np.ones(3 + r, np.float32)),
         lambda: hvd.allreduce(np.ones(3, np.float32 if r else np.float64)),
@@ -435,6 +443,7 @@ def mismatched_shapes_raise_on_every_rank():
         lambda: hvd.broadcast(np.ones(400_000 + 400_000 * r), root_rank=0),
         lambda: hvd.allgather(np.ones((10, 1000 + 2000 * r), np.float32)),
         lambda: hvd.allreduce(np.ones(3), op=hvd.Sum if r else hvd.Max),
+        lambda: hvd.broadcast(kept, root_rank=0, in_place=True),
     ):
         try:
             call()
@@ -443,6 +452,8 @@ def mismatched_shapes_raise_on_every_rank():
             assert "rank 0:" in str(e) and "rank 1:" in str(e), str(e)
         else:
             raise AssertionError("mismatch was not detected")
+    # A failed in-place broadcast left the receivers' arrays as they were.
+    np.testing.assert_array_equal(kept, np.full(10_000 + 20_000 * r, -1.0, np.float32))
     # The communicator is still usable afterwards.
     assert hvd.allreduce(np.ones(1), op=hvd.Sum)[0] == hvd.size()
 
@@ -620,6 +631,9 @@ def join_serves_reductions_of_the_other_ranks():
             for refused in (
                 lambda: hvd.allgather(np.ones(1)),
                 lambda early=early: hvd.broadcast(np.ones(1), root_rank=early),
+                # Data in the records for the joined rank, which takes none.
+                lambda: hvd.allgather(np.ones(8_000)),
+                lambda early=early: hvd.broadcast(np.ones(8_000), (early + 1) % n),
             ):
                 try:
                     refused()

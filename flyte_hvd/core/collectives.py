@@ -405,6 +405,7 @@ def broadcast_on(
         lambda: f"broadcast(dtype={arr.dtype}, shape={arr.shape}, root_rank={root})",
         name,
         source,
+        buf_is_new=out is not arr,
     )
     return out
 

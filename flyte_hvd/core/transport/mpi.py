@@ -5,9 +5,10 @@ The ranks' agreement (``agreement.py``) goes over MPI as one round of records
 (``records.py``): every rank sees every record, so every rank reaches the same verdict: a
 mismatch or joined ranks as before; agreed and every rank's data in its record, the
 collective is done here (an allreduce reduced locally in rank order, an allgather
-concatenated, a broadcast copied from the root's record): one round between hosts instead of
-two; agreed otherwise, the data goes next. Every agreement round on a communicator is this
-one round, joined ranks' too, so the rounds always match.
+concatenated, a broadcast copied from the root's record; between two ranks the other's part of
+an allgather, and the root's values for a new broadcast array, come straight into the output):
+one round between hosts instead of two; agreed otherwise, the data goes next. Every agreement
+round on a communicator is this one round, joined ranks' too, so the rounds always match.
 """
 
 from __future__ import annotations
@@ -301,21 +302,11 @@ class MpiTransport:
         if self.size == 1:
             rows = np.array([arr.shape[0]], dtype=np.int64)
         else:
-            # The records carry each rank's row count (ragged parts agree in one round) and,
-            # where every part fits, the parts themselves; with the check off the same, with
-            # no fingerprint to compare.
-            fp = agreement.fingerprint(fields) if state.checks_collectives() else 0
             start = timeline.begin()
-            fits = arr.nbytes <= self.eager
-            if not self.records.round(fp, -fp, arr.shape[0], arr if fits else None):
-                agreement.settle(comm, fp, self.records.agreed_pair(), describe, None)
-                raise AssertionError("settle raises for a collective without a reduction")
-            inline, counts = self.records.inline_and_rows()
-            if min(inline) >= 0:  # every part is in the records
-                datas = self.records.parts(self.records.rows(self.eager, np.dtype(np.uint8)))
-                out = _joined_parts(datas, inline, (sum(counts), *row_shape), arr.dtype)
-                timeline.end("allgather", name, out.nbytes, start)
-                return out
+            gathered, counts = self._gather_round(arr, fields, describe)
+            if gathered is not None:
+                timeline.end("allgather", name, gathered.nbytes, start)
+                return gathered
             rows = np.array(counts, dtype=np.int64)
         out = pool.empty((int(rows.sum()), *row_shape), arr.dtype)
         start = timeline.begin()
@@ -330,6 +321,41 @@ class MpiTransport:
         timeline.end("allgather", name, out.nbytes, start)
         return out
 
+    def _gather_round(
+        self, arr: np.ndarray, fields: tuple, describe: Callable[[], str]
+    ) -> tuple[np.ndarray | None, list[int]]:
+        """An allgather's agreement round: every rank's row count, and the output where every
+        rank's part came in the round (else None)."""
+        # The records carry each rank's row count (ragged parts agree in one round) and, where
+        # every part fits, the parts themselves; with the check off the same, with no
+        # fingerprint to compare.
+        records = self.records
+        fp = agreement.fingerprint(fields) if state.checks_collectives() else 0
+        fits = arr.nbytes <= self.eager
+        halves = None
+        if fits and records.receives_into(arr.nbytes):
+            # Two ranks: the other's part comes straight into the output, as raw ``Allgather``
+            # receives it, where the parts are equal (most calls).
+            out = pool.empty((2 * arr.shape[0], *arr.shape[1:]), arr.dtype)
+            halves = out.reshape(2, -1).view(np.uint8)
+        into = None if halves is None else halves[1 - records.rank]
+        if not records.round(fp, -fp, arr.shape[0], arr if fits else None, into):
+            agreement.settle(self.comm, fp, records.agreed_pair(), describe, None)
+            raise AssertionError("settle raises for a collective without a reduction")
+        inline, counts = records.inline_and_rows()
+        if min(inline) < 0:  # some part is not in the round
+            return None, counts
+        own = arr.reshape(-1).view(np.uint8)
+        if halves is not None and inline.count(arr.nbytes) == 2:
+            halves[records.rank] = own
+            return out, counts
+        datas: np.ndarray | list[np.ndarray]
+        if halves is not None:  # ragged: the other's part came partly into ``halves``
+            datas = [own if r == records.rank else records.data_of(r) for r in range(2)]
+        else:
+            datas = records.parts(records.rows(self.eager, np.dtype(np.uint8)))
+        return _joined_parts(datas, inline, (sum(counts), *arr.shape[1:]), arr.dtype), counts
+
     def broadcast(
         self,
         buf: np.ndarray,
@@ -338,20 +364,27 @@ class MpiTransport:
         describe: Callable[[], str],
         name: str | None,
         source: np.ndarray | None = None,
+        buf_is_new: bool = False,
     ) -> None:
         """``root``'s C-contiguous ``buf`` into every rank's ``buf``; at the root, ``source``
-        (when given: the same shape and dtype) is what is sent, and ``buf`` gets a copy."""
+        (when given: the same shape and dtype) is what is sent, and ``buf`` gets a copy.
+        ``buf_is_new``: ``buf`` is the call's own output, which may hold anything if the call
+        fails (not the caller's array)."""
         if self.size > 1 and state.checks_collectives() and buf.nbytes <= self.eager:
             # The root's values ride in its record: agreement and data in one round.
             fp = agreement.fingerprint(fields)
             start = timeline.begin()
             at_root = self.comm.Get_rank() == root
             sent = np.ascontiguousarray(buf if source is None else source) if at_root else None
-            if not self.records.round(fp, -fp, 0, sent):
+            received = buf.reshape(-1).view(np.uint8)
+            # Between two ranks the root's values may land in a new ``buf`` directly; never
+            # in the caller's array, which a mismatch would leave half-written.
+            into = received if buf_is_new and self.records.receives_into(buf.nbytes) else None
+            if not self.records.round(fp, -fp, 0, sent, None if at_root else into):
                 agreement.settle(self.comm, fp, self.records.agreed_pair(), describe, None)
                 raise AssertionError("settle raises for a collective without a reduction")
-            if not at_root:
-                buf.reshape(-1).view(np.uint8)[...] = self.records.data_of(root)
+            if not at_root and into is None:
+                received[...] = self.records.data_of(root)
             elif source is not None:
                 np.copyto(buf, source)
             timeline.end("broadcast", name, buf.nbytes, start)

@@ -6,8 +6,10 @@ fits in ``FLYTE_HVD_EAGER_BYTES``.
 Up to ``P2P_MAX_RANKS`` ranks the records go point to point (two ranks: one ``Sendrecv``),
 each as long as it needs, and from ``_SENT_FROM_CALLER_BYTES`` a rank's data goes out from
 the caller's array behind its header (one MPI datatype of the two addresses) instead of being
-copied into its record; above, as one ``Allgather`` of fixed-size records. The transports
-(``mpi.py``) read the round's verdict and every rank's data from here.
+copied into its record; between two ranks the other rank's data may come in the same way,
+straight into the collective's output (``receives_into``). Above ``P2P_MAX_RANKS``, as one
+``Allgather`` of fixed-size records. The transports (``mpi.py``) read the round's verdict and
+every rank's data from here.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ _EAGER_TOTAL = 64 << 10
 # rank would send its part to every other, where MPICH's algorithms send it log2(n) times.
 _PAIR_EAGER = 256 << 10
 # From here a rank's data goes out from the caller's array, behind the record's header in one
-# message (an MPI datatype of the two, 2 us to make), not copied into the record first.
+# message (an MPI datatype of the two, 2 us to make), not copied into the record first; and
+# between two ranks the other's data may come into the output the same way.
 _SENT_FROM_CALLER_BYTES = 32 << 10
 
 
@@ -65,7 +68,7 @@ class Records:
         self.eager = min(comm.allgather(eager)) if size > 1 else eager
         self.p2p = 1 < size <= P2P_MAX_RANKS
         self._records = np.zeros((size, _HEADER_SLOTS + self.eager // 8), dtype=np.int64)
-        self._me = me = comm.Get_rank()
+        self.rank = me = comm.Get_rank()
         self._record = self._records[me]  # this rank's, written in place
         # Views made once: a numpy view costs about a microsecond, a tenth of a small call.
         self._bytes = self._records.view(np.uint8)  # (size, record bytes)
@@ -76,15 +79,32 @@ class Records:
         self._pair = self._peers[0] if size == 2 else None
         self._inline_and_rows = self._records[:, 2:4].T  # (2, size): bytes in the record, rows
         self._header_address = MPI.Get_address(self._record)
+        self._peer_address = MPI.Get_address(self._pair[1]) if self._pair is not None else 0
         # This rank's data in the last round where it went out from the caller's array (bytes),
         # else None: its record's room holds it.
         self._own: np.ndarray | None = None
+        # Where the other rank's data went in the last round, if not its record (bytes).
+        self._into: np.ndarray | None = None
         self._mpi = MPI  # an import statement per call costs a small call a microsecond
 
-    def round(self, fp: int, neg: int, rows: int = 0, data: np.ndarray | None = None) -> bool:
+    def receives_into(self, nbytes: int) -> bool:
+        """Whether ``round`` may take ``into`` for a call of ``nbytes`` (two ranks; from the
+        size where a datatype costs less than the copy it saves, up to ``eager``)."""
+        return self._pair is not None and _SENT_FROM_CALLER_BYTES <= nbytes <= self.eager
+
+    def round(
+        self,
+        fp: int,
+        neg: int,
+        rows: int = 0,
+        data: np.ndarray | None = None,
+        into: np.ndarray | None = None,
+    ) -> bool:
         """One agreement round: every rank's record, this rank's made of the fields given and
-        ``data`` (None: no data; else it fits in ``eager`` and is C-contiguous). Returns
-        whether every rank sent ``fp``."""
+        ``data`` (None: no data; else it fits in ``eager`` and is C-contiguous). ``into``
+        (C-contiguous bytes, only where ``receives_into`` says so): where the other rank's data
+        lands, as far as it reaches, the rest in its record; ``data_of`` reads it either way.
+        On a mismatch ``into`` may hold any bytes. Returns whether every rank sent ``fp``."""
         record = self._record
         record[0], record[1], record[3] = fp, neg, rows
         nbytes = 0 if data is None else data.nbytes
@@ -100,15 +120,28 @@ class Records:
             self._own = None
             if nbytes:
                 self._room[:nbytes] = data.data.cast("B")  # type: ignore[union-attr]
-            mine = self._bytes[self._me, : _HEADER_BYTES + nbytes]
+            mine = self._bytes[self.rank, : _HEADER_BYTES + nbytes]
+        self._into = into
+        received = None
+        if into is not None:
+            # Header into the peer's record, data into ``into``, what is longer after the
+            # first ``into.nbytes`` of its record's room (a shorter message fills less).
+            lengths = [_HEADER_BYTES, into.nbytes]
+            addresses = [self._peer_address, self._mpi.Get_address(into)]
+            if into.nbytes < self.eager:
+                lengths.append(self.eager - into.nbytes)
+                addresses.append(self._peer_address + _HEADER_BYTES + into.nbytes)
+            received = self._mpi.BYTE.Create_hindexed(lengths, addresses).Commit()
         comm = self.comm
         # A shorter message than the receive buffer is fine in MPI, and messages between two
         # ranks with one tag arrive in order: round k meets round k.
         try:
             if self._pair is not None:  # one call, no request objects: 1-3 us less a round
-                comm.Sendrecv(mine, self._pair[0], _TAG, self._pair[1], self._pair[0], _TAG)
+                peer, record = self._pair
+                landing = record if received is None else [self._mpi.BOTTOM, 1, received]
+                comm.Sendrecv(mine, peer, _TAG, landing, peer, _TAG)
             elif self.p2p:
-                requests = [comm.Irecv(into, peer, _TAG) for peer, into in self._peers]
+                requests = [comm.Irecv(record, peer, _TAG) for peer, record in self._peers]
                 requests += [comm.Isend(mine, peer, _TAG) for peer, _ in self._peers]
                 self._mpi.Request.Waitall(requests)
             else:
@@ -116,6 +149,8 @@ class Records:
         finally:
             if sent_type is not None:
                 sent_type.Free()
+            if received is not None:
+                received.Free()
         return self._fps.tolist().count(fp) == self.size
 
     def agreed_pair(self) -> tuple[int, int]:
@@ -130,8 +165,15 @@ class Records:
         return inline, rows
 
     def data_of(self, rank: int) -> np.ndarray:
-        """The bytes of ``rank``'s data in the last round's records (another rank's)."""
-        return self._datas[rank, : int(self._records[rank, 2])]
+        """The bytes of ``rank``'s data in the last round (another rank's): a view, or a copy
+        where it came partly into the round's ``into``."""
+        nbytes = int(self._records[rank, 2])
+        into = self._into
+        if into is None:
+            return self._datas[rank, :nbytes]
+        if nbytes <= into.nbytes:
+            return into[:nbytes]
+        return np.concatenate((into, self._datas[rank, into.nbytes : nbytes]))
 
     def rows(self, nbytes: int, dtype: np.dtype) -> np.ndarray:
         """The first ``nbytes`` of every record's data as ``dtype``, a row per rank: a view,
@@ -144,5 +186,5 @@ class Records:
         if self._own is None:
             return rows
         parts = list(rows)
-        parts[self._me] = self._own.view(rows.dtype)
+        parts[self.rank] = self._own.view(rows.dtype)
         return parts

@@ -175,6 +175,7 @@ class SharedMemoryTransport(MpiTransport):
         describe: Callable[[], str],
         name: str | None,
         source: np.ndarray | None = None,
+        buf_is_new: bool = False,
     ) -> None:
         fp = agreement.fingerprint(fields) if state.checks_collectives() else 0
         start = timeline.begin()

@@ -554,6 +554,8 @@ class _ConnectServer:
         return self.session
 
     def stop(self) -> None:
+        if self.process is None:  # never started (where Connect's packages may be missing)
+            return
         if self.session is not None:
             self.session.stop()
         # Every other Connect client of this process too (the sessions Flyte tasks built on
@@ -566,12 +568,11 @@ class _ConnectServer:
             if not client.is_closed:
                 with contextlib.suppress(Exception):
                     client.close()
-        if self.process is not None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
 
 
 _connect_server = _ConnectServer()

@@ -360,7 +360,7 @@ class MpiTransport:
                 halves[records.rank] = own
                 return out, counts
             # Ragged: the other's part came partly into ``halves``.
-            datas = [own if r == records.rank else records.data_of(r) for r in range(2)]
+            datas = [own if r == records.rank else records.data_of(r, into) for r in range(2)]
         return _joined_parts(datas, inline, (sum(counts), *arr.shape[1:]), arr.dtype), counts
 
     def broadcast(
@@ -383,15 +383,15 @@ class MpiTransport:
             start = timeline.begin()
             at_root = self.comm.Get_rank() == root
             sent = np.ascontiguousarray(buf if source is None else source) if at_root else None
-            received = buf.reshape(-1).view(np.uint8)
             # Between two ranks the root's values may land in a new ``buf`` directly; never
             # in the caller's array, which a mismatch would leave half-written.
-            into = received if buf_is_new and self.records.receives_into(buf.nbytes) else None
-            if not self.records.round(fp, -fp, 0, sent, None if at_root else into):
+            direct = not at_root and buf_is_new and self.records.receives_into(buf.nbytes)
+            into = buf.reshape(-1).view(np.uint8) if direct else None
+            if not self.records.round(fp, -fp, 0, sent, into):
                 agreement.settle(self.comm, fp, self.records.agreed_pair(), describe, None)
                 raise AssertionError("settle raises for a collective without a reduction")
             if not at_root and into is None:
-                received[...] = self.records.data_of(root)
+                buf.reshape(-1).view(np.uint8)[...] = self.records.data_of(root)
             elif source is not None:
                 np.copyto(buf, source)
             timeline.end("broadcast", name, buf.nbytes, start)

@@ -83,8 +83,6 @@ class Records:
         # This rank's data in the last round where it went out from the caller's array (bytes),
         # else None: its record's room holds it.
         self._own: np.ndarray | None = None
-        # Where the other rank's data went in the last round, if not its record (bytes).
-        self._into: np.ndarray | None = None
         self._mpi = MPI  # an import statement per call costs a small call a microsecond
 
     def receives_into(self, nbytes: int) -> bool:
@@ -103,7 +101,8 @@ class Records:
         """One agreement round: every rank's record, this rank's made of the fields given and
         ``data`` (None: no data; else it fits in ``eager`` and is C-contiguous). ``into``
         (C-contiguous bytes, only where ``receives_into`` says so): where the other rank's data
-        lands, as far as it reaches, the rest in its record; ``data_of`` reads it either way.
+        lands, as far as it reaches, the rest in its record (``data_of`` with the same ``into``
+        reads it).
         On a mismatch ``into`` may hold any bytes. Returns whether every rank sent ``fp``."""
         record = self._record
         record[0], record[1], record[3] = fp, neg, rows
@@ -121,7 +120,6 @@ class Records:
             if nbytes:
                 self._room[:nbytes] = data.data.cast("B")  # type: ignore[union-attr]
             mine = self._bytes[self.rank, : _HEADER_BYTES + nbytes]
-        self._into = into
         received = None
         if into is not None:
             # Header into the peer's record, data into ``into``, what is longer after the
@@ -164,11 +162,10 @@ class Records:
         inline, rows = self._inline_and_rows.tolist()
         return inline, rows
 
-    def data_of(self, rank: int) -> np.ndarray:
-        """The bytes of ``rank``'s data in the last round (another rank's): a view, or a copy
-        where it came partly into the round's ``into``."""
+    def data_of(self, rank: int, into: np.ndarray | None = None) -> np.ndarray:
+        """The bytes of ``rank``'s data in the last round (another rank's), whose ``into`` is
+        given where the round had one: a view, or a copy where it came partly into ``into``."""
         nbytes = int(self._records[rank, 2])
-        into = self._into
         if into is None:
             return self._datas[rank, :nbytes]
         if nbytes <= into.nbytes:

@@ -363,6 +363,31 @@ def broadcast_from_every_root():
 
 
 @case
+def small_calls_of_one_kind_return_arrays_of_their_own():
+    """Small allgathers and broadcasts (their data in the agreement's records, what depends on
+    their kind worked out once): repeated calls of one kind each get their own values, never a
+    view of the records the next call overwrites; a scalar and a strided array (the general
+    path) alike."""
+    r, n = hvd.rank(), hvd.size()
+    gathered, broadcast = [], []
+    for i in range(3):
+        mine = np.full((2, 3), 10 * i + r, np.int16)
+        gathered.append(hvd.allgather(mine))
+        broadcast.append(hvd.broadcast(mine, root_rank=n - 1))
+        assert not np.shares_memory(broadcast[-1], mine)
+    for i in range(3):
+        expected = np.repeat(10 * i + np.arange(n), 2)[:, None] * np.ones(3, np.int64)
+        np.testing.assert_array_equal(gathered[i], expected)
+        np.testing.assert_array_equal(broadcast[i], np.full((2, 3), 10 * i + n - 1))
+    scalar = hvd.broadcast(np.array(float(r)), root_rank=0)
+    assert scalar.shape == () and scalar == 0.0
+    strided = np.arange(8, dtype=np.float32).reshape(2, 4)[:, ::2] + r
+    np.testing.assert_array_equal(
+        hvd.allgather(strided), np.concatenate([strided - r + k for k in range(n)])
+    )
+
+
+@case
 def alltoall_with_and_without_splits():
     r, n = hvd.rank(), hvd.size()
     # Rank r sends (i + 1) rows of value 100 * r + i to rank i.

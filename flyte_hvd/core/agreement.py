@@ -70,6 +70,25 @@ def allreduce_call(
     )
 
 
+def allgather_call(dtype: np.dtype, shape: tuple[int, ...]) -> tuple[tuple, Callable[[], str]]:
+    """An allgather's agreement fields and how it reads in an error (the first dimension may
+    differ between ranks: it is not agreed on), for the general path and the transports'
+    shortcut alike."""
+    rows = shape[1:]
+    return (3, dtype.num, rows), lambda: f"allgather(dtype={dtype}, shape=(*, {rows}))"
+
+
+def broadcast_call(
+    dtype: np.dtype, shape: tuple[int, ...], root: int
+) -> tuple[tuple, Callable[[], str]]:
+    """A broadcast's agreement fields and how it reads in an error (``root``: a rank of the
+    communicator), for the general path and the transports' shortcut alike."""
+    return (
+        (4, dtype.num, shape, root),
+        lambda: f"broadcast(dtype={dtype}, shape={shape}, root_rank={root})",
+    )
+
+
 def settle(
     comm: MPI.Comm,
     fp: int,

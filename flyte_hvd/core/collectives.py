@@ -27,7 +27,9 @@ from flyte_hvd.core.agreement import (
     Agreement,
     Reduction,
     ReductionSpec,
+    allgather_call,
     allreduce_call,
+    broadcast_call,
     compression_id,
 )
 from flyte_hvd.core.buffers import MIN_POOLED_BYTES, pool
@@ -64,6 +66,7 @@ if TYPE_CHECKING:
     from numpy.typing import ArrayLike
 
 _SUPPORTED_KINDS = "fiuc"
+_BROADCAST_KINDS = _SUPPORTED_KINDS + "b"  # booleans too
 
 
 def _as_array(value: ArrayLike, what: str, kinds: str = _SUPPORTED_KINDS) -> np.ndarray:
@@ -330,15 +333,20 @@ def allgather(
 
 def allgather_on(comm: MPI.Comm, array: ArrayLike, name: str | None = None) -> np.ndarray:
     """``allgather`` on the given communicator."""
+    route = transport.of(comm)
+    if (
+        type(array) is np.ndarray
+        and array.ndim
+        and array.dtype.kind in _SUPPORTED_KINDS
+        and array.flags.c_contiguous
+    ):
+        done = route.allgather_small(array, name)
+        if done is not None:
+            return done
     arr = np.asarray(_as_array(array, "allgather"), order="C")
     if arr.ndim == 0:
         arr = arr.reshape(1)
-    return transport.of(comm).allgather(
-        arr,
-        (3, arr.dtype.num, arr.shape[1:]),
-        lambda: f"allgather(dtype={arr.dtype}, shape=(*, {arr.shape[1:]}))",
-        name,
-    )
+    return route.allgather(arr, *allgather_call(arr.dtype, arr.shape), name)
 
 
 def grouped_allgather(
@@ -386,7 +394,17 @@ def broadcast_on(
     """``broadcast`` on the given communicator (``root`` is a rank of ``comm``). ``owned``:
     ``array`` may be sent from and received into with no other buffer when it is a writable
     C-contiguous numpy array (the async calls' own copy; an in-place broadcast's target)."""
-    arr = _as_array(array, "broadcast", _SUPPORTED_KINDS + "b")  # booleans too
+    route = transport.of(comm)
+    if (
+        not owned
+        and type(array) is np.ndarray
+        and array.dtype.kind in _BROADCAST_KINDS
+        and array.flags.c_contiguous
+    ):
+        done = route.broadcast_small(array, root, name)
+        if done is not None:
+            return done
+    arr = _as_array(array, "broadcast", _BROADCAST_KINDS)
     at_root = comm.Get_rank() == root
     source = None
     if owned and arr.flags.c_contiguous and arr.flags.writeable:
@@ -398,15 +416,8 @@ def broadcast_on(
         # The root's values reach `out` as the transport sees fit: over MPI, copied while
         # they are sent from `arr` itself.
         source = arr if at_root else None
-    transport.of(comm).broadcast(
-        out,
-        root,
-        (4, arr.dtype.num, arr.shape, root),
-        lambda: f"broadcast(dtype={arr.dtype}, shape={arr.shape}, root_rank={root})",
-        name,
-        source,
-        buf_is_new=out is not arr,
-    )
+    fields, describe = broadcast_call(arr.dtype, arr.shape, root)
+    route.broadcast(out, root, fields, describe, name, source, buf_is_new=out is not arr)
     return out
 
 

@@ -22,7 +22,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from flyte_hvd.core import agreement, shm, state, timeline
-from flyte_hvd.core.agreement import ABSENT, Agreement, Reduction
+from flyte_hvd.core.agreement import (
+    ABSENT,
+    Agreement,
+    Reduction,
+    allgather_call,
+    broadcast_call,
+)
 from flyte_hvd.core.buffers import MIN_POOLED_BYTES, pool
 from flyte_hvd.core.reduce_ops import ReduceOp, finish_average, known_op, mpi_ops
 from flyte_hvd.core.transport import ring
@@ -55,7 +61,9 @@ def mpi_type(dtype: np.dtype) -> MPI.Datatype:
     return _mpi()._typedict[dtype.char]
 
 
-_MAX_PLANS = 256  # kinds of small allreduce kept per transport
+_MAX_PLANS = 256  # kinds of small allreduce, allgather and broadcast kept per transport
+# The first item of a small allgather's and broadcast's plans' keys (an allreduce's is its op).
+_ALLGATHER, _BROADCAST = "allgather", "broadcast"
 
 
 def _reduce_parts(ufunc: np.ufunc, parts: np.ndarray | list[np.ndarray], out: np.ndarray) -> None:
@@ -201,9 +209,14 @@ class MpiTransport:
             plan = make(op, arr)
             if plan is None:
                 return None
-            if len(self._plans) >= _MAX_PLANS:
-                self._plans.clear()
-            self._plans[key] = plan
+            self._keep_plan(key, plan)
+        return plan
+
+    def _keep_plan(self, key: tuple, plan: tuple) -> tuple:
+        """``plan`` kept for ``key`` (a bounded number of kinds: a program's are few)."""
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = plan
         return plan
 
     def _record_plan(self, op: int, arr: np.ndarray) -> tuple | None:
@@ -299,69 +312,76 @@ class MpiTransport:
 
     # -- moving rows -------------------------------------------------------------------------
 
+    def allgather_small(self, arr: np.ndarray, name: str | None) -> np.ndarray | None:
+        """An allgather of the C-contiguous ``arr`` (at least 1-D, numeric) whose data the
+        records carry in their own room, with what depends only on the kind of call (dtype
+        and shape) worked out once; or None (the general path runs)."""
+        records = self.records
+        if self.size == 1 or not self.agrees_in_records or not records.copies(arr.nbytes):
+            return None
+        key = (_ALLGATHER, arr.dtype, arr.shape)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._keep_plan(key, _gather_plan(self, arr))
+        fp, describe, rows, shape = plan
+        if not state.checks_collectives():
+            fp = 0
+        start = timeline.begin()
+        if not records.round(fp, -fp, arr.shape[0], arr):
+            agreement.settle(self.comm, fp, records.agreed_pair(), describe, None)
+            raise AssertionError("settle raises for a collective without a reduction")
+        inline, counts = records.inline_and_rows()
+        rows_here = arr.shape[0]  # equal parts (rows of no bytes may still be ragged)
+        if inline.count(arr.nbytes) == self.size and counts.count(rows_here) == self.size:
+            if rows.nbytes < MIN_POOLED_BYTES:  # see ``_joined_parts``
+                out = rows.copy().reshape(shape)
+            else:
+                out = pool.empty(shape, arr.dtype)
+                out.reshape(rows.shape)[...] = rows
+            timeline.end("allgather", name, out.nbytes, start)
+            return out
+        return _gathered(self, arr, inline, counts, name, start)
+
     def allgather(
         self, arr: np.ndarray, fields: tuple, describe: Callable[[], str], name: str | None
     ) -> np.ndarray:
         """Every rank's rows of the C-contiguous ``arr`` (at least 1-D), in rank order."""
-        comm = self.comm
-        row_shape = arr.shape[1:]
         if self.size == 1:
-            rows = np.array([arr.shape[0]], dtype=np.int64)
-        else:
-            start = timeline.begin()
-            gathered, counts = self._gather_round(arr, fields, describe)
-            if gathered is not None:
-                timeline.end("allgather", name, gathered.nbytes, start)
-                return gathered
-            rows = np.array(counts, dtype=np.int64)
-        out = pool.empty((int(rows.sum()), *row_shape), arr.dtype)
+            return _gathered(self, arr, [-1], [arr.shape[0]], name, timeline.begin())
         start = timeline.begin()
-        dtype = mpi_type(arr.dtype)
-        if (rows == rows[0]).all():
-            # Equal parts (the common case): MPICH's Allgatherv over TCP took twice Allgather's
-            # time from 1 MB (2 ranks on 2 hosts: 16 MB 18.3-18.6 ms against 9.5-11.1 ms).
-            comm.Allgather([arr, dtype], [out, dtype])
-        else:
-            items = rows * math.prod(row_shape)
-            comm.Allgatherv(arr, [out, items, displacements(items), dtype])
-        timeline.end("allgather", name, out.nbytes, start)
-        return out
+        gathered, inline, counts = _gather_round(self, arr, fields, describe)
+        if gathered is not None:
+            timeline.end("allgather", name, gathered.nbytes, start)
+            return gathered
+        return _gathered(self, arr, inline, counts, name, start)
 
-    def _gather_round(
-        self, arr: np.ndarray, fields: tuple, describe: Callable[[], str]
-    ) -> tuple[np.ndarray | None, list[int]]:
-        """An allgather's agreement round: every rank's row count, and the output where every
-        rank's part came in the round (else None)."""
-        # The records carry each rank's row count (ragged parts agree in one round) and, where
-        # every part fits, the parts themselves; with the check off the same, with no
-        # fingerprint to compare.
+    def broadcast_small(self, arr: np.ndarray, root: int, name: str | None) -> np.ndarray | None:
+        """A new array of ``root``'s C-contiguous ``arr`` (numeric or bool), where the root's
+        record carries it in its own room and the argument check is on, with what depends only
+        on the kind of call worked out once; or None (the general path runs)."""
         records = self.records
-        fp = agreement.fingerprint(fields) if state.checks_collectives() else 0
-        fits = arr.nbytes <= self.eager
-        halves = None
-        if fits and records.receives_into(arr.nbytes):
-            # Two ranks: the other's part comes straight into the output, as raw ``Allgather``
-            # receives it, where the parts are equal (most calls).
-            out = pool.empty((2 * arr.shape[0], *arr.shape[1:]), arr.dtype)
-            halves = out.reshape(2, -1).view(np.uint8)
-        into = None if halves is None else halves[1 - records.rank]
-        if not records.round(fp, -fp, arr.shape[0], arr if fits else None, into):
+        if (
+            self.size == 1
+            or not self.agrees_in_records
+            or not records.copies(arr.nbytes)
+            or not state.checks_collectives()
+        ):
+            return None
+        key = (_BROADCAST, arr.dtype, arr.shape, root)
+        plan = self._plans.get(key)
+        if plan is None:
+            fields, describe = broadcast_call(arr.dtype, arr.shape, root)
+            roots = records.rows(arr.nbytes, arr.dtype)[root].reshape(arr.shape)
+            plan = self._keep_plan(key, (agreement.fingerprint(fields), describe, roots))
+        fp, describe, roots = plan
+        at_root = records.rank == root
+        start = timeline.begin()
+        if not records.round(fp, -fp, 0, arr if at_root else None):
             agreement.settle(self.comm, fp, records.agreed_pair(), describe, None)
             raise AssertionError("settle raises for a collective without a reduction")
-        inline, counts = records.inline_and_rows()
-        if min(inline) < 0:  # some part is not in the round
-            return None, counts
-        datas: np.ndarray | list[np.ndarray]
-        if halves is None:
-            datas = records.parts(self._record_bytes)
-        else:
-            own = arr.reshape(-1).view(np.uint8)
-            if inline.count(arr.nbytes) == 2:
-                halves[records.rank] = own
-                return out, counts
-            # Ragged: the other's part came partly into ``halves``.
-            datas = [own if r == records.rank else records.data_of(r, into) for r in range(2)]
-        return _joined_parts(datas, inline, (sum(counts), *arr.shape[1:]), arr.dtype), counts
+        out = arr.copy() if at_root else roots.copy()
+        timeline.end("broadcast", name, out.nbytes, start)
+        return out
 
     def broadcast(
         self,
@@ -447,3 +467,82 @@ class MpiTransport:
         else:
             self.comm.Barrier()
         timeline.end("barrier", None, 0, start)
+
+
+# -- an allgather's steps over MPI (``MpiTransport.allgather`` and ``allgather_small``) -------
+
+
+def _gather_plan(route: MpiTransport, arr: np.ndarray) -> tuple:
+    """``(fingerprint, describe, rows, shape)`` for ``allgather_small`` on arrays like
+    ``arr``: ``rows`` every rank's part in the records as ``arr``'s dtype (a view), ``shape``
+    the output's where the parts are equal."""
+    fields, describe = allgather_call(arr.dtype, arr.shape)
+    rows = route.records.rows(arr.nbytes, arr.dtype)
+    shape = (route.size * arr.shape[0], *arr.shape[1:])
+    return agreement.fingerprint(fields), describe, rows, shape
+
+
+def _gathered(
+    route: MpiTransport,
+    arr: np.ndarray,
+    inline: list[int],
+    counts: list[int],
+    name: str | None,
+    start: int,
+) -> np.ndarray:
+    """An allgather's output once the ranks agreed on ``counts`` (rows per rank): joined
+    from the records where every part came in the round (``inline``: bytes per rank, -1
+    for none), else moved by MPI."""
+    if min(inline) >= 0:
+        datas = route.records.parts(route._record_bytes)
+        out = _joined_parts(datas, inline, (sum(counts), *arr.shape[1:]), arr.dtype)
+        timeline.end("allgather", name, out.nbytes, start)
+        return out
+    comm = route.comm
+    row_shape = arr.shape[1:]
+    rows = np.array(counts, dtype=np.int64)
+    out = pool.empty((int(rows.sum()), *row_shape), arr.dtype)
+    dtype = mpi_type(arr.dtype)
+    if (rows == rows[0]).all():
+        # Equal parts (the common case): MPICH's Allgatherv over TCP took twice Allgather's
+        # time from 1 MB (2 ranks on 2 hosts: 16 MB 18.3-18.6 ms against 9.5-11.1 ms).
+        comm.Allgather([arr, dtype], [out, dtype])
+    else:
+        items = rows * math.prod(row_shape)
+        comm.Allgatherv(arr, [out, items, displacements(items), dtype])
+    timeline.end("allgather", name, out.nbytes, start)
+    return out
+
+
+def _gather_round(
+    route: MpiTransport, arr: np.ndarray, fields: tuple, describe: Callable[[], str]
+) -> tuple[np.ndarray | None, list[int], list[int]]:
+    """An allgather's agreement round: the output where the parts came into it (else
+    None), and per rank the bytes of its part in the round (-1: none) and its row count."""
+    # The records carry each rank's row count (ragged parts agree in one round) and, where
+    # every part fits, the parts themselves; with the check off the same, with no
+    # fingerprint to compare.
+    records = route.records
+    fp = agreement.fingerprint(fields) if state.checks_collectives() else 0
+    fits = arr.nbytes <= route.eager
+    halves = None
+    if fits and records.receives_into(arr.nbytes):
+        # Two ranks: the other's part comes straight into the output, as raw ``Allgather``
+        # receives it, where the parts are equal (most calls).
+        out = pool.empty((2 * arr.shape[0], *arr.shape[1:]), arr.dtype)
+        halves = out.reshape(2, -1).view(np.uint8)
+    into = None if halves is None else halves[1 - records.rank]
+    if not records.round(fp, -fp, arr.shape[0], arr if fits else None, into):
+        agreement.settle(route.comm, fp, records.agreed_pair(), describe, None)
+        raise AssertionError("settle raises for a collective without a reduction")
+    inline, counts = records.inline_and_rows()
+    if halves is None or min(inline) < 0:  # ``_gathered`` joins or moves the parts
+        return None, inline, counts
+    own = arr.reshape(-1).view(np.uint8)
+    if inline.count(arr.nbytes) == 2:
+        halves[records.rank] = own
+        return out, inline, counts
+    # Ragged: the other's part came partly into ``halves``.
+    datas = [own if r == records.rank else records.data_of(r, into) for r in range(2)]
+    shape = (sum(counts), *arr.shape[1:])
+    return _joined_parts(datas, inline, shape, arr.dtype), inline, counts

@@ -85,6 +85,11 @@ class Records:
         self._own: np.ndarray | None = None
         self._mpi = MPI  # an import statement per call costs a small call a microsecond
 
+    def copies(self, nbytes: int) -> bool:
+        """Whether ``round`` carries data of ``nbytes`` copied into this rank's record, so that
+        ``rows`` holds every rank's part after a round where all sent as much."""
+        return nbytes <= self.eager and (nbytes < _SENT_FROM_CALLER_BYTES or not self.p2p)
+
     def receives_into(self, nbytes: int) -> bool:
         """Whether ``round`` may take ``into`` for a call of ``nbytes`` (two ranks; from the
         size where a datatype costs less than the copy it saves, up to ``eager``)."""

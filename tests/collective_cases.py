@@ -388,6 +388,26 @@ def small_calls_of_one_kind_return_arrays_of_their_own():
 
 
 @case
+def arrays_in_another_byte_order_take_part_by_value():
+    """A big-endian array (read from a file in that order, say) takes part by its values, with
+    ranks whose arrays are native: MPI moves native numbers only, and the agreement sees the
+    same dtype number for both orders."""
+    r, n = hvd.rank(), hvd.size()
+    order = ">" if r % 2 == 0 else "<"
+    ints = np.array([r + 1, 1000 * (r + 1)], np.dtype(f"{order}i4"))
+    np.testing.assert_array_equal(
+        hvd.allreduce(ints, op=hvd.Sum), [n * (n + 1) // 2, 1000 * n * (n + 1) // 2]
+    )
+    np.testing.assert_array_equal(
+        hvd.allgather(ints), np.concatenate([[k + 1, 1000 * (k + 1)] for k in range(n)])
+    )
+    floats = np.full(3, r + 0.5, np.dtype(f"{order}f8"))
+    np.testing.assert_array_equal(hvd.broadcast(floats, root_rank=0), np.full(3, 0.5))
+    hvd.broadcast(floats, root_rank=n - 1, in_place=True)  # into the caller's array
+    np.testing.assert_array_equal(floats, np.full(3, n - 0.5))
+
+
+@case
 def alltoall_with_and_without_splits():
     r, n = hvd.rank(), hvd.size()
     # Rank r sends (i + 1) rows of value 100 * r + i to rank i.

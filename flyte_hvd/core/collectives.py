@@ -76,6 +76,10 @@ def _as_array(value: ArrayLike, what: str, kinds: str = _SUPPORTED_KINDS) -> np.
             f"`{what}` needs a numeric array (float, int, uint or complex); found dtype "
             f"{array.dtype}. Cast it first, e.g. `array.astype(np.float32)`."
         )
+    if not array.dtype.isnative:
+        # The same values in this machine's byte order: MPI moves native numbers only, and
+        # a rank's big-endian call would otherwise agree with another's little-endian one.
+        return array.astype(array.dtype.newbyteorder("="))
     return array
 
 
@@ -186,6 +190,7 @@ def allreduce_on(
     route = transport.of(comm)
     if (
         type(array) is np.ndarray
+        and array.dtype.isnative
         and array.nbytes <= shm.SMALL_BYTES
         and compression is Compression.none
         and prescale_factor == 1.0
@@ -337,6 +342,7 @@ def allgather_on(comm: MPI.Comm, array: ArrayLike, name: str | None = None) -> n
     if (
         type(array) is np.ndarray
         and array.ndim
+        and array.dtype.isnative
         and array.dtype.kind in _SUPPORTED_KINDS
         and array.flags.c_contiguous
     ):
@@ -398,6 +404,7 @@ def broadcast_on(
     if (
         not owned
         and type(array) is np.ndarray
+        and array.dtype.isnative
         and array.dtype.kind in _BROADCAST_KINDS
         and array.flags.c_contiguous
     ):
@@ -418,6 +425,15 @@ def broadcast_on(
         source = arr if at_root else None
     fields, describe = broadcast_call(arr.dtype, arr.shape, root)
     route.broadcast(out, root, fields, describe, name, source, buf_is_new=out is not arr)
+    if (
+        out is arr
+        and isinstance(array, np.ndarray)
+        and array is not arr  # ``arr``: a native copy of it, in another byte order
+        and array.flags.c_contiguous
+        and array.flags.writeable
+    ):
+        array[...] = out  # in place, as asked
+        return array
     return out
 
 

@@ -39,7 +39,12 @@ import torch
 import torch.distributed as dist
 
 from flyte_hvd.core import collectives, state, timeline
-from flyte_hvd.core.agreement import allreduce_call, compression_id
+from flyte_hvd.core.agreement import (
+    allgather_call,
+    allreduce_call,
+    broadcast_call,
+    compression_id,
+)
 from flyte_hvd.core.compression import Compression, Compressor
 from flyte_hvd.core.fusion import fusion_buckets, fusion_threshold
 from flyte_hvd.core.process_sets import ProcessSet
@@ -208,7 +213,7 @@ def allgather(t: torch.Tensor, name: str | None) -> torch.Tensor:
     x = (x.reshape(1) if x.dim() == 0 else x).contiguous()
     dtype, row_shape = _dtype(x), tuple(x.shape[1:])
     _agree(
-        (3, dtype.num, row_shape),
+        allgather_call(dtype, tuple(x.shape))[0],  # the MPI route's fields
         lambda: f"allgather(dtype={dtype}, shape=(*, {row_shape}), route=process group)",
     )
     rows = state.comm().allgather(x.shape[0])  # a few bytes, host to host
@@ -229,7 +234,7 @@ def broadcast(t: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor
     x = t.detach()
     shape, dtype = tuple(x.shape), _dtype(x)
     _agree(
-        (4, dtype.num, shape, root),
+        broadcast_call(dtype, shape, root)[0],  # the MPI route's fields
         lambda: f"broadcast(dtype={dtype}, shape={shape}, root_rank={root}, route=process group)",
     )
     out = x.clone(memory_format=torch.contiguous_format)

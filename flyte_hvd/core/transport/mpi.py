@@ -83,6 +83,18 @@ def _reduce_parts(ufunc: np.ufunc, parts: np.ndarray | list[np.ndarray], out: np
             ufunc(flat, part, out=flat)
 
 
+def _rows_joined(rows: np.ndarray, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """A new array of ``shape`` holding ``rows`` (a 2-D view, a row per rank, of any dtype
+    whose rows are whole elements of ``dtype``) end to end: one copy."""
+    # Below the pool's threshold its bookkeeping costs more than malloc (a small call is a
+    # few microseconds in all), and a copy of the rows is half the time of a copy into one.
+    if rows.nbytes < MIN_POOLED_BYTES:
+        return rows.copy().view(dtype).reshape(shape)
+    out = pool.empty(shape, dtype)
+    out.reshape(-1).view(rows.dtype).reshape(rows.shape)[...] = rows
+    return out
+
+
 def _joined_parts(
     datas: np.ndarray | list[np.ndarray], lengths: list[int], shape: tuple, dtype: np.dtype
 ) -> np.ndarray:
@@ -91,14 +103,7 @@ def _joined_parts(
     total = sum(lengths)
     first = lengths[0]
     if isinstance(datas, np.ndarray) and lengths.count(first) == len(lengths):  # one copy
-        # Below the pool's threshold its bookkeeping costs more than malloc (a small call is a
-        # few microseconds in all), and a copy of the rows is half the time of a copy into one.
-        if total < MIN_POOLED_BYTES:
-            return datas[:, :first].copy().view(dtype).reshape(shape)
-        out = pool.empty(shape, dtype)
-        if first:
-            out.reshape(-1).view(np.uint8).reshape(len(lengths), first)[...] = datas[:, :first]
-        return out
+        return _rows_joined(datas[:, :first], shape, dtype)
     if total < MIN_POOLED_BYTES:
         flat = np.empty(total, np.uint8)
         out = flat.view(dtype).reshape(shape)
@@ -333,11 +338,7 @@ class MpiTransport:
         inline, counts = records.inline_and_rows()
         rows_here = arr.shape[0]  # equal parts (rows of no bytes may still be ragged)
         if inline.count(arr.nbytes) == self.size and counts.count(rows_here) == self.size:
-            if rows.nbytes < MIN_POOLED_BYTES:  # see ``_joined_parts``
-                out = rows.copy().reshape(shape)
-            else:
-                out = pool.empty(shape, arr.dtype)
-                out.reshape(rows.shape)[...] = rows
+            out = _rows_joined(rows, shape, arr.dtype)
             timeline.end("allgather", name, out.nbytes, start)
             return out
         return _gathered(self, arr, inline, counts, name, start)

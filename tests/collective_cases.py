@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import tempfile
 import traceback
 
@@ -38,6 +39,9 @@ def run_cases(names: list[str] | None = None) -> dict[str, str | None]:
             results[name] = None
         except Exception:
             results[name] = traceback.format_exc()
+            # In the ranks' output too: if the ranks are now out of step, the run ends by the
+            # stall bound, and this is where it started.
+            print(f"case {name} failed on this rank:\n{results[name]}", file=sys.stderr)
     return results
 
 

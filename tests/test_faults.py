@@ -28,7 +28,8 @@ from conftest import REPO, idle_spares, rank_processes
 from needs import require
 
 from flyte_hvd.core.errors import RanksFailedError
-from flyte_hvd.launch import stall
+from flyte_hvd.core.state import CHECK_ENV, SHM_ENV
+from flyte_hvd.launch import messages, stall
 from flyte_hvd.launch.supervisor import WORKDIR_PREFIX, sweep_stale
 
 # The rank functions below travel by value: the ranks cannot import this test module.
@@ -187,6 +188,49 @@ def test_cli_stall_warns_then_stops_after_shutdown_time(tmp_path):
     assert "ranks [1] are not there (rank 1 at <string>:3 in <module>)" in result.stderr
     assert "The run was stopped after 3s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)" in result.stderr
     assert "flyte-hvd-run: rank 1 failed" in result.stderr
+    assert took < 25
+    cli.clean(result.stderr)
+
+
+def test_every_rank_waiting_in_one_collective_is_a_stall_only_when_called_from_different_places():
+    """All ranks in the same collective from one place are a slow call; from several places
+    (calls that no longer match, which only the argument check refuses) they never end."""
+    lines = []
+    watch = stall.StallWatch(2, stall.StallConfig(check_s=1.0, shutdown_s=2.0), lines.append)
+    for rank in (0, 1):
+        watch.probe(rank, messages.probe("allreduce", 3.0, "train.py:10 in step"))
+    assert watch.check() is None and lines == []
+    watch.probe(1, messages.probe("allreduce", 3.0, "train.py:12 in step"))
+    blame, error = watch.check()
+    assert blame == 0
+    assert error.startswith(
+        "stall: ranks [0, 1] have waited 3s in `allreduce` (rank 0 at train.py:10 in step; "
+        "rank 1 at train.py:12 in step); every rank waits there, but called from different "
+        "places: they must match. The run was stopped after 2s"
+    ), error
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_cli_unchecked_calls_that_no_longer_match_end_by_the_stall_bound(tmp_path):
+    # Without the argument check, a 3-element allreduce against a 256 Ki-element one waits
+    # forever in MPI on both ranks.
+    cli = Cli(tmp_path)
+    program = (
+        "import numpy as np, flyte_hvd.core as hvd\n"
+        "hvd.init()\n"
+        "if hvd.rank() == 0: hvd.allreduce(np.ones(3))\n"
+        "else: hvd.allreduce(np.ones(1 << 18))\n"
+    )
+    unchecked = {**FAST_STALL, CHECK_ENV: "0", SHM_ENV: "off"}
+    result, took = cli.run(program, extra_env=unchecked)
+    report("flyte-hvd-run", "unchecked calls that do not match (stall 1s/3s)", took)
+    assert result.returncode == 1, result.stderr
+    assert (
+        "stall: ranks [0, 1] have waited 3s in `allreduce` (rank 0 at <string>:3 in <module>; "
+        "rank 1 at <string>:4 in <module>); every rank waits there, but called from different "
+        "places: they must match. The run was stopped after 3s"
+    ) in result.stderr, result.stderr
     assert took < 25
     cli.clean(result.stderr)
 

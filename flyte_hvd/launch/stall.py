@@ -12,9 +12,11 @@ of a Spark run) decides:
 - a rank that ended while others wait in a collective can never join them: the run fails
   within seconds, naming the rank and how it ended;
 - ranks that waited longer than ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60) while others are
-  elsewhere get one warning line naming the collective, the waiting ranks and the missing
-  ones and where they are (or what they are doing, when an ``activity`` says so: the Store
-  names each of its operations); after ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (0: never;
+  elsewhere, or every rank but in different collectives or called from different places
+  (calls that no longer match, which only the argument check would have refused), get one
+  warning line naming the collective, the waiting ranks and the missing ones and where they
+  are (or what they are doing, when an ``activity`` says so: the Store names each of its
+  operations); after ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (0: never;
   in a Flyte task 5 check times by default) the run fails with that line as its error.
   ``HOROVOD_STALL_CHECK_DISABLE=1`` turns both off.
 """
@@ -365,7 +367,10 @@ class StallWatch:
         if waiting:
             lag = now - min(v.since for v in waiting.values())
             colls = sorted({v.coll for v in waiting.values() if v.coll})
-            if lag < check or (not others and len(colls) <= 1):
+            # Every rank in the same collective from one place is a slow call, not a stall;
+            # from several places (unchecked calls that no longer match) it never ends.
+            called_from = {v.where for v in waiting.values()}
+            if lag < check or (not others and len(colls) <= 1 and len(called_from) <= 1):
                 return None, 0.0, 0
             detail = "; ".join(f"rank {r} at {v.where}" for r, v in sorted(waiting.items()))
             line = (
@@ -375,8 +380,10 @@ class StallWatch:
             if others:
                 places = "; ".join(self._place(r) for r in others)
                 line += f"ranks {others} are not there ({places})."
-            else:
+            elif len(colls) > 1:
                 line += "every rank waits, but in different collectives: they must match."
+            else:
+                line += "every rank waits there, but called from different places: they must match."
             return line, lag, (others or sorted(waiting))[0]
         if ended and len(ended) < self.size:
             lag = now - min(v.ended_at for v in ended.values())

@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-stamp
 # venv's packages are compiled when installed (scripts/install.sh).
 BYTECODE = $(PY) -m compileall -q flyte_hvd workflows tests > /dev/null
 
-.PHONY: setup lock test test-fast test-pythons check docs run run-flyte2 demo lint format bench cluster image
+.PHONY: setup lock test test-fast test-pythons check lint-checks types docs run run-flyte2 demo lint format bench cluster image
 
 # lock/dev.txt pins every package of this install (`make lock` regenerates it from
 # pyproject.toml). Its torch is the CPU build (2.13.0+cpu), which PyPI does not carry:
@@ -38,18 +38,24 @@ lock:
 # answering would otherwise run until CI's own limit and leave no summary.
 PYTEST_LIMIT ?= 45m
 
-# test-pythons first: the small suite on the other supported Pythons (scripts/test_pythons.sh).
-# As root, the container test's image is built beside it (scripts/build_image.sh --if-stale):
-# the build waits mostly on the disk and the network while those tests use the CPUs, and the
-# container test then finds the image current. The build's output goes to
-# .cache/image-build.log; if it failed, the container test builds again and says why.
-test: setup check docs
+# The lint checks first (seconds), then test-pythons: the small suite on the other supported
+# Pythons (scripts/test_pythons.sh). Beside it run the type check and the docs (a minute on one
+# core, where test-pythons leaves about half a core idle; their output follows test-pythons',
+# from .cache/checks.log) and, as root, the build of the container test's image
+# (scripts/build_image.sh --if-stale: it waits mostly on the disk and the network, and the
+# container test then finds the image current; its output in .cache/image-build.log, and if
+# it failed, the container test builds again and says why).
+test: setup lint-checks
 	@mkdir -p .cache
 	@if [ "$$(id -u)" = 0 ]; then \
 	  { scripts/build_image.sh --if-stale > .cache/image-build.log 2>&1; \
 	    echo "make test: image build (beside test-pythons): $$(tail -n 1 .cache/image-build.log)"; } & \
 	fi; \
-	scripts/test_pythons.sh; status=$$?; wait; exit $$status
+	{ $(MAKE) --no-print-directory types docs > .cache/checks.log 2>&1; echo $$? > .cache/checks.status; } & \
+	scripts/test_pythons.sh; status=$$?; wait; \
+	echo "make test: the type check and the docs (beside test-pythons):"; cat .cache/checks.log; \
+	if [ "$$(cat .cache/checks.status)" != 0 ]; then echo "make test: the type check or the docs failed (above)"; exit 1; fi; \
+	exit $$status
 	@$(BYTECODE)
 	timeout --foreground --signal=INT --kill-after=60 $(PYTEST_LIMIT) $(PY) -m pytest
 
@@ -72,10 +78,14 @@ test-pythons: setup
 # Static checks: lint, format, the layers (import-linter contracts in pyproject.toml: each
 # layer imports only those below it, no import cycles) and the types the package promises
 # (it ships py.typed).
-check: setup
+check: lint-checks types
+
+lint-checks: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
+
+types: setup
 	$(VENV)/bin/mypy
 
 # The main job: the Rossmann workflow on the synthetic dataset, locally (Flyte local execution,

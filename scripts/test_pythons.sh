@@ -84,14 +84,13 @@ tests=(
   "tests/test_flyte2.py::test_serialized_task_is_the_spark_plugins_job_with_the_barrier_settings"
 )
 
-status=0
-for version in "${versions[@]}"; do
-  lock="lock/test-py$version.txt"
-  venv=".cache/py$version"
-  [ -f "$lock" ] || { echo "test-pythons: no $lock (make lock)" >&2; exit 1; }
+# The venv of $1 made current from its lock (reinstalled only when the lock changed).
+ensure_venv() {
+  local version=$1 lock="lock/test-py$1.txt" venv=".cache/py$1" python want start
+  [ -f "$lock" ] || { echo "test-pythons: no $lock (make lock)" >&2; return 1; }
   python=$(find_python "$version") || {
     echo "test-pythons: Python $version is not installed (pyenv install $version)" >&2
-    exit 1
+    return 1
   }
   # The lock and what is installed from it; not pyproject.toml, whose dependencies reach the
   # venv only through the lock (`make lock`).
@@ -101,6 +100,21 @@ for version in "${versions[@]}"; do
     install "$python" "$venv" "$lock"
     echo "$want" >"$venv/.installed-stamp"
     echo "test-pythons: $venv installed from $lock with $INSTALLER in $((SECONDS - start)) s"
+  fi
+}
+
+# Each Python's venv is made while the Python before it runs its tests: the install keeps
+# about one core busy, mostly where the tests leave one idle.
+status=0
+ensure_venv "${versions[0]}"
+for i in "${!versions[@]}"; do
+  version=${versions[$i]}
+  venv=".cache/py$version"
+  next=${versions[$((i + 1))]:-}
+  making=""
+  if [ -n "$next" ]; then
+    ensure_venv "$next" >".cache/py$next.install.log" 2>&1 &
+    making=$!
   fi
   start=$SECONDS
   echo "test-pythons: Python $("$venv/bin/python" -c 'import platform; print(platform.python_version())')"
@@ -113,5 +127,11 @@ for version in "${versions[@]}"; do
     status=1
   fi
   echo "test-pythons: Python $version tests took $((SECONDS - start)) s"
+  if [ -n "$making" ]; then
+    making_status=0
+    wait "$making" || making_status=$?
+    cat ".cache/py$next.install.log"
+    [ "$making_status" = 0 ] || exit 1
+  fi
 done
 exit $status

@@ -19,7 +19,8 @@
 # (UV, default the main venv's; the version lock/dev.txt pins) from the package sources pip is
 # configured with (scripts/pip_sources.sh): about 30-40 s a venv, cold cache or warm, where pip
 # takes 85 s from its cache and 2 minutes without (docs/testing.md). INSTALLER=pip installs
-# with pip instead. A Python missing on the machine fails the run, naming it.
+# with pip instead. A Python or a lock missing fails the run at once, naming it, before any
+# venv is made or test run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -84,14 +85,22 @@ tests=(
   "tests/test_flyte2.py::test_serialized_task_is_the_spark_plugins_job_with_the_barrier_settings"
 )
 
+# The Python of version $1, where it has a lock; else says what is missing.
+python_with_lock() {
+  [ -f "lock/test-py$1.txt" ] || {
+    echo "test-pythons: no lock/test-py$1.txt (make lock)" >&2
+    return 1
+  }
+  find_python "$1" || {
+    echo "test-pythons: Python $1 is not installed (pyenv install $1)" >&2
+    return 1
+  }
+}
+
 # The venv of $1 made current from its lock (reinstalled only when the lock changed).
 ensure_venv() {
   local version=$1 lock="lock/test-py$1.txt" venv=".cache/py$1" python want start
-  [ -f "$lock" ] || { echo "test-pythons: no $lock (make lock)" >&2; return 1; }
-  python=$(find_python "$version") || {
-    echo "test-pythons: Python $version is not installed (pyenv install $version)" >&2
-    return 1
-  }
+  python=$(python_with_lock "$version")
   # The lock and what is installed from it; not pyproject.toml, whose dependencies reach the
   # venv only through the lock (`make lock`).
   want=$( (cat "$lock"; declare -f install) | sha256sum | cut -c1-16)
@@ -105,6 +114,10 @@ ensure_venv() {
 
 # Each Python's venv is made while the Python before it runs its tests: the install keeps
 # about one core busy, mostly where the tests leave one idle.
+# Every version's lock and Python are there before anything is installed or run.
+for version in "${versions[@]}"; do
+  python_with_lock "$version" >/dev/null
+done
 status=0
 ensure_venv "${versions[0]}"
 for i in "${!versions[@]}"; do

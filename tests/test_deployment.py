@@ -128,6 +128,19 @@ def test_make_setup_installs_from_the_lock_and_make_lock_regenerates_it():
         assert re.search(rf"{re.escape(flags)} -o {re.escape(path)}", script), path
 
 
+def test_test_pythons_names_a_version_without_a_lock_before_it_installs_or_runs_anything():
+    result = subprocess.run(
+        [str(REPO / "scripts" / "test_pythons.sh"), "3.12", "3.99"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert result.returncode == 1
+    assert result.stderr == "test-pythons: no lock/test-py3.99.txt (make lock)\n", result.stderr
+    assert result.stdout == ""  # no venv made, no test run for 3.12 first
+
+
 def _fake_wheel(folder: Path, name: str, version: str) -> Path:
     """An installable (empty) wheel: what pip needs to find a pinned version in a folder."""
     dist = f"{name}-{version}.dist-info"

@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 
 import cloudpickle
 import numpy as np
@@ -210,6 +211,70 @@ def test_every_rank_waiting_in_one_collective_is_a_stall_only_when_called_from_d
     ), error
 
 
+def test_every_rank_waiting_at_one_place_is_a_stall_only_when_given_different_arrays():
+    lines = []
+    watch = stall.StallWatch(2, stall.StallConfig(check_s=1.0, shutdown_s=2.0), lines.append)
+    for rank, given in ((0, "float64 shape (3,)"), (1, None)):  # rank 1's: not known
+        watch.probe(rank, messages.probe("allreduce", 3.0, "train.py:10 in step", None, given))
+    assert watch.check() is None and lines == []
+    watch.probe(
+        1, messages.probe("allreduce", 3.0, "train.py:10 in step", None, "float64 shape (3,)")
+    )
+    assert watch.check() is None and lines == []
+    watch.probe(
+        1, messages.probe("allreduce", 3.0, "train.py:10 in step", None, "float64 shape (4,)")
+    )
+    blame, error = watch.check()
+    assert blame == 0
+    assert error.startswith(
+        "stall: ranks [0, 1] have waited 3s in `allreduce` (rank 0 at train.py:10 in step with "
+        "float64 shape (3,); rank 1 at train.py:10 in step with float64 shape (4,)); every rank "
+        "waits there, but given different arrays: they must match. The run was stopped after 2s"
+    ), error
+
+
+def test_what_a_waiting_collective_was_given_reads_as_the_ranks_must_match_it():
+    def collective(array=None, arrays=None, root_rank=None, process_set=None, obj=None):
+        return sys._getframe()  # a frame with a collective's arguments
+
+    def waiting_in(name, **arguments):
+        return stall._arguments(collective(**arguments), name)
+
+    ones = np.ones((5, 3), np.float32)
+    assert waiting_in("allreduce", array=ones) == "float32 shape (5, 3)"
+    assert waiting_in("allgather_on", array=ones) == "float32 shape (*, 3)"  # ragged rows
+    assert waiting_in("broadcast", array=np.ones(2), root_rank=1) == "float64 shape (2,), root 1"
+    assert waiting_in("grouped_allreduce", arrays=[ones, ones]) == "2 arrays of 30 elements"
+    assert (
+        waiting_in("allreduce", array=ones, process_set=SimpleNamespace(process_set_id=3)) is None
+    )
+    assert waiting_in("broadcast_object", obj={"a": 1}) is None
+    assert waiting_in("barrier") is None
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_cli_unchecked_calls_at_one_place_given_other_shapes_end_by_the_stall_bound(tmp_path):
+    cli = Cli(tmp_path)
+    program = (
+        "import numpy as np, flyte_hvd.core as hvd\n"
+        "hvd.init()\n"
+        "hvd.allreduce(np.ones(3 if hvd.rank() == 0 else 1 << 18))\n"
+    )
+    unchecked = {**FAST_STALL, CHECK_ENV: "0", SHM_ENV: "off"}
+    result, took = cli.run(program, extra_env=unchecked)
+    report("flyte-hvd-run", "unchecked calls at one place, other shapes (stall 1s/3s)", took)
+    assert result.returncode == 1, result.stderr
+    assert (
+        "stall: ranks [0, 1] have waited 3s in `allreduce` (rank 0 at <string>:3 in <module> "
+        "with float64 shape (3,); rank 1 at <string>:3 in <module> with float64 shape "
+        "(262144,)); every rank waits there, but given different arrays: they must match. The "
+        "run was stopped after 3s"
+    ) in result.stderr, result.stderr
+    assert took < 25
+    cli.clean(result.stderr)
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
 def test_cli_unchecked_calls_that_no_longer_match_end_by_the_stall_bound(tmp_path):
@@ -227,9 +292,10 @@ def test_cli_unchecked_calls_that_no_longer_match_end_by_the_stall_bound(tmp_pat
     report("flyte-hvd-run", "unchecked calls that do not match (stall 1s/3s)", took)
     assert result.returncode == 1, result.stderr
     assert (
-        "stall: ranks [0, 1] have waited 3s in `allreduce` (rank 0 at <string>:3 in <module>; "
-        "rank 1 at <string>:4 in <module>); every rank waits there, but called from different "
-        "places: they must match. The run was stopped after 3s"
+        "stall: ranks [0, 1] have waited 3s in `allreduce` (rank 0 at <string>:3 in <module> "
+        "with float64 shape (3,); rank 1 at <string>:4 in <module> with float64 shape "
+        "(262144,)); every rank waits there, but called from different places: they must "
+        "match. The run was stopped after 3s"
     ) in result.stderr, result.stderr
     assert took < 25
     cli.clean(result.stderr)

@@ -67,10 +67,20 @@ def rank_failed(traceback: str) -> Message:
     return {"op": RankOp.FAILED, "traceback": traceback}
 
 
-def probe(coll: str | None, age: float, where: str, doing: str | None = None) -> Message:
+def probe(
+    coll: str | None, age: float, where: str, doing: str | None = None, given: str | None = None
+) -> Message:
     """``doing``: what the rank has been busy with outside collectives for a while (e.g.
-    "uploading runs/x/checkpoint.keras to s3://b/p"; ``stall.activity``), else None."""
-    return {"op": RankOp.PROBE, "coll": coll, "age": round(age, 3), "where": where, "doing": doing}
+    "uploading runs/x/checkpoint.keras to s3://b/p"; ``stall.activity``), else None;
+    ``given``: what the collective it waits in was given (e.g. "float32 shape (3,)")."""
+    return {
+        "op": RankOp.PROBE,
+        "coll": coll,
+        "age": round(age, 3),
+        "where": where,
+        "doing": doing,
+        "given": given,
+    }
 
 
 def shm(names: list[str]) -> Message:

@@ -12,8 +12,9 @@ of a Spark run) decides:
 - a rank that ended while others wait in a collective can never join them: the run fails
   within seconds, naming the rank and how it ended;
 - ranks that waited longer than ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (60) while others are
-  elsewhere, or every rank but in different collectives or called from different places
-  (calls that no longer match, which only the argument check would have refused), get one
+  elsewhere, or every rank but in different collectives, called from different places or
+  given different arrays (calls that no longer match, which only the argument check would
+  have refused; the probe reads a waiting call's arguments once it has waited), get one
   warning line naming the collective, the waiting ranks and the missing ones and where they
   are (or what they are doing, when an ``activity`` says so: the Store names each of its
   operations); after ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (0: never;
@@ -28,7 +29,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import FrameType
 
@@ -64,6 +65,10 @@ _INIT_FILE = os.path.join(_CORE, "state.py")
 _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed", "")
 _TORCH_C10D = os.path.join(_TORCH_DISTRIBUTED, "distributed_c10d.py")
 _THREADING = threading.__file__
+# What a waiting collective was given, by the names the collectives (ours, torch's) give it.
+_ARRAY_ARGUMENTS = ("array", "tensor", "arrays", "tensors")
+# Collectives whose arrays may differ in their first dimension between ranks.
+_RAGGED = ("allgather", "alltoall", "torch.distributed.all_gather")
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,44 @@ def _collective_of(frame: FrameType | None) -> tuple[FrameType, str] | None:
     return found, name
 
 
+def _arguments(frame: FrameType, name: str) -> str | None:
+    """The dtype and shape of the array a waiting collective was given (``(*, ...)`` where
+    the first dimension may differ between ranks), and its root: what every rank's call must
+    match. None where it cannot tell, or the call runs on a subset of the ranks (process set,
+    torch group), whose peers are not all ranks."""
+    try:
+        values = dict(frame.f_locals)
+    except Exception:  # a frame that ended meanwhile
+        return None
+    if getattr(values.get("process_set"), "process_set_id", 0) != 0 or values.get("group"):
+        return None
+    given = next((values[n] for n in _ARRAY_ARGUMENTS if values.get(n) is not None), None)
+    if isinstance(given, list | tuple):
+        shapes: list[Iterable[int | None] | None] = [getattr(g, "shape", None) for g in given]
+        if not shapes or None in shapes:
+            return None
+        elements = sum(_count(shape) for shape in shapes if shape is not None)
+        text = f"{len(shapes)} arrays of {elements} elements"
+    else:
+        shape, dtype = getattr(given, "shape", None), getattr(given, "dtype", None)
+        if shape is None or dtype is None:
+            return None
+        dims = tuple(shape)
+        if any(name.startswith(r) for r in _RAGGED):
+            dims = ("*", *dims[1:])
+        dtype_name = str(getattr(dtype, "name", dtype)).removeprefix("torch.")
+        text = f"{dtype_name} shape ({', '.join(map(str, dims))}{',' if len(dims) == 1 else ''})"
+    root = values.get("root_rank", values.get("src"))
+    return text if root is None else f"{text}, root {root}"
+
+
+def _count(shape: Iterable[int | None]) -> int:
+    count = 1
+    for dim in shape:
+        count *= int(dim or 0)
+    return count
+
+
 def _in_collective(path: str) -> bool:
     return path in _COLLECTIVE_FILES or path.endswith(_TORCH_C10D)
 
@@ -175,7 +218,8 @@ class Probe:
     """Samples where this rank's threads are and sends changes with ``send(report)``.
 
     A report is ``{"op": "probe", "coll": name or None, "age": seconds, "where": text,
-    "doing": text or None}`` (``doing``: an ``activity`` that has lasted a second).
+    "doing": text or None, "given": text or None}`` (``doing``: an ``activity`` that has
+    lasted a second; ``given``: what the waiting collective was given).
     """
 
     def __init__(self, send: Callable[[messages.Message], None], main: int | None = None):
@@ -238,7 +282,7 @@ class Probe:
         if hit is not None and id(hit[0]) == self._frame_id and not hit[0].f_trace_lines:
             if not self._reported and now - self._since >= REPORT_AFTER_S:
                 self._reported = True
-                self._report(hit[1], now - self._since, where, now)
+                self._report(hit[1], now - self._since, where, now, None, _arguments(*hit))
             return
         if self._reported:
             self._reported = False
@@ -260,10 +304,16 @@ class Probe:
             self._report(None, 0.0, where, now, doing)
 
     def _report(
-        self, coll: str | None, age: float, where: str, now: float, doing: str | None = None
+        self,
+        coll: str | None,
+        age: float,
+        where: str,
+        now: float,
+        doing: str | None = None,
+        given: str | None = None,
     ) -> None:
         self._where, self._where_sent_at, self._doing = where, now, doing
-        self._send(messages.probe(coll, age, where, doing))
+        self._send(messages.probe(coll, age, where, doing, given))
 
 
 # -- where the ranks' reports meet -----------------------------------------------------------
@@ -275,6 +325,7 @@ class _RankView:
     since: float = 0.0
     where: str = ""
     doing: str | None = None  # the rank's ``activity`` (a store operation...), if any
+    given: str | None = None  # what its waiting collective was given (``_arguments``)
     ended: str | None = None  # how the rank ended: "returned (exit status 0)" ...
     ended_at: float = 0.0
 
@@ -316,6 +367,8 @@ class StallWatch:
             view.where = str(report.get("where", ""))
             doing = report.get("doing")
             view.doing = str(doing) if doing else None
+            given = report.get("given")
+            view.given = str(given) if given else None
 
     def ended(self, rank: int, how: str) -> None:
         """The rank's job is over (``how`` says how, e.g. "returned (exit status 0)")."""
@@ -367,12 +420,20 @@ class StallWatch:
         if waiting:
             lag = now - min(v.since for v in waiting.values())
             colls = sorted({v.coll for v in waiting.values() if v.coll})
-            # Every rank in the same collective from one place is a slow call, not a stall;
-            # from several places (unchecked calls that no longer match) it never ends.
+            # Every rank in the same collective from one place, given the same, is a slow
+            # call, not a stall; from several places or given different arrays (unchecked
+            # calls that no longer match) it never ends.
             called_from = {v.where for v in waiting.values()}
-            if lag < check or (not others and len(colls) <= 1 and len(called_from) <= 1):
+            given = {v.given for v in waiting.values()}
+            differ = len(given) > 1 and None not in given
+            if lag < check or (
+                not others and len(colls) <= 1 and len(called_from) <= 1 and not differ
+            ):
                 return None, 0.0, 0
-            detail = "; ".join(f"rank {r} at {v.where}" for r, v in sorted(waiting.items()))
+            detail = "; ".join(
+                f"rank {r} at {v.where}" + (f" with {v.given}" if differ else "")
+                for r, v in sorted(waiting.items())
+            )
             line = (
                 f"stall: ranks {sorted(waiting)} have waited {lag:.0f}s in {_names(colls)} "
                 f"({detail}); "
@@ -382,8 +443,10 @@ class StallWatch:
                 line += f"ranks {others} are not there ({places})."
             elif len(colls) > 1:
                 line += "every rank waits, but in different collectives: they must match."
-            else:
+            elif len(called_from) > 1:
                 line += "every rank waits there, but called from different places: they must match."
+            else:
+                line += "every rank waits there, but given different arrays: they must match."
             return line, lag, (others or sorted(waiting))[0]
         if ended and len(ended) < self.size:
             lag = now - min(v.ended_at for v in ended.values())

@@ -252,50 +252,38 @@ def test_what_a_waiting_collective_was_given_reads_as_the_ranks_must_match_it():
     assert waiting_in("barrier") is None
 
 
-@pytest.mark.mpi
-@pytest.mark.timeout(120)
-def test_cli_unchecked_calls_at_one_place_given_other_shapes_end_by_the_stall_bound(tmp_path):
-    cli = Cli(tmp_path)
-    program = (
-        "import numpy as np, flyte_hvd.core as hvd\n"
-        "hvd.init()\n"
-        "hvd.allreduce(np.ones(3 if hvd.rank() == 0 else 1 << 18))\n"
-    )
-    unchecked = {**FAST_STALL, CHECK_ENV: "0", SHM_ENV: "off"}
-    result, took = cli.run(program, extra_env=unchecked)
-    report("flyte-hvd-run", "unchecked calls at one place, other shapes (stall 1s/3s)", took)
-    assert result.returncode == 1, result.stderr
-    assert (
-        "stall: ranks [0, 1] have waited 3s in `allreduce` (rank 0 at <string>:3 in <module> "
-        "with float64 shape (3,); rank 1 at <string>:3 in <module> with float64 shape "
-        "(262144,)); every rank waits there, but given different arrays: they must match. The "
-        "run was stopped after 3s"
-    ) in result.stderr, result.stderr
-    assert took < 25
-    cli.clean(result.stderr)
+# Without the argument check, a 3-element allreduce against a 256 Ki-element one waits forever
+# in MPI on both ranks, called from one line or from two.
+_UNMATCHED_CALLS = {
+    "at one place, other shapes": (
+        "hvd.allreduce(np.ones(3 if hvd.rank() == 0 else 1 << 18))\n",
+        "rank 0 at <string>:3 in <module> with float64 shape (3,); rank 1 at <string>:3 in "
+        "<module> with float64 shape (262144,)); every rank waits there, but given different "
+        "arrays: they must match.",
+    ),
+    "from different places": (
+        "if hvd.rank() == 0: hvd.allreduce(np.ones(3))\nelse: hvd.allreduce(np.ones(1 << 18))\n",
+        "rank 0 at <string>:3 in <module> with float64 shape (3,); rank 1 at <string>:4 in "
+        "<module> with float64 shape (262144,)); every rank waits there, but called from "
+        "different places: they must match.",
+    ),
+}
 
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-def test_cli_unchecked_calls_that_no_longer_match_end_by_the_stall_bound(tmp_path):
-    # Without the argument check, a 3-element allreduce against a 256 Ki-element one waits
-    # forever in MPI on both ranks.
+@pytest.mark.parametrize("case", list(_UNMATCHED_CALLS))
+def test_cli_unchecked_calls_that_no_longer_match_end_by_the_stall_bound(tmp_path, case):
+    calls, expected = _UNMATCHED_CALLS[case]
     cli = Cli(tmp_path)
-    program = (
-        "import numpy as np, flyte_hvd.core as hvd\n"
-        "hvd.init()\n"
-        "if hvd.rank() == 0: hvd.allreduce(np.ones(3))\n"
-        "else: hvd.allreduce(np.ones(1 << 18))\n"
-    )
+    program = "import numpy as np, flyte_hvd.core as hvd\nhvd.init()\n" + calls
     unchecked = {**FAST_STALL, CHECK_ENV: "0", SHM_ENV: "off"}
     result, took = cli.run(program, extra_env=unchecked)
-    report("flyte-hvd-run", "unchecked calls that do not match (stall 1s/3s)", took)
+    report("flyte-hvd-run", f"unchecked calls {case} (stall 1s/3s)", took)
     assert result.returncode == 1, result.stderr
     assert (
-        "stall: ranks [0, 1] have waited 3s in `allreduce` (rank 0 at <string>:3 in <module> "
-        "with float64 shape (3,); rank 1 at <string>:4 in <module> with float64 shape "
-        "(262144,)); every rank waits there, but called from different places: they must "
-        "match. The run was stopped after 3s"
+        f"stall: ranks [0, 1] have waited 3s in `allreduce` ({expected} The run was stopped "
+        "after 3s"
     ) in result.stderr, result.stderr
     assert took < 25
     cli.clean(result.stderr)

@@ -67,8 +67,9 @@ _TORCH_C10D = os.path.join(_TORCH_DISTRIBUTED, "distributed_c10d.py")
 _THREADING = threading.__file__
 # What a waiting collective was given, by the names the collectives (ours, torch's) give it.
 _ARRAY_ARGUMENTS = ("array", "tensor", "arrays", "tensors")
-# Collectives whose arrays may differ in their first dimension between ranks.
-_RAGGED = ("allgather", "alltoall", "torch.distributed.all_gather")
+# Our collectives whose arrays may differ in their first dimension between ranks (torch's
+# all_gather takes equal shapes).
+_RAGGED = ("allgather", "alltoall")
 
 
 @dataclass(frozen=True)

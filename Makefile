@@ -44,13 +44,16 @@ PYTEST_LIMIT ?= 45m
 # from .cache/checks.log) and, as root, the build of the container test's image
 # (scripts/build_image.sh --if-stale: it waits mostly on the disk and the network, and the
 # container test then finds the image current; its output in .cache/image-build.log, and if
-# it failed, the container test builds again and says why).
+# it failed, the container test builds again and says why), and the class-data archive of
+# Spark's classes that the suite's JVMs start from (tests/spark_class_archive.py: once per
+# Spark installation, about 40 s; pytest waits for it if it is still being made).
 test: setup lint-checks
 	@mkdir -p .cache
 	@if [ "$$(id -u)" = 0 ]; then \
 	  { scripts/build_image.sh --if-stale > .cache/image-build.log 2>&1; \
 	    echo "make test: image build (beside test-pythons): $$(tail -n 1 .cache/image-build.log)"; } & \
 	fi; \
+	{ echo "make test: Spark's class archive (beside test-pythons): $$($(PY) tests/spark_class_archive.py --build)"; } & \
 	{ $(MAKE) --no-print-directory types docs > .cache/checks.log 2>&1; echo $$? > .cache/checks.status; } & \
 	scripts/test_pythons.sh; status=$$?; wait; \
 	echo "make test: the type check and the docs (beside test-pythons):"; cat .cache/checks.log; \

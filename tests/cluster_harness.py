@@ -68,6 +68,7 @@ VENV_BIN = Path(PYTHON).parent
 OBJSTORE = "/tmp/flyte-hvd-objstore"
 RAW_BUCKET = "flyte-raw"
 STORE_BUCKET = "flyte-hvd-store"
+SUITE_SPARK_DEFAULTS = REPO / "tests" / "spark-defaults.conf"
 ACCESS_KEY, SECRET_KEY = "cluster-key", "cluster-secret"
 # MPICH across simulated hosts: no shared memory, libfabric's TCP provider on loopback.
 MPI_TCP_ENV = {
@@ -508,9 +509,8 @@ def start_moto(host: str, buckets: tuple[str, ...], key: str, secret: str):
 def driver_spark_defaults(master_url: str) -> str:
     """spark-defaults.conf of a driver: the master, and the one substitution (Spark's own
     Parquet of Flyte DataFrames at ``s3://RAW_BUCKET/...`` goes to ``OBJSTORE``, which every
-    host mounts, since no S3A jars are here), after the defaults of the caller's
-    ``SPARK_CONF_DIR`` (the tests': ``tests/spark-conf``; these drivers and executors are the
-    suite's JVMs too)."""
+    host mounts, since no S3A jars are here), after the suite's defaults in a test run
+    (``tests/spark-defaults.conf``: these drivers and executors are the suite's JVMs too)."""
     conf = {
         "spark.master": master_url,
         "spark.ui.enabled": "false",
@@ -522,6 +522,5 @@ def driver_spark_defaults(master_url: str) -> str:
         "spark.hadoop.fs.s3.impl.disable.cache": "true",
     }  # fmt: skip
     own = "".join(f"{key} {value}\n" for key, value in conf.items())
-    suite = os.environ.get("SPARK_CONF_DIR")  # the tests' (conftest); unset for `make cluster`
-    defaults = Path(suite, "spark-defaults.conf") if suite else None
-    return (defaults.read_text() if defaults and defaults.exists() else "") + own
+    suite = os.environ.get("FLYTE_HVD_TEST_SESSION")  # set by conftest; not for `make cluster`
+    return (SUITE_SPARK_DEFAULTS.read_text() if suite else "") + own

@@ -8,9 +8,11 @@ import contextlib
 import gc
 import glob
 import os
+import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 from needs import require
@@ -27,9 +29,41 @@ os.environ["FLYTE_HVD_TEST_SESSION"] = str(os.getpid())
 # Cloud Storage emulator serves only the JSON API. Set before anything imports gcsfs, and
 # inherited by Spark's workers and the ranks.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-# Spark's defaults for the suite's JVMs (the JIT's first tier: short jobs on small data; see
-# the file), for the sessions started here and in the pipelines run as subprocesses.
-os.environ.setdefault("SPARK_CONF_DIR", os.path.join(REPO, "tests", "spark-conf"))
+
+
+def _suite_spark_defaults() -> str:
+    """The properties file of the suite's Spark JVMs: tests/spark-defaults.conf (the JIT's
+    first tier: short jobs on small data; see the file) and, once made, the class-data archive
+    of Spark's classes (tests/spark_class_archive.py: a JVM starts in half the time), which
+    the project venv's run makes where it is missing (about 40 s, once per Spark installation;
+    `make test` makes it beside its first steps)."""
+    import spark_class_archive
+
+    defaults = os.path.join(REPO, "tests", "spark-defaults.conf")
+    archive = spark_class_archive.existing()
+    fast = os.environ.get("FLYTE_HVD_TEST_FAST")  # `make test-fast`: no Spark to start
+    if archive is None and not fast and sys.prefix == os.path.join(REPO, ".venv"):
+        archive = spark_class_archive.build(Path(defaults))
+    if archive is None:
+        return defaults
+    with open(defaults) as f:
+        text = f.read()
+    option = f"-XX:SharedArchiveFile={archive}"
+    java_options = r"^(spark\.(driver|executor)\.defaultJavaOptions .*)$"
+    text = re.sub(java_options, rf"\1 {option}", text, flags=re.M)
+    session = archive.with_suffix(".conf")
+    if not session.exists() or session.read_text() != text:
+        partial = session.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(text)
+        partial.rename(session)  # other runs of the suite read it whole
+    return str(session)
+
+
+# Spark's defaults for the JVMs the suite starts here and in the pipelines it runs as
+# subprocesses, as a properties file: the archive needs Spark's conf folder (on the JVM's class
+# path) missing or empty, so no SPARK_CONF_DIR of the suite's own.
+if "PYSPARK_SUBMIT_ARGS" not in os.environ:
+    os.environ["PYSPARK_SUBMIT_ARGS"] = f"--properties-file {_suite_spark_defaults()} pyspark-shell"
 
 
 def _ours(pid: str) -> bool:

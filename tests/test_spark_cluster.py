@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -81,13 +82,23 @@ def test_failure_in_executor_names_rank(spark_cluster, no_leftover_ranks):
 
 
 def test_the_suites_jvms_run_with_its_spark_defaults(spark_cluster):
-    """``tests/spark-conf`` (the suite's ``SPARK_CONF_DIR``) reaches the driver's JVM and the
-    executors' JVMs: the suite's timings in docs/testing.md assume its JIT setting."""
-    conf = Path(os.environ["SPARK_CONF_DIR"], "spark-defaults.conf").read_text()
+    """The suite's properties file (``--properties-file`` in ``PYSPARK_SUBMIT_ARGS``, from
+    ``tests/spark-defaults.conf``) reaches the driver's JVM and the executors' JVMs, and each
+    maps the class-data archive of Spark's classes (tests/spark_class_archive.py): the suite's
+    timings in docs/testing.md assume both."""
+    import spark_class_archive
+
+    args = shlex.split(os.environ["PYSPARK_SUBMIT_ARGS"])
+    conf = Path(args[args.index("--properties-file") + 1]).read_text()
     (expected,) = re.findall(r"^spark\.driver\.defaultJavaOptions\s+(\S+)", conf, re.M)
+    archive = spark_class_archive.existing()
+    assert archive is not None, "no archive: python tests/spark_class_archive.py --build says why"
     jvm = spark_cluster.sparkContext._jvm
     driver = list(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
     assert expected in driver, driver
+    driver_pid = spark_cluster.sparkContext._gateway.proc.pid
+    mapped = str(archive) in Path(f"/proc/{driver_pid}/maps").read_text()
+    assert mapped, f"the driver's JVM does not map {archive}: {driver}"
 
     def executor_jvm(_):
         pid = os.getpid()
@@ -97,10 +108,13 @@ def test_the_suites_jvms_run_with_its_spark_defaults(spark_cluster):
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().decode().split("\0")
             if os.path.basename(argv[0]) == "java":
-                yield " ".join(argv)
+                with open(f"/proc/{pid}/maps") as f:
+                    mapped = str(archive) in f.read()
+                yield " ".join(argv), mapped
                 return
-        yield "no JVM above the Python worker"
+        yield "no JVM above the Python worker", False
 
     found = spark_cluster.sparkContext.parallelize(range(2), 2).mapPartitions(executor_jvm)
-    for command in found.collect():
+    for command, mapped in found.collect():
         assert expected in command and "CoarseGrainedExecutorBackend" in command, command
+        assert mapped, f"the executor's JVM does not map {archive}: {command}"

@@ -48,7 +48,9 @@ def _suite_spark_defaults() -> str:
         return defaults
     with open(defaults) as f:
         text = f.read()
-    option = f"-XX:SharedArchiveFile={archive}"
+    # A JVM that cannot use the archive (another class path) starts without it, and says so
+    # on its stdout unless its CDS warnings are off.
+    option = f"-XX:SharedArchiveFile={archive} -Xlog:cds=off,cds+dynamic=off"
     java_options = r"^(spark\.(driver|executor)\.defaultJavaOptions .*)$"
     text = re.sub(java_options, rf"\1 {option}", text, flags=re.M)
     session = archive.with_suffix(".conf")
@@ -63,7 +65,14 @@ def _suite_spark_defaults() -> str:
 # subprocesses, as a properties file: the archive needs Spark's conf folder (on the JVM's class
 # path) missing or empty, so no SPARK_CONF_DIR of the suite's own.
 if "PYSPARK_SUBMIT_ARGS" not in os.environ:
-    os.environ["PYSPARK_SUBMIT_ARGS"] = f"--properties-file {_suite_spark_defaults()} pyspark-shell"
+    _SPARK_DEFAULTS = _suite_spark_defaults()
+    os.environ["PYSPARK_SUBMIT_ARGS"] = f"--properties-file {_SPARK_DEFAULTS} pyspark-shell"
+    # Drivers that spark-submit starts itself (the image's entrypoint in driver mode) read no
+    # PYSPARK_SUBMIT_ARGS: the driver's options reach them in SPARK_SUBMIT_OPTS.
+    with open(_SPARK_DEFAULTS) as _f:
+        _driver = re.search(r"^spark\.driver\.defaultJavaOptions\s+(.*)$", _f.read(), re.M)
+    if _driver is not None:
+        os.environ.setdefault("SPARK_SUBMIT_OPTS", _driver.group(1).strip())
 
 
 def _ours(pid: str) -> bool:

@@ -118,6 +118,33 @@ def test_layout_metadata_and_shapes(store, vectors_df):
     assert from_schema.rows == train.rows
 
 
+def test_writes_of_the_same_data_at_once_keep_to_their_own_folders(store, vectors_df):
+    """Two fits of one DataFrame on one store at once (two nodes of an execution): the second
+    to check finds the first one's write still without its sidecar, writes a folder of its own
+    and leaves the other's files alone; a later prepare reuses a complete one, also one written
+    at the key's index alone, as datasets were written before."""
+    import shutil
+
+    first = prepare(store, vectors_df, feature_columns=["f"], validation=0.25)
+    key_start, token = first.split("-")
+    assert len(key_start) == 16 and len(token) == 8
+    # The first write as another process sees it while it runs: files, no sidecars yet.
+    for path in (store.get_train_data_path(first), store.get_val_data_path(first)):
+        os.rename(os.path.join(path, METADATA_FILENAME), os.path.join(path, "sidecar.later"))
+    in_progress = sorted(os.listdir(store.get_train_data_path(first)))
+    second = prepare(store, vectors_df, feature_columns=["f"], validation=0.25)
+    assert second != first and second.startswith(f"{key_start}-")
+    assert sorted(os.listdir(store.get_train_data_path(first))) == in_progress
+    train, val = get_dataset_metadata(store, second)
+    assert train.rows + val.rows == N
+    # A complete dataset at the key's index alone is reused.
+    for path in (store.get_train_data_path, store.get_val_data_path):
+        shutil.move(path(second), path(key_start))
+        with open(os.path.join(path(key_start), METADATA_FILENAME)) as f:
+            assert json.load(f)["key"].startswith(key_start)
+    assert prepare(store, vectors_df, feature_columns=["f"], validation=0.25) == key_start
+
+
 def test_random_split_is_seeded_and_reused(store, vectors_df):
     idx = prepare(store, vectors_df, feature_columns=["f"], validation=0.25)
     train, val = get_dataset_metadata(store, idx)

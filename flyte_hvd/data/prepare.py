@@ -14,10 +14,11 @@ pyspark is imported only inside the functions that run Spark jobs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
+import secrets
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flyte_hvd.core.log import get_logger, verbosity_level
@@ -156,9 +157,9 @@ def prepare_data(
         idx=key[:16],
         level=verbosity_level(verbose),
     )
-    _prepare(job, df, allow_non_finite_features, compress_sparse, on_checked)
-    _prepared_stores[job.idx] = store
-    yield job.idx
+    idx = _prepare(job, df, allow_non_finite_features, compress_sparse, on_checked)
+    _prepared_stores[idx] = store
+    yield idx
 
 
 def _check_store(store: object) -> None:
@@ -191,7 +192,7 @@ def _options(
     return options
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Job:
     """What one ``prepare_data`` call writes, and where."""
 
@@ -200,7 +201,7 @@ class _Job:
     num_processes: int
     files: int  # Parquet files per split
     key: str  # of the DataFrame and the options: a dataset with the same key is reused
-    idx: str  # the dataset index: the key's start
+    idx: str  # the dataset index: the key's start, then the write's own token
     level: int  # logging level of what is written or reused
 
     @property
@@ -218,18 +219,48 @@ def _prepare(
     allow_non_finite_features: bool,
     compress_sparse: bool,
     on_checked: Callable[[], object] | None,
-) -> None:
-    """Checks ``df``'s data and writes it, unless the store holds this dataset already."""
-    if _complete(job.store, job.paths, job.key):
-        logger.log(job.level, f"reusing prepared dataset {job.idx} at {job.paths['train']}")
-        return
+) -> str:
+    """Checks ``df``'s data and writes it, unless the store holds this dataset already;
+    returns the dataset's index."""
+    found = _prepared(job)
+    if found is not None:
+        logger.log(job.level, f"reusing prepared dataset {found.idx} at {found.paths['train']}")
+        return found.idx
     sel, stats, infos = _checked_selection(
         df, job.columns, allow_non_finite_features, compress_sparse
     )
     check_split_rows(stats, job.columns.validation, job.num_processes)
     if on_checked is not None:
         on_checked()
+    # Folders of this write's own: fits of the same data at once on one store (two nodes of
+    # an execution, a sweep) each write theirs, and none replaces files another one reads.
+    job = dataclasses.replace(job, idx=f"{job.idx}-{secrets.token_hex(4)}")
     _write(job, sel, stats, infos)
+    return job.idx
+
+
+def _prepared(job: _Job) -> _Job | None:
+    """``job`` at a complete dataset of its key in the store, if there is one: at one of the
+    key's writes (``<idx>-<token>``), or at the key's start alone (as datasets were written
+    before writes had folders of their own)."""
+    store = job.store
+    parent, name = store.get_train_data_path().rsplit("/", 1)
+    own = f"{name}.{job.idx}"
+
+    def listing() -> list[str]:
+        folder = store.fs_path(parent)
+        store.fs.invalidate_cache(folder)  # another process may have written one since
+        try:
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(folder, detail=False)]
+        except FileNotFoundError:
+            return []
+
+    names = bounded(store, ("listing", "in"), parent, 0, listing)
+    for folder in sorted(n for n in names if n == own or n.startswith(f"{own}-")):
+        candidate = dataclasses.replace(job, idx=folder[len(name) + 1 :])
+        if _complete(store, candidate.paths, job.key):
+            return candidate
+    return None
 
 
 def _checked_selection(
@@ -265,8 +296,6 @@ def _write(job: _Job, sel: DataFrame, stats: Stats, infos: list[ColumnInfo]) -> 
     """Each split, then the metadata sidecars that mark them complete; nothing is kept of a
     write that fails."""
     store, paths = job.store, job.paths
-    for path in paths.values():  # a split left half-written by a crash
-        bounded(store, ("deleting", "from"), path, 0, store.delete, path)
     try:
         written = {
             split: _write_one(job, split, path, sel, stats, infos) for split, path in paths.items()
@@ -333,7 +362,7 @@ def _check_rows_per_process(split: str, rows: int, num_processes: int) -> None:
 # -- streaming: the same checks, nothing written ---------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Streamed:
     """A DataFrame checked as ``prepare_data`` checks it, for the ranks to receive straight
     from Spark (``run(fn, data=streamed.df)``) rather than from Parquet in a Store."""

@@ -37,6 +37,7 @@ def test_the_benchmark_refuses_a_bad_layout_before_it_launches():
     assert "MPICH" not in done.stdout  # nothing measured
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("side", ["raw", "ours"])
 def test_two_singleton_ranks_join_and_measure_as_in_the_containers_layout(tmp_path, side):
     """What each container runs: a rank under its own ``mpiexec -n 1``, the two joined by a

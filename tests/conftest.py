@@ -31,48 +31,46 @@ os.environ["FLYTE_HVD_TEST_SESSION"] = str(os.getpid())
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
-def _suite_spark_defaults() -> str:
-    """The properties file of the suite's Spark JVMs: tests/spark-defaults.conf (the JIT's
-    first tier: short jobs on small data; see the file) and, once made, the class-data archive
-    of Spark's classes (tests/spark_class_archive.py: a JVM starts in half the time), which
-    the project venv's run makes where it is missing (about 40 s, once per Spark installation;
-    `make test` makes it beside its first steps)."""
+def _suite_spark_defaults() -> tuple[str, str]:
+    """The properties file of the suite's Spark JVMs and its driver's JVM options:
+    tests/spark-defaults.conf (the JIT's first tier: short jobs on small data; see the file)
+    and, once made, the class-data archive of Spark's classes (tests/spark_class_archive.py: a
+    JVM starts in half the time), which the project venv's run makes where it is missing (about
+    40 s, once per Spark installation; `make test` makes it beside its first steps)."""
     import spark_class_archive
 
     defaults = os.path.join(REPO, "tests", "spark-defaults.conf")
+    with open(defaults) as f:
+        text = f.read()
     archive = spark_class_archive.existing()
     fast = os.environ.get("FLYTE_HVD_TEST_FAST")  # `make test-fast`: no Spark to start
     if archive is None and not fast and sys.prefix == os.path.join(REPO, ".venv"):
         archive = spark_class_archive.build(Path(defaults))
-    if archive is None:
-        return defaults
-    with open(defaults) as f:
-        text = f.read()
-    # A JVM that cannot use the archive (another class path) starts without it, and says so
-    # on its stdout unless its CDS warnings are off.
-    option = f"-XX:SharedArchiveFile={archive} -Xlog:cds=off,cds+dynamic=off"
-    java_options = r"^(spark\.(driver|executor)\.defaultJavaOptions .*)$"
-    text = re.sub(java_options, rf"\1 {option}", text, flags=re.M)
-    session = archive.with_suffix(".conf")
-    if not session.exists() or session.read_text() != text:
-        partial = session.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(text)
-        partial.rename(session)  # other runs of the suite read it whole
-    return str(session)
+    if archive is not None:
+        # A JVM that cannot use the archive (another class path) starts without it, and says
+        # so on its stdout unless its CDS warnings are off.
+        option = f"-XX:SharedArchiveFile={archive} -Xlog:cds=off,cds+dynamic=off"
+        java_options = r"^(spark\.(driver|executor)\.defaultJavaOptions .*)$"
+        text = re.sub(java_options, rf"\1 {option}", text, flags=re.M)
+        session = archive.with_suffix(".conf")
+        if not session.exists() or session.read_text() != text:
+            partial = session.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(text)
+            partial.rename(session)  # other runs of the suite read it whole
+        defaults = str(session)
+    driver = re.search(r"^spark\.driver\.defaultJavaOptions\s+(.*)$", text, re.M)
+    return defaults, driver.group(1).strip() if driver else ""
 
 
 # Spark's defaults for the JVMs the suite starts here and in the pipelines it runs as
 # subprocesses, as a properties file: the archive needs Spark's conf folder (on the JVM's class
 # path) missing or empty, so no SPARK_CONF_DIR of the suite's own.
 if "PYSPARK_SUBMIT_ARGS" not in os.environ:
-    _SPARK_DEFAULTS = _suite_spark_defaults()
+    _SPARK_DEFAULTS, _DRIVER_OPTIONS = _suite_spark_defaults()
     os.environ["PYSPARK_SUBMIT_ARGS"] = f"--properties-file {_SPARK_DEFAULTS} pyspark-shell"
     # Drivers that spark-submit starts itself (the image's entrypoint in driver mode) read no
     # PYSPARK_SUBMIT_ARGS: the driver's options reach them in SPARK_SUBMIT_OPTS.
-    with open(_SPARK_DEFAULTS) as _f:
-        _driver = re.search(r"^spark\.driver\.defaultJavaOptions\s+(.*)$", _f.read(), re.M)
-    if _driver is not None:
-        os.environ.setdefault("SPARK_SUBMIT_OPTS", _driver.group(1).strip())
+    os.environ.setdefault("SPARK_SUBMIT_OPTS", _DRIVER_OPTIONS)
 
 
 def _ours(pid: str) -> bool:

@@ -15,7 +15,8 @@ with, which Spark's launcher builds from ``SPARK_CONF_DIR`` and the jars: the co
 be missing or empty (CDS refuses a class path with a non-empty folder), so the suite's Spark
 defaults travel as a properties file instead (``--properties-file`` in
 ``PYSPARK_SUBMIT_ARGS``, tests/conftest.py). Any other JVM, or one where the jars changed,
-starts as before without a word (``-Xshare:auto``, the default).
+starts as before (``-Xshare:auto``, the default), without a word where its CDS warnings are off
+(``-Xlog:cds=off,cds+dynamic=off``, which the conftest adds).
 
 Without ``--build`` it prints the archive's path, or nothing where there is none yet.
 """
@@ -62,7 +63,7 @@ def existing() -> Path | None:
 
 
 def build(defaults: Path) -> Path | None:
-    """Makes the archive unless it exists (a session's worth of Spark, about 20 s on 2 cores,
+    """Makes the archive unless it exists (a session's worth of Spark, about 40 s on 2 cores,
     with ``defaults`` as its properties file); returns it, or None if the JVM made none (its
     output in ``.cache/spark-classes/build.log``)."""
     archive = path()

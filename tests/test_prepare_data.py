@@ -145,6 +145,80 @@ def test_writes_of_the_same_data_at_once_keep_to_their_own_folders(store, vector
     assert prepare(store, vectors_df, feature_columns=["f"], validation=0.25) == key_start
 
 
+_KILLED_WRITER = """
+import os, signal, sys
+from flyte_hvd.data.lease import StoreLease
+from flyte_hvd.data.store import Store
+store, idx = Store.create(sys.argv[1]), sys.argv[2]
+assert StoreLease(store, store.get_train_data_path(idx) + ".lease.json", idx).try_acquire()
+for path in (store.get_train_data_path(idx), store.get_val_data_path(idx)):
+    store.write_bytes(path + "/part-00000.parquet", b"half of a file")
+print(os.getpid(), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # as a preempted pod's driver, mid-write
+"""
+
+
+def _leases(store):
+    parent = os.path.dirname(store.get_train_data_path())
+    return sorted(n for n in os.listdir(parent) if n.endswith(".lease.json"))
+
+
+def test_the_next_prepare_removes_a_write_whose_driver_was_killed(store, vectors_df, caplog):
+    """A driver killed mid-write leaves its folders without sidecars and its lease; the next
+    prepare on the store, of any data, removes them with one warning, and leaves a write whose
+    lease lives alone."""
+    import logging
+    import subprocess
+    import sys
+
+    from flyte_hvd.data.lease import StoreLease
+
+    dead, live = "deaddeaddeaddead-0badf00d", "1111222233334444-00c0ffee"
+    writer = [sys.executable, "-c", _KILLED_WRITER, store.prefix_path, dead]
+    killed = subprocess.run(writer, capture_output=True, text=True)
+    assert killed.returncode == -9, killed
+    assert _leases(store) == [f"intermediate_train_data.{dead}.lease.json"]
+    running = StoreLease(store, store.get_train_data_path(live) + ".lease.json", live)
+    assert running.try_acquire()
+    store.write_bytes(store.get_train_data_path(live) + "/part-00000.parquet", b"being written")
+    try:
+        caplog.set_level(logging.WARNING, logger="flyte_hvd")
+        idx = prepare(store, vectors_df, feature_columns=["f"])
+        for path in (store.get_train_data_path(dead), store.get_val_data_path(dead)):
+            assert not os.path.exists(path), path
+        assert [r.getMessage() for r in caplog.records if "removed dataset" in r.getMessage()] == [
+            f"removed dataset {dead}, a write that did not finish "
+            f"(`{store.get_train_data_path(dead)}`, `{store.get_val_data_path(dead)}`): its "
+            f"lease `{store.get_train_data_path(dead)}.lease.json` is no longer running "
+            f"(process {int(killed.stdout)} is gone)"
+        ]
+        assert os.listdir(store.get_train_data_path(live)) == ["part-00000.parquet"]
+        assert _leases(store) == [f"intermediate_train_data.{live}.lease.json"]
+        assert get_dataset_metadata(store, idx)[0].rows == N  # its own lease released
+    finally:
+        running.release()
+    assert _leases(store) == []
+
+
+def test_a_write_whose_lease_was_taken_over_keeps_nothing(store, vectors_df, monkeypatch):
+    """A write whose store did not answer its lease's renewals may have been taken for a dead
+    one and removed by another prepare: it fails before its sidecars mark it complete."""
+    from flyte_hvd.data import prepare as prepare_module
+
+    real = prepare_module._write_one
+
+    def then_taken_over(job, *args):
+        meta = real(job, *args)
+        store.write_bytes(store.get_train_data_path(job.idx) + ".lease.json", b'{"token": "x"}')
+        return meta
+
+    monkeypatch.setattr(prepare_module, "_write_one", then_taken_over)
+    with pytest.raises(RuntimeError, match=r"the write of dataset \w{16}-\w{8} lost its lease"):
+        prepare(store, vectors_df, feature_columns=["f"])
+    parent = os.path.dirname(store.get_train_data_path())
+    assert [n for n in os.listdir(parent) if not n.endswith(".lease.json")] == []
+
+
 def test_random_split_is_seeded_and_reused(store, vectors_df):
     idx = prepare(store, vectors_df, feature_columns=["f"], validation=0.25)
     train, val = get_dataset_metadata(store, idx)

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from flyte_hvd.core.errors import RanksFailedError
+from flyte_hvd.data.lease import stale
 from flyte_hvd.estimators import tracking
-from flyte_hvd.estimators.runs import _stale
 from flyte_hvd.launch import failures, stall
 from flyte_hvd.launch.failures import FailureKind, classify, classify_text
 
@@ -193,19 +193,19 @@ def _lease(attempt, execution="p/d/exec1", node="/o/exec1/n0/data", pid=None, sp
 
 def test_the_next_attempt_takes_over_the_lease_of_the_one_before_at_once():
     me = {"execution": "p/d/exec1", "node": "/o/exec1/n0/data", "attempt": 1}
-    why = _stale(_lease(0), me)
+    why = stale(_lease(0), me)
     assert why is not None and "attempt 0 of this Flyte task" in why
-    assert _stale(_lease(1), me) is None  # the same attempt: not an earlier one
-    assert _stale(_lease(0, execution="p/d/exec2"), me) is None  # another execution
-    assert _stale(_lease(0, node="/o/exec1/n1/data"), me) is None  # another node
-    assert _stale(_lease(0), None) is None  # outside Flyte: the lease protects its fit
+    assert stale(_lease(1), me) is None  # the same attempt: not an earlier one
+    assert stale(_lease(0, execution="p/d/exec2"), me) is None  # another execution
+    assert stale(_lease(0, node="/o/exec1/n1/data"), me) is None  # another node
+    assert stale(_lease(0), None) is None  # outside Flyte: the lease protects its fit
 
 
 def test_a_live_holder_keeps_its_lease_even_against_a_later_attempt():
-    from flyte_hvd.estimators.runs import _pid_space
+    from flyte_hvd.data.lease import pid_space
 
     me = {"execution": "p/d/exec1", "node": "/o/exec1/n0/data", "attempt": 1}
-    assert _stale(_lease(0, pid=os.getpid(), space=_pid_space()), me) is None
+    assert stale(_lease(0, pid=os.getpid(), space=pid_space()), me) is None
 
 
 # -- MLflow: defaults that work, and every error path ---------------------------------------------

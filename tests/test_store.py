@@ -980,14 +980,15 @@ def test_a_stale_lease_is_taken_over_with_a_log_line(lease_store, caplog):
     import json
     import time
 
-    from flyte_hvd.estimators.runs import RunLease, _pid_space
+    from flyte_hvd.data.lease import pid_space
+    from flyte_hvd.estimators.runs import RunLease
 
     caplog.set_level(logging.WARNING, logger="flyte_hvd")
     path = _write_lease(lease_store, "expired", expires=time.time() - 30)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     _write_lease(lease_store, "dead", owner=f"here:{dead.stdout.strip()}",
-                 pid=int(dead.stdout), pid_space=_pid_space())  # fmt: skip
+                 pid=int(dead.stdout), pid_space=pid_space())  # fmt: skip
     _write_lease(lease_store, "live-elsewhere")
     for run_id in ("expired", "dead"):
         lease = RunLease(lease_store, run_id)

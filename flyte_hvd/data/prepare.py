@@ -6,7 +6,9 @@ anything is written; then each split is written as about ``num_processes *
 partitions_per_process`` files of equal row counts (``flyte_hvd.data.writing``). The
 arguments are checked against the DataFrame's columns first (``flyte_hvd.data.columns``);
 the validation split is ``flyte_hvd.data.split``'s. The format is in
-``flyte_hvd.data.dataset``.
+``flyte_hvd.data.dataset``. Each write has folders of its own and holds a lease in the store
+while it runs (``flyte_hvd.data.lease``); the next prepare removes the folders of a write whose
+lease went stale (its driver was killed mid-write).
 
 pyspark is imported only inside the functions that run Spark jobs.
 """
@@ -43,6 +45,13 @@ from flyte_hvd.data.dataset import (
     read_metadata,
     scan_parquet,
 )
+from flyte_hvd.data.lease import (
+    LEASE_SECONDS,
+    StoreLease,
+    current_attempt,
+    read_lease,
+    stale,
+)
 from flyte_hvd.data.parquet import as_arrow_filesystem
 from flyte_hvd.data.split import (
     SPLIT_COL,
@@ -65,6 +74,9 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
 logger = get_logger(__name__)
+
+# A write's lease, beside its train folder: ``intermediate_train_data.<idx>.lease.json``.
+_WRITE_LEASE = ".lease.json"
 
 __all__ = [
     "CANCEL_WAIT_S",
@@ -235,14 +247,27 @@ def _prepare(
     # Folders of this write's own: fits of the same data at once on one store (two nodes of
     # an execution, a sweep) each write theirs, and none replaces files another one reads.
     job = dataclasses.replace(job, idx=f"{job.idx}-{secrets.token_hex(4)}")
-    _write(job, sel, stats, infos)
+    # Its lease tells another prepare whether the write still runs: a driver killed mid-write
+    # (a preempted pod) leaves folders no one reads, which the next prepare removes.
+    lease = StoreLease(job.store, _write_lease_path(job.store, job.idx), f"dataset `{job.idx}`")
+    if not lease.try_acquire():  # the name is this write's own
+        raise RuntimeError(f"another write holds the lease `{lease.path}` of dataset {job.idx}")
+    try:
+        _write(job, sel, stats, infos, lease)
+    finally:
+        lease.release()
     return job.idx
+
+
+def _write_lease_path(store: Store, idx: str) -> str:
+    """The lease of the write of dataset ``idx``: beside its train folder."""
+    return store.get_train_data_path(idx) + _WRITE_LEASE
 
 
 def _prepared(job: _Job) -> _Job | None:
     """``job`` at a complete dataset of its key in the store, if there is one: at one of the
     key's writes (``<idx>-<token>``), or at the key's start alone (as datasets were written
-    before writes had folders of their own)."""
+    before writes had folders of their own). Removes the folders of dead writes on the way."""
     store = job.store
     parent, name = store.get_train_data_path().rsplit("/", 1)
     own = f"{name}.{job.idx}"
@@ -256,7 +281,10 @@ def _prepared(job: _Job) -> _Job | None:
             return []
 
     names = bounded(store, ("listing", "in"), parent, 0, listing)
-    for folder in sorted(n for n in names if n == own or n.startswith(f"{own}-")):
+    leases = [n for n in names if n.startswith(f"{name}.") and n.endswith(_WRITE_LEASE)]
+    _remove_dead_writes(store, [n[len(name) + 1 : -len(_WRITE_LEASE)] for n in leases])
+    datasets = (n for n in names if not n.endswith(_WRITE_LEASE))
+    for folder in sorted(n for n in datasets if n == own or n.startswith(f"{own}-")):
         candidate = dataclasses.replace(job, idx=folder[len(name) + 1 :])
         if _complete(store, candidate.paths, job.key):
             return candidate
@@ -292,14 +320,46 @@ def _checked_selection(
     return sel, stats, infos
 
 
-def _write(job: _Job, sel: DataFrame, stats: Stats, infos: list[ColumnInfo]) -> None:
-    """Each split, then the metadata sidecars that mark them complete; nothing is kept of a
-    write that fails."""
+def _remove_dead_writes(store: Store, leased: list[str]) -> None:
+    """Removes the datasets among ``leased`` (indexes whose write holds a lease) whose write
+    ended without finishing: its lease is stale (``flyte_hvd.data.lease``), also at once where
+    an earlier attempt of this Flyte task held it."""
+    attempt = current_attempt() if leased else None
+    for idx in leased:
+        path = _write_lease_path(store, idx)
+        lease = read_lease(store, path)
+        why = None if lease is None else stale(lease, attempt)  # None: gone since the listing
+        if why is None:
+            continue  # a write in progress, or one that ended since
+        folders = [store.get_train_data_path(idx), store.get_val_data_path(idx)]
+        for folder in [*folders, path]:  # the lease last: a removal cut short is redone
+            bounded(store, ("deleting", "from"), folder, 0, store.delete, folder)
+        logger.warning(
+            "removed dataset %s, a write that did not finish (%s): its lease `%s` %s",
+            idx,
+            ", ".join(f"`{f}`" for f in folders),
+            path,
+            why,
+        )
+
+
+def _write(
+    job: _Job, sel: DataFrame, stats: Stats, infos: list[ColumnInfo], lease: StoreLease
+) -> None:
+    """Each split, then the metadata sidecars that mark them complete, while ``lease`` is
+    this write's; nothing is kept of a write that fails."""
     store, paths = job.store, job.paths
     try:
         written = {
             split: _write_one(job, split, path, sel, stats, infos) for split, path in paths.items()
         }
+        if not lease.held():
+            raise RuntimeError(
+                f"the write of dataset {job.idx} lost its lease `{lease.path}`: the store did "
+                f"not answer its renewals for {LEASE_SECONDS:g}s, so another prepare took the "
+                f"write for a dead one and may have removed its files. Nothing of it is kept; "
+                f"fit again."
+            )
         for split, path in paths.items():  # the sidecars mark the splits complete
             sidecar = store.join(path, METADATA_FILENAME)
             text = written[split].to_json()

@@ -7,9 +7,10 @@ processes and hosts sharing a Store, so a fit never resumes a run it did not sta
 was given that ``run_id``. While a fit runs, ``runs/<run_id>/lease.json`` names it (host,
 process, when it expires); the driver renews it every ``LEASE_SECONDS / 3`` and removes it at
 the end. A second fit of the run is refused while the lease lives; a lease whose owner died
-(expired, or its process is gone from this host) is taken over. Every Store call here is
-``bounded`` by the Store's timeout, as the ranks' are: a store that stops answering fails the
-fit, naming the call, instead of hanging it.
+(expired, or its process is gone from this host) is taken over (``flyte_hvd.data.lease``, which
+``prepare_data``'s writes use too). Every Store call here is ``bounded`` by the Store's
+timeout, as the ranks' are: a store that stops answering fails the fit, naming the call,
+instead of hanging it.
 
 Inside a Flyte execution the default ``run_id`` is the task's instead
 (``flyte_hvd.launch.task_identity``): its suffix derives from the execution, the node and the
@@ -22,18 +23,16 @@ Flyte starts an attempt only once the one before it has ended.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
-import socket
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from flyte_hvd.core.log import get_logger
-from flyte_hvd.data.store import DEFAULT_TIMEOUT_S, bounded
+from flyte_hvd.data.lease import LEASE_SECONDS, StoreLease
+from flyte_hvd.data.store import bounded
 from flyte_hvd.estimators.training import (
     archive_problem,
     checkpoint_path,
@@ -47,11 +46,7 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-T = TypeVar("T")  # what a bounded Store call returns
-
 LEASE_FILENAME = "lease.json"
-# A lease not renewed for this long is stale: its fit's driver is gone (or cut off).
-LEASE_SECONDS = 60.0
 
 
 def new_run_id(framework: str, suffix: str | None = None) -> str:
@@ -87,100 +82,20 @@ def task_run_id(store: Store, make: Callable[[str], str]) -> str | None:
 # -- the lease -------------------------------------------------------------------------------
 
 
-def _pid_space() -> str | None:
-    """This machine's process-id space (boot id and pid namespace): a lease's pid can be
-    checked only where it is the same. None where the system does not say (not Linux)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return None
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-class RunLease:
-    """The lease of one run, held by this process from ``acquire`` to ``release``."""
+class RunLease(StoreLease):
+    """The lease of one run (``runs/<run_id>/lease.json``), held by this process from
+    ``acquire`` to ``release``."""
 
     def __init__(self, store: Store, run_id: str):
-        self.store, self.run_id = store, run_id
-        self.path = store.join(store.get_run_path(run_id), LEASE_FILENAME)
-        self.token = secrets.token_hex(8)
-        self.owner = f"{socket.gethostname()}:{os.getpid()}"
-        self.started = time.time()
-        identity = task_identity.current()
-        self.flyte = identity.as_record() if identity else None
-        self._stop = threading.Event()
-        self._renewer: threading.Thread | None = None
-
-    def _record(self) -> bytes:
-        now = time.time()
-        return json.dumps(
-            {
-                "owner": self.owner,
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "pid_space": _pid_space(),
-                "token": self.token,
-                "started": self.started,
-                "renewed": now,
-                "expires": now + LEASE_SECONDS,
-                "flyte": self.flyte,
-            }
-        ).encode()
-
-    def _call(self, verb: tuple[str, str], fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)``, one Store call on the lease, within the Store's timeout."""
-        return bounded(self.store, verb, self.path, 0, fn, *args)
-
-    def _read(self) -> dict | None:
-        """The lease in the store (None: none; ``{}``: unreadable)."""
-        try:
-            record = json.loads(self._call(("reading", "from"), self.store.read, self.path))
-        except FileNotFoundError:
-            return None
-        except ValueError:
-            return {}
-        return record if isinstance(record, dict) else {}
-
-    def try_acquire(self) -> bool:
-        """Take the lease if no live fit holds it (taking over a stale one, with a warning);
-        False when another fit holds it."""
-        for _ in range(3):  # a stale lease removed, then another fit may win the create
-            if self._call(
-                ("writing", "to"), self.store.create_exclusive, self.path, self._record()
-            ):
-                self._start_renewing()
-                return True
-            held = self._read()
-            if held is None:
-                continue  # released meanwhile
-            why = _stale(held, self.flyte)
-            if why is None:
-                return False
-            logger.warning(
-                "run `%s`: taking over the lease of %s, which %s",
-                self.run_id,
-                held.get("owner", "an unknown owner"),
-                why,
-            )
-            self._call(("deleting", "from"), self.store.delete, self.path)
-        return False
+        path = store.join(store.get_run_path(run_id), LEASE_FILENAME)
+        super().__init__(store, path, f"run `{run_id}`")
+        self.run_id = run_id
 
     def acquire(self) -> None:
         """``try_acquire``, or a ValueError that names the run, its owner and what to do."""
         if self.try_acquire():
             return
-        held = self._read() or {}
+        held = self.read() or {}
         renewed = time.time() - float(held.get("renewed", time.time()))
         raise ValueError(
             f"run `{self.run_id}` is in use by another fit: its lease `{self.path}` is held by "
@@ -189,93 +104,6 @@ class RunLease:
             f"once its process is gone from this host or {LEASE_SECONDS:g}s after its last "
             f"renewal."
         )
-
-    def _start_renewing(self) -> None:
-        self._renewer = threading.Thread(
-            target=self._renew, name=f"flyte-hvd-lease-{self.run_id}", daemon=True
-        )
-        self._renewer.start()
-
-    def _renew(self) -> None:
-        while not self._stop.wait(LEASE_SECONDS / 3):
-            try:
-                held = self._read()
-                if not held or held.get("token") != self.token:
-                    logger.warning(
-                        "run `%s`: another fit (%s) took over this fit's lease `%s`; this fit "
-                        "no longer renews it",
-                        self.run_id,
-                        (held or {}).get("owner", "unknown"),
-                        self.path,
-                    )
-                    return
-                self._call(("writing", "to"), self.store.write_bytes, self.path, self._record())
-            except Exception as error:  # a store hiccup: the next renewal tries again
-                logger.warning(
-                    "run `%s`: cannot renew its lease `%s`: %s", self.run_id, self.path, error
-                )
-
-    def release(self) -> None:
-        """Stop renewing and remove the lease, if it is still this fit's. Bounded by the
-        Store's timeout: a store that does not answer (the fit may be failing for that very
-        reason) leaves the lease to expire by itself."""
-        self._stop.set()
-        limit = float(getattr(self.store, "timeout", DEFAULT_TIMEOUT_S))
-        if self._renewer is not None:
-            self._renewer.join(limit)
-        remover = threading.Thread(
-            target=self._remove, name=f"flyte-hvd-lease-{self.run_id}-release", daemon=True
-        )
-        remover.start()
-        remover.join(limit)
-        if remover.is_alive():
-            logger.warning(
-                "run `%s`: its lease `%s` could not be removed within %gs (the store does not "
-                "answer); it expires by itself %ds after its last renewal",
-                self.run_id,
-                self.path,
-                limit,
-                LEASE_SECONDS,
-            )
-
-    def _remove(self) -> None:
-        with contextlib.suppress(Exception):  # the fit's own error matters more
-            held = self._read()
-            if held and held.get("token") == self.token:
-                self._call(("deleting", "from"), self.store.delete, self.path)
-
-
-def _stale(lease: dict, flyte: dict | None = None) -> str | None:
-    """Why ``lease`` no longer protects a live fit (None: it does). ``flyte``: the Flyte task
-    attempt of the fit that asks; an earlier attempt of the same execution and node has ended
-    (Flyte starts the next attempt only then)."""
-    expires = lease.get("expires")
-    if not isinstance(expires, int | float):
-        return "is unreadable"
-    now = time.time()
-    if now > expires:
-        return f"expired {now - expires:.0f}s ago"
-    pid = lease.get("pid")
-    space = _pid_space()
-    same_machine = space is not None and lease.get("pid_space") == space
-    alive = not same_machine or not isinstance(pid, int) or _process_alive(pid)
-    if not alive:
-        return f"is no longer running (process {pid} is gone)"
-    held = lease.get("flyte")
-    if (
-        flyte is not None
-        and not same_machine  # a process seen alive here holds it, whatever it claims
-        and isinstance(held, dict)
-        and held.get("execution") == flyte["execution"]
-        and held.get("node") == flyte["node"]
-        and isinstance(held.get("attempt"), int)
-        and held["attempt"] < flyte["attempt"]
-    ):
-        return (
-            f"was attempt {held['attempt']} of this Flyte task (execution "
-            f"{flyte['execution']}), which ended; this is attempt {flyte['attempt']}"
-        )
-    return None
 
 
 @contextlib.contextmanager

@@ -219,6 +219,15 @@ def test_a_write_whose_lease_was_taken_over_keeps_nothing(store, vectors_df, mon
     assert [n for n in os.listdir(parent) if not n.endswith(".lease.json")] == []
 
 
+def test_a_train_path_in_a_folder_not_made_yet_is_written_and_then_reused(tmp_path, vectors_df):
+    store = Store.create(str(tmp_path / "store"), train_path=str(tmp_path / "new" / "train"))
+    assert not (tmp_path / "new").exists()
+    idx = prepare(store, vectors_df, feature_columns=["f"])
+    assert sorted(os.listdir(tmp_path / "new")) == [f"train.{idx}"]  # its lease released
+    assert get_dataset_metadata(store, idx)[0].rows == N
+    assert prepare(store, vectors_df, feature_columns=["f"]) == idx
+
+
 def test_random_split_is_seeded_and_reused(store, vectors_df):
     idx = prepare(store, vectors_df, feature_columns=["f"], validation=0.25)
     train, val = get_dataset_metadata(store, idx)

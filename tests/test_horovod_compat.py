@@ -44,6 +44,7 @@ HOROVOD_MODULES = {
         "prepare_data", "get_simple_meta_from_parquet", "get_dataset_properties",
         "clear_training_cache", "to_list", "check_shape_compatibility",
         "get_spark_df_output_schema", "host_hash", "_get_metadata", "_train_val_split",
+        "to_petastorm_fn", "_has_vector_column",
     ],
     "flyte_hvd.tensorflow.keras": ["DistributedOptimizer", "init", "rank", "callbacks"],
     "flyte_hvd.tensorflow.keras.callbacks": [
@@ -659,6 +660,37 @@ def test_dataframe_metadata_is_what_prepare_data_records(spark_local2):
         _get_metadata(ragged)
     with pytest.raises(ValueError, match=r"`columns` names `nope`, which the DataFrame does not"):
         _get_metadata(df, ["nope"])
+
+
+@pytest.mark.spark
+def test_to_petastorm_fn_writes_vectors_as_arrays_for_parquet(spark_local2, tmp_path):
+    """Horovod's recipe for Parquet written outside prepare_data: vectors become float lists,
+    the other columns stay, and the loader reads them as rows of that length."""
+    from pyspark.ml.linalg import Vectors
+
+    from flyte_hvd.spark.common.constants import CUSTOM_SPARSE
+    from flyte_hvd.spark.common.util import _has_vector_column, to_petastorm_fn
+
+    df = spark_local2.createDataFrame(
+        [(float(i), Vectors.dense([i, -i]), Vectors.sparse(3, {i % 3: 1.0})) for i in range(4)],
+        ["y", "v", "s"],
+    )
+    assert _has_vector_column(df)
+    converted = df.rdd.map(to_petastorm_fn(["v", "s", "y"], None)).toDF()
+    assert not _has_vector_column(converted)
+    assert dict(converted.dtypes) == {"y": "double", "v": "array<double>", "s": "array<double>"}
+    rows = sorted(converted.collect(), key=lambda r: r.y)
+    assert [r.v for r in rows] == [[float(i), float(-i)] for i in range(4)]
+    assert rows[1].s == [0.0, 1.0, 0.0]
+    converted.write.parquet(str(tmp_path / "train"))
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "train")
+    assert table.num_rows == 4 and str(table.schema.field("v").type) == "list<element: double>"
+    packed = {"s": {"intermediate_format": CUSTOM_SPARSE}}
+    with pytest.raises(ValueError, match=r"column\(s\) \['s'\] ask for the intermediate format "
+                                         r"\['custom_sparse_format'\]"):  # fmt: skip
+        to_petastorm_fn(["s"], packed)
 
 
 @pytest.mark.spark

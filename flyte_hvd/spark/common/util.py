@@ -3,7 +3,7 @@ training on Parquet they wrote themselves call."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from flyte_hvd.core.checks import to_list
@@ -19,6 +19,7 @@ from flyte_hvd.data.split import train_val_split
 from flyte_hvd.data.store import Store
 
 if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, Row
     from pyspark.sql.types import StructType
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "host_hash",
     "prepare_data",
     "to_list",
+    "to_petastorm_fn",
 ]
 
 # Horovod's names for what ``prepare_data`` uses: the split it makes, ``(train_df, val_df,
@@ -37,6 +39,52 @@ __all__ = [
 # ``metadata``, and ``check_shape_compatibility`` reads).
 _train_val_split = train_val_split
 _get_metadata = dataframe_metadata
+
+
+def to_petastorm_fn(schema_cols: Sequence[str], metadata: object = None) -> Callable[[Row], Row]:
+    """A function for ``df.rdd.map`` that turns the Spark ML vectors in ``schema_cols`` of a
+    row into lists of floats, as Horovod's does for training on Parquet written outside
+    ``prepare_data`` (``fit_on_parquet``): Parquet has no vector type. ``metadata`` (Horovod's
+    per-column dicts, or None) may only ask for that format: Horovod's packed sparse one is
+    not read here, where ``prepare_data(compress_sparse=True)`` stores sparse vectors."""
+    from flyte_hvd.spark.common.constants import ARRAY
+
+    columns = [schema_cols] if isinstance(schema_cols, str) else [str(c) for c in schema_cols]
+    if isinstance(metadata, dict):
+        packed = sorted(
+            c
+            for c in columns
+            if isinstance(metadata.get(c), dict)
+            and metadata[c].get("intermediate_format", ARRAY) not in (ARRAY, "nochange")
+        )
+        if packed:
+            raise ValueError(
+                f"`to_petastorm_fn`: column(s) {packed} ask for the intermediate format "
+                f"{[metadata[c]['intermediate_format'] for c in packed]}; flyte_hvd reads "
+                f"vectors written as arrays ('{ARRAY}') only. Leave `metadata` out, or let "
+                f"`prepare_data(..., compress_sparse=True)` store sparse vectors."
+            )
+
+    def to_arrays(row: Row) -> Row:
+        from pyspark.ml.linalg import Vector
+        from pyspark.sql import Row
+
+        converted = {c: row[c].toArray().tolist() for c in columns if isinstance(row[c], Vector)}
+        if not converted:
+            return row
+        values = row.asDict()
+        values.update(converted)
+        return Row(**values)
+
+    return to_arrays
+
+
+def _has_vector_column(df: DataFrame) -> bool:
+    """Whether any column of ``df`` holds Spark ML vectors (``to_petastorm_fn`` then has
+    something to convert), as Horovod's helper of that name."""
+    from pyspark.ml.linalg import VectorUDT
+
+    return any(isinstance(field.dataType, VectorUDT) for field in df.schema.fields)
 
 
 def get_spark_df_output_schema(

@@ -4,6 +4,7 @@ One class per kind of storage, all on fsspec, with Horovod's method names. Layou
 
     <prefix>/intermediate_train_data.<idx>/   Parquet written by prepare_data
     <prefix>/intermediate_val_data.<idx>/
+    <prefix>/intermediate_train_data.<idx>.lease.json   a write in progress
     <prefix>/runs/<run_id>/checkpoint.<ext>   best or last model (atomic replace; .keras, .pt...)
     <prefix>/runs/<run_id>/state.json         epoch reached, metrics history
     <prefix>/runs/<run_id>/logs/              TensorBoard event files

@@ -54,6 +54,7 @@ class StoreLayout:
 
         <prefix>/intermediate_train_data.<idx>/   Parquet written by prepare_data
         <prefix>/intermediate_val_data.<idx>/
+        <prefix>/intermediate_train_data.<idx>.lease.json   a write in progress
         <prefix>/runs/<run_id>/checkpoint.<ext>   best or last model (.keras, .pt...)
         <prefix>/runs/<run_id>/state.json         epoch reached, metrics history
         <prefix>/runs/<run_id>/logs/              TensorBoard event files

@@ -178,6 +178,9 @@ def test_the_next_prepare_removes_a_write_whose_driver_was_killed(store, vectors
     killed = subprocess.run(writer, capture_output=True, text=True)
     assert killed.returncode == -9, killed
     assert _leases(store) == [f"intermediate_train_data.{dead}.lease.json"]
+    garbled = "5555666677778888-0000dead"  # a lease no one can read: no one protects it
+    store.write_bytes(store.get_train_data_path(garbled) + ".lease.json", b"not json")
+    store.write_bytes(store.get_train_data_path(garbled) + "/part-00000.parquet", b"half")
     running = StoreLease(store, store.get_train_data_path(live) + ".lease.json", live)
     assert running.try_acquire()
     store.write_bytes(store.get_train_data_path(live) + "/part-00000.parquet", b"being written")
@@ -187,11 +190,15 @@ def test_the_next_prepare_removes_a_write_whose_driver_was_killed(store, vectors
         for path in (store.get_train_data_path(dead), store.get_val_data_path(dead)):
             assert not os.path.exists(path), path
         assert [r.getMessage() for r in caplog.records if "removed dataset" in r.getMessage()] == [
+            f"removed dataset {garbled}, a write that did not finish "
+            f"(`{store.get_train_data_path(garbled)}`, `{store.get_val_data_path(garbled)}`): "
+            f"its lease `{store.get_train_data_path(garbled)}.lease.json` is unreadable",
             f"removed dataset {dead}, a write that did not finish "
             f"(`{store.get_train_data_path(dead)}`, `{store.get_val_data_path(dead)}`): its "
             f"lease `{store.get_train_data_path(dead)}.lease.json` is no longer running "
-            f"(process {int(killed.stdout)} is gone)"
+            f"(process {int(killed.stdout)} is gone)",
         ]
+        assert not os.path.exists(store.get_train_data_path(garbled))
         assert os.listdir(store.get_train_data_path(live)) == ["part-00000.parquet"]
         assert _leases(store) == [f"intermediate_train_data.{live}.lease.json"]
         assert get_dataset_metadata(store, idx)[0].rows == N  # its own lease released

@@ -249,9 +249,10 @@ def _prepare(
     job = dataclasses.replace(job, idx=f"{job.idx}-{secrets.token_hex(4)}")
     # Its lease tells another prepare whether the write still runs: a driver killed mid-write
     # (a preempted pod) leaves folders no one reads, which the next prepare removes.
+    # The name is this write's own, so the lease is free; were it not, the check before the
+    # sidecars (``held``) fails the write.
     lease = StoreLease(job.store, _write_lease_path(job.store, job.idx), f"dataset `{job.idx}`")
-    if not lease.try_acquire():  # the name is this write's own
-        raise RuntimeError(f"another write holds the lease `{lease.path}` of dataset {job.idx}")
+    lease.try_acquire()
     try:
         _write(job, sel, stats, infos, lease)
     finally:
@@ -281,7 +282,7 @@ def _prepared(job: _Job) -> _Job | None:
             return []
 
     names = bounded(store, ("listing", "in"), parent, 0, listing)
-    leases = [n for n in names if n.startswith(f"{name}.") and n.endswith(_WRITE_LEASE)]
+    leases = sorted(n for n in names if n.startswith(f"{name}.") and n.endswith(_WRITE_LEASE))
     _remove_dead_writes(store, [n[len(name) + 1 : -len(_WRITE_LEASE)] for n in leases])
     datasets = (n for n in names if not n.endswith(_WRITE_LEASE))
     for folder in sorted(n for n in datasets if n == own or n.startswith(f"{own}-")):

@@ -47,7 +47,7 @@ def to_petastorm_fn(schema_cols: Sequence[str], metadata: object = None) -> Call
     ``prepare_data`` (``fit_on_parquet``): Parquet has no vector type. ``metadata`` (Horovod's
     per-column dicts, or None) may only ask for that format: Horovod's packed sparse one is
     not read here, where ``prepare_data(compress_sparse=True)`` stores sparse vectors."""
-    from flyte_hvd.spark.common.constants import ARRAY
+    from flyte_hvd.spark.common.constants import ARRAY, NOCHANGE
 
     columns = [schema_cols] if isinstance(schema_cols, str) else [str(c) for c in schema_cols]
     if isinstance(metadata, dict):
@@ -55,7 +55,7 @@ def to_petastorm_fn(schema_cols: Sequence[str], metadata: object = None) -> Call
             c
             for c in columns
             if isinstance(metadata.get(c), dict)
-            and metadata[c].get("intermediate_format", ARRAY) not in (ARRAY, "nochange")
+            and metadata[c].get("intermediate_format", ARRAY) not in (ARRAY, NOCHANGE)
         )
         if packed:
             raise ValueError(
